@@ -1,0 +1,14 @@
+"""User-facing errors: one line, no traceback (the CLI prints ``str(err)`` and exits 2)."""
+
+
+class BenchError(Exception):
+    """Any error caused by user input (config, path, name, shape)."""
+
+
+class ConfigError(BenchError):
+    """A config value is wrong. The message names the file and the key path."""
+
+    def __init__(self, message, source=None, key=None):
+        self.source, self.key = source, key
+        where = ":".join(str(p) for p in (source, key) if p)
+        super().__init__(f"{where}: {message}" if where else message)

@@ -1,0 +1,51 @@
+"""He et al. CIFAR ResNet-20/32/44/56 (option-A shortcuts), the layout of the akamaster checkpoints.
+
+Architecture per ../shared/data/README.md: conv3x3 3->16, BN, ReLU; three stages of n BasicBlocks with 16/32/64
+channels (n = 3, 5, 7, 9), stride 2 at the first block of stages 2 and 3; global average pooling; Linear 64->10.
+"""
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+DEPTH_BLOCKS = {20: 3, 32: 5, 44: 7, 56: 9}
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_planes, planes, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.pad = planes // 4 if (stride != 1 or in_planes != planes) else 0
+
+    def shortcut(self, x):
+        if not self.pad:
+            return x
+        return F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, self.pad, self.pad))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    def __init__(self, depth=20, num_classes=10):
+        super().__init__()
+        n = DEPTH_BLOCKS[depth]
+        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        planes, layers = 16, []
+        for i, width in enumerate((16, 32, 64)):
+            blocks = []
+            for j in range(n):
+                blocks.append(BasicBlock(planes, width, 2 if (i > 0 and j == 0) else 1))
+                planes = width
+            layers.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3 = layers
+        self.linear = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layer3(self.layer2(self.layer1(out)))
+        return self.linear(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))

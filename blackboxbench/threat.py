@@ -1,0 +1,117 @@
+"""The threat model as pure tensor functions: projection, uint8 quantization, distances, success criteria.
+
+Images are NCHW float in [0, 1]; epsilon is in the same [0, 1] pixel units (a config may write ``8/255``).
+"""
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+NORMS = ("linf", "l2")
+
+
+def flat_norm(v, norm):
+    """Per-sample norm of a batch ``v`` (N, ...) -> (N,)."""
+    v = v.flatten(1)
+    return v.abs().amax(1) if norm == "linf" else v.norm(dim=1)
+
+
+def dist(x_adv, x, norm):
+    return flat_norm(x_adv - x, norm)
+
+
+def _bcast(v, like):
+    """Per-sample scalar(s) ``v`` broadcast against a batch ``like``."""
+    v = torch.as_tensor(v, dtype=like.dtype, device=like.device)
+    return v.view(-1, *([1] * (like.dim() - 1))) if v.dim() else v
+
+
+def project(x_adv, x, eps, norm):
+    """Project onto the ``norm`` ball of radius ``eps`` around ``x``, then onto [0, 1].
+
+    For L2 the ball projection comes first; clipping to [0, 1] afterwards only moves a coordinate towards ``x``
+    (``x`` itself lies in [0, 1]), so the result stays inside the ball.
+    """
+    delta = x_adv - x
+    if norm == "linf":
+        e = _bcast(eps, delta)
+        delta = torch.maximum(torch.minimum(delta, e), -e)
+    else:
+        n = flat_norm(delta, "l2").clamp_min(1e-12)
+        delta = delta * _bcast(torch.clamp(torch.as_tensor(eps, device=n.device, dtype=n.dtype) / n, max=1.0),
+                               delta)
+    return (x + delta).clamp(0.0, 1.0)
+
+
+def quantize(x_adv, x):
+    """Round ``x_adv`` to the uint8 grid *towards* the clean image ``x`` (itself on the grid).
+
+    Every coordinate of the perturbation shrinks in magnitude, so any Lp norm never grows and the image stays in
+    [0, 1]: an output inside the eps ball stays inside it after quantization.
+    """
+    a, c = x_adv * 255.0, torch.round(x * 255.0)
+    tol = 1e-3  # values within 1e-3 of a grid level belong to it (float noise of 255 * k/255)
+    q = torch.where(a >= c, torch.floor(a + tol), torch.ceil(a - tol))
+    return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
+
+
+def margin_loss(scores, y, target=None):
+    """CW margin on logits or log-probabilities (identical up to a per-sample constant).
+
+    Untargeted: s_y - max_{j != y} s_j. Targeted: max_{j != t} s_j - s_t. The sample is adversarial when < 0.
+    """
+    label = y if target is None else target
+    own = scores.gather(1, label[:, None]).squeeze(1)
+    other = scores.scatter(1, label[:, None], float("-inf")).amax(1)
+    return own - other if target is None else other - own
+
+
+@dataclass
+class Problem:
+    """One batch under attack: clean images, labels, the threat model. Blocks only read it."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    eps: float
+    norm: str
+    target: Optional[torch.Tensor] = None
+    num_classes: int = 10
+
+    @property
+    def targeted(self):
+        return self.target is not None
+
+    @property
+    def n(self):
+        return self.x.shape[0]
+
+    def sub(self, idx):
+        """The same problem restricted to samples ``idx`` (a LongTensor)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        kw.update(x=self.x[idx], y=self.y[idx], target=None if self.target is None else self.target[idx])
+        return Problem(**kw)
+
+    def project(self, x_adv):
+        return project(x_adv, self.x, self.eps, self.norm)
+
+    def dist(self, x_adv):
+        return dist(x_adv, self.x, self.norm)
+
+    def quantize(self, x_adv):
+        return quantize(x_adv, self.x)
+
+    def margin(self, scores):
+        """Margin loss from score feedback; < 0 means adversarial. NaN rows (refused queries) stay NaN."""
+        return margin_loss(scores, self.y, self.target)
+
+    def is_adv_label(self, labels):
+        """Success from predicted labels (refused queries, label -1, never count as success)."""
+        ok = labels >= 0
+        hit = labels == self.target if self.targeted else labels != self.y
+        return ok & hit
+
+    def is_adv(self, answer):
+        """Success from an oracle answer of either feedback kind."""
+        if answer.dtype.is_floating_point:
+            return self.is_adv_label(torch.where(torch.isnan(answer[:, 0]), -1, answer.argmax(1)))
+        return self.is_adv_label(answer)
