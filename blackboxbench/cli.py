@@ -1,0 +1,97 @@
+"""Command line: ``blackboxbench run CONFIG [--set k=v ...]``, ``blackboxbench leaderboard DIR -o CSV``,
+``blackboxbench list``. Errors caused by input print one line and exit with status 2."""
+import argparse
+import sys
+
+from .errors import BenchError
+
+SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("norm", "norm"), ("eps", "eps"),
+                  ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
+                  ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"), ("mean_l2", "mean L2"),
+                  ("wall_time", "time s")]
+
+
+def _cell(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def format_table(rows):
+    head = [h for _, h in SUMMARY_FIELDS]
+    body = [[_cell(r.get(k)) for k, _ in SUMMARY_FIELDS] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def cmd_run(args):
+    from .config import load_config
+    from .leaderboard import export_csv
+    from .runner import Runner, Session
+
+    experiments, opts = load_config(args.config, args.set)
+    runners = [Runner(e, fresh=args.fresh, progress=not args.quiet) for e in experiments]  # validate all first
+    session, summaries = Session(), []
+    for r in runners:
+        r.session = session
+        summaries.append(r.run())
+        print(f"run {r.run_dir}", file=sys.stderr)
+    print(format_table(summaries))
+    if opts.get("leaderboard"):
+        rows = export_csv(sorted({e["output_dir"] for e in experiments}), opts["leaderboard"])
+        print(f"leaderboard: {opts['leaderboard']} ({len(rows)} runs)")
+    return 0
+
+
+def cmd_leaderboard(args):
+    from .leaderboard import export_csv
+    rows = export_csv(args.results, args.output)
+    print(format_table(rows))
+    print(f"leaderboard: {args.output} ({len(rows)} runs)")
+    return 0
+
+
+def cmd_list(args):
+    from . import catalog, registry
+    from .config import load_yaml
+    if args.what == "attacks":
+        for name, path in catalog.entries("attacks").items():
+            r = load_yaml(path)
+            print(f"{name:24s} {r.get('family', '?'):9s} {','.join(r.get('norms', [])):8s} {r.get('paper', '')}")
+    else:
+        for reg in (v for v in vars(registry).values() if isinstance(v, registry.Registry)):
+            print(f"{reg.kind}: {', '.join(reg.names())}")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="blackboxbench", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="run the experiment(s) of a YAML config (resumes an interrupted run)")
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--fresh", action="store_true", help="discard earlier results of the same config")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("leaderboard", help="export every run under a results directory as one CSV")
+    p.add_argument("results")
+    p.add_argument("-o", "--output", default="leaderboard.csv")
+    p.set_defaults(fn=cmd_leaderboard)
+    p = sub.add_parser("list", help="list the attack catalog or the registered blocks")
+    p.add_argument("what", choices=("attacks", "blocks"), nargs="?", default="attacks")
+    p.set_defaults(fn=cmd_list)
+    args = parser.parse_args(argv)
+    try:
+        import blackboxbench  # noqa: F401  (registers every block)
+        return args.fn(args)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: re-run the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Model zoo (registry ``MODEL``): every entry returns a :class:`Normalized` classifier taking [0, 1] NCHW input.
+
+An entry is ``fn(data_root, *, ...) -> nn.Module``; :func:`build_model` parses a spec ("cifar_resnet20",
+"timm:resnet18", or {"name": ..., **params}), builds the model, freezes it and moves it to the device.
+Nothing is ever downloaded: pretrained weights come from the data root, a local file, or a local cache.
+"""
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BenchError
+from ..registry import MODEL, block_params, check_params, close_matches
+from .cifar_resnet import DEPTH_BLOCKS, CifarResNet
+from .data import data_path, digits
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DIGITS_MEAN, DIGITS_STD = (0.3,), (0.375,)  # digits train split: mean 0.306, std 0.375
+DIGITS_VERSION = "v1"  # bump when a digits architecture or its training changes (names the cache file)
+
+
+class Normalized(nn.Module):
+    """``net`` behind per-channel normalization (and an optional bilinear resize to ``resize`` x ``resize``,
+    antialias off), so that it takes [0, 1] images at the dataset resolution and returns logits.
+
+    A wrapped model is a fixed target: eval mode and frozen parameters (input gradients still flow).
+    """
+
+    def __init__(self, net, mean=None, std=None, resize=None):
+        super().__init__()
+        self.net, self.resize = net, resize
+        self.register_buffer("mean", None if mean is None else torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", None if std is None else torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+        self.requires_grad_(False)
+        self.eval()
+
+    def forward(self, x):
+        if self.resize and tuple(x.shape[-2:]) != (self.resize, self.resize):
+            x = F.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False,
+                              antialias=False)
+        if self.mean is not None:
+            x = x - self.mean
+        if self.std is not None:
+            x = x / self.std
+        return self.net(x)
+
+
+def parse_spec(spec):
+    """A spec string or dict -> (registry name, params); "timm:resnet18" means name "timm", arch "resnet18"."""
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise BenchError(f"a model spec is a name or a mapping with a 'name' key, got {spec!r}")
+    params = dict(spec)
+    name = str(params.pop("name"))
+    if ":" in name:
+        name, arch = name.split(":", 1)
+        if "arch" in params:
+            raise BenchError(f"model '{name}:{arch}': arch given twice")
+        params["arch"] = arch
+    return name, params
+
+
+def _create(spec, data_root, **extra):
+    name, params = parse_spec(spec)
+    fn = MODEL.get(name)
+    params.update({k: v for k, v in extra.items() if k in block_params(fn)})
+    check_params(fn, params, where=f"model '{name}': ")
+    return fn(data_root, **params)
+
+
+def build_model(spec, data_root=None, device="cpu"):
+    """Build a zoo model from ``spec``: frozen, in eval mode, on ``device``."""
+    model = _create(spec, data_root)
+    model.requires_grad_(False)
+    return model.eval().to(device)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def load_state(path, key="state_dict", strip_prefix="module."):
+    """A state dict from a local file: ``ckpt[key]`` when present, else the file itself; a list holding one
+    dict is unwrapped (ERAN files); ``strip_prefix`` is removed from the keys (DataParallel's ``module.``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BenchError(f"missing checkpoint {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd = load_file(str(path))
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(sd, dict) and key and key in sd:
+        sd = sd[key]
+    if isinstance(sd, (list, tuple)) and len(sd) == 1:
+        sd = sd[0]
+    if not isinstance(sd, dict):
+        raise BenchError(f"checkpoint {path}: no state dict (key '{key}')")
+    if strip_prefix:
+        sd = {k[len(strip_prefix):] if k.startswith(strip_prefix) else k: v for k, v in sd.items()}
+    return sd
+
+
+def _load_into(net, sd, path):
+    try:
+        net.load_state_dict(sd)
+    except RuntimeError as err:
+        lines = [s.strip() for s in str(err).splitlines() if s.strip()]
+        raise BenchError(f"checkpoint {path} does not fit the architecture: {' '.join(lines[1:])[:300]}") from None
+    return net
+
+
+# ---------------------------------------------------------------- CIFAR-10 ResNets (data README)
+
+def _cifar_resnet(depth):
+    def build(data_root, *, pretrained=True):
+        net = CifarResNet(depth)
+        if pretrained:
+            folder = data_path(data_root, "models/akamaster_resnet_cifar10")
+            found = sorted(folder.glob(f"resnet{depth}-*.th"))
+            if not found:
+                raise BenchError(f"missing checkpoint {folder}/resnet{depth}-*.th")
+            _load_into(net, load_state(found[0]), found[0])
+        return Normalized(net, IMAGENET_MEAN, IMAGENET_STD)
+
+    build.__name__ = build.__qualname__ = f"cifar_resnet{depth}"
+    build.__doc__ = (f"He et al. CIFAR ResNet-{depth} (akamaster checkpoint, data README); normalization mean "
+                     f"{IMAGENET_MEAN} std {IMAGENET_STD}. ``pretrained=False``: random init.")
+    return build
+
+
+for _depth in DEPTH_BLOCKS:
+    MODEL.register(f"cifar_resnet{_depth}", dataset="cifar10", source="akamaster/pytorch_resnet_cifar10")(
+        _cifar_resnet(_depth))
+
+
+# ---------------------------------------------------------------- digits models (trained on first use)
+
+def _digits_mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def _digits_cnn():
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _digits_lenet():
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 2 * 2, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+DIGITS_ARCHS = {"digits_mlp": _digits_mlp, "digits_cnn": _digits_cnn, "digits_lenet": _digits_lenet}
+
+
+def cache_dir():
+    return Path(os.environ.get("BLACKBOXBENCH_CACHE") or Path.home() / ".cache" / "blackboxbench")
+
+
+def train_digits(name, *, epochs=30, batch=64, lr=3e-3, seed=0):
+    """Train ``name`` on the digits train split, deterministically: the init comes from a forked global RNG
+    seeded with ``seed``, the shuffling from a local generator; Adam with a one-cycle schedule, cross-entropy,
+    CPU (a few seconds). Test accuracy (last 500 digits): mlp 94.2 %, cnn 95.8 %, lenet 94.6 %."""
+    data = digits(None, split="train")
+    x = (data.x - torch.tensor(DIGITS_MEAN).view(1, -1, 1, 1)) / torch.tensor(DIGITS_STD).view(1, -1, 1, 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = DIGITS_ARCHS[name]()
+    gen = torch.Generator().manual_seed(seed)
+    steps = epochs * -(-len(x) // batch)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps)
+    net.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=gen).split(batch):
+            loss = F.cross_entropy(net(x[idx]), data.y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    return net.eval()
+
+
+def _digits_model(name, pretrained):
+    net = DIGITS_ARCHS[name]()
+    if pretrained:
+        path = cache_dir() / f"{name}-{DIGITS_VERSION}.pt"
+        if path.is_file():
+            net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        else:
+            net = train_digits(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+                torch.save(net.state_dict(), f)
+            os.replace(f.name, path)  # atomic: a concurrent reader never sees a partial file
+    return Normalized(net, DIGITS_MEAN, DIGITS_STD)
+
+
+@MODEL.register("digits_mlp", dataset="digits")
+def digits_mlp(data_root=None, *, pretrained=True):
+    """MLP 64-512-10 (ReLU), trained on first use on the digits train split and cached."""
+    return _digits_model("digits_mlp", pretrained)
+
+
+@MODEL.register("digits_cnn", dataset="digits")
+def digits_cnn(data_root=None, *, pretrained=True):
+    """CNN conv3x3(16)-conv3x3(32)-maxpool-fc64-fc10 (ReLU), trained on first use and cached."""
+    return _digits_model("digits_cnn", pretrained)
+
+
+@MODEL.register("digits_lenet", dataset="digits")
+def digits_lenet(data_root=None, *, pretrained=True):
+    """LeNet-style conv3x3(16)-maxpool-conv3x3(32)-maxpool-fc64-fc10 (ReLU), trained on first use and cached."""
+    return _digits_model("digits_lenet", pretrained)
+
+
+# ---------------------------------------------------------------- ImageNet architectures (timm, torchvision)
+
+def _hub_checkpoint(url):
+    """Where torch.hub caches the file of ``url`` (it is only used when already there)."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
+
+
+def _timm_local_weights(arch):
+    """A local file with timm's pretrained weights of ``arch`` (HF hub cache or torch.hub cache), or None."""
+    import timm
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg = timm.models.get_pretrained_cfg(arch)
+    if cfg is None:
+        return None, "no pretrained weights are known for it"
+    places = []
+    if cfg.hf_hub_id:
+        for fname in ("model.safetensors", "pytorch_model.bin"):
+            hit = try_to_load_from_cache(cfg.hf_hub_id, fname)
+            if isinstance(hit, str):
+                return Path(hit), ""
+        places.append(f"the Hugging Face cache (repo {cfg.hf_hub_id})")
+    if cfg.url:
+        if _hub_checkpoint(cfg.url).is_file():
+            return _hub_checkpoint(cfg.url), ""
+        places.append(str(_hub_checkpoint(cfg.url)))
+    return None, f"put the weights in {' or '.join(places)}" if places else "no download source is known"
+
+
+@MODEL.register("timm", source="timm.create_model")
+def timm_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoint=None, mean=None, std=None,
+               resize=None):
+    """A timm architecture: random init, a local ``checkpoint`` (path relative to the data root or absolute),
+    or ``pretrained`` weights found in the local caches (never downloaded). mean/std default to the model's
+    pretrained config (ImageNet's for most); ``resize`` rescales inputs to ``resize`` x ``resize``."""
+    import timm
+
+    if not timm.is_model(arch):
+        raise BenchError(f"unknown timm arch '{arch}'{close_matches(arch, timm.list_models())}")
+    file = None
+    if pretrained and checkpoint is None:
+        file, hint = _timm_local_weights(arch)
+        if file is None:
+            raise BenchError(f"timm:{arch} pretrained weights are not available offline: {hint}, "
+                             f"or pass checkpoint=<path>")
+    overlay = {"file": str(file)} if file else None
+    net = timm.create_model(arch, pretrained=file is not None, num_classes=num_classes,
+                            pretrained_cfg_overlay=overlay)
+    if checkpoint is not None:
+        path = data_path(data_root, checkpoint)
+        _load_into(net, load_state(path), path)
+    cfg = getattr(net, "pretrained_cfg", {}) or {}
+    return Normalized(net, mean or cfg.get("mean", IMAGENET_MEAN), std or cfg.get("std", IMAGENET_STD), resize)
+
+
+@MODEL.register("torchvision", source="torchvision.models.get_model")
+def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoint=None, mean=None,
+                      std=None, resize=None):
+    """A torchvision architecture: random init, a local ``checkpoint``, or the DEFAULT ``pretrained`` weights
+    when torch.hub already caches them (never downloaded). mean/std default to ImageNet's."""
+    import torchvision
+
+    names = torchvision.models.list_models()
+    if arch not in names:
+        raise BenchError(f"unknown torchvision arch '{arch}'{close_matches(arch, names)}")
+    weights = None
+    if pretrained and checkpoint is None:
+        weights = torchvision.models.get_model_weights(arch).DEFAULT
+        if not _hub_checkpoint(weights.url).is_file():
+            raise BenchError(f"torchvision:{arch} pretrained weights are not available offline: put "
+                             f"{weights.url.rsplit('/', 1)[-1]} in {_hub_checkpoint(weights.url).parent}, "
+                             f"or pass checkpoint=<path>")
+    try:
+        net = torchvision.models.get_model(arch, weights=weights, num_classes=num_classes)
+    except ValueError as err:
+        raise BenchError(f"torchvision:{arch}: {err}") from None
+    if checkpoint is not None:
+        path = data_path(data_root, checkpoint)
+        _load_into(net, load_state(path), path)
+    return Normalized(net, mean or IMAGENET_MEAN, std or IMAGENET_STD, resize)
+
+
+# ---------------------------------------------------------------- generic checkpoint loader
+
+@MODEL.register("checkpoint", source="a local state dict or TorchScript file")
+def checkpoint(data_root, *, path, arch=None, mean=None, std=None, strip_prefix="module.", key="state_dict",
+               resize=None):
+    """Weights from ``path`` (relative to the data root or absolute) loaded into ``arch``, a zoo spec built
+    without weights (e.g. "cifar_resnet20", "timm:resnet18"); mean/std/resize default to that entry's.
+    With ``arch=None`` the file is a TorchScript module, normalized by mean/std when given."""
+    file = data_path(data_root, path)
+    if not file.is_file():
+        raise BenchError(f"missing checkpoint {file}")
+    if arch is None:
+        try:
+            net = torch.jit.load(str(file), map_location="cpu")
+        except RuntimeError as err:
+            raise BenchError(f"{file} is not a TorchScript file (set arch to load a state dict): "
+                             f"{str(err).splitlines()[0]}") from None
+        return Normalized(net, mean, std, resize)
+    model = _create(arch, data_root, pretrained=False)
+    _load_into(model.net, load_state(file, key, strip_prefix), file)
+    if mean is not None:
+        model.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    if std is not None:
+        model.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    if resize is not None:
+        model.resize = resize
+    return model

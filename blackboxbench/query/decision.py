@@ -1,0 +1,169 @@
+"""Helpers shared by the decision-based attacks (label feedback only; Supp. F-A, Alg. 1 of the paper).
+
+State convention of every decision attack (all tensors with the batch on dim 0):
+
+* ``x_bd`` (n, C, H, W): the attack's current adversarial point, usually on the decision boundary;
+* ``dist`` (n,): its distance to ``x`` in the threat norm (+inf while no adversarial point is known);
+* ``claimed`` (n,): the distance at which success was last claimed (+inf before any claim);
+* ``x_adv``, ``success``: what the pipeline reads, set by :func:`claim`.
+
+Alg. 1 stops once the adversarial point lies inside the eps ball. A boundary point is useless as an output: the
+pipeline returns ``quantize(project(x_adv))``, and rounding towards the clean image moves a boundary point back
+across the boundary about half the time. So a claim puts into ``x_adv`` the point pushed outward along the ray
+from ``x`` through ``x_bd`` to the eps sphere. If the pipeline's confirming query disagrees, the sample comes
+back unverified and is claimed again only once its distance has dropped below the failed claim.
+
+Every query goes through :func:`query_adv`: a refused row (past the sample's budget) is never adversarial, and
+the searches below freeze a sample at its first refused row instead of reading it as "not adversarial".
+"""
+import torch
+
+from ..registry import ACCEPT
+from .common import per_sample, rows_where
+
+BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary search toward x (reference code)
+
+
+def query_adv(problem, oracle, images, idx=None):
+    """Query ``images`` for local samples ``idx`` (default one each) -> ``(adv, ok)``, both (m,) bool.
+
+    ``adv`` is False on refused rows (``ok`` False).
+    """
+    answer, ok = oracle(images, idx)
+    sub = problem if idx is None else problem.sub(idx)
+    return sub.is_adv(answer) & ok, ok
+
+
+def has_budget(oracle):
+    return oracle.remaining() > 0
+
+
+def bisect(problem, oracle, point, lo, hi, tol, live):
+    """Batched binary search of a scalar parameter per sample, in label space.
+
+    ``point(t, idx)`` builds the images of samples ``idx`` at parameters ``t`` (float64, (m,)); ``point(hi)`` must
+    be adversarial and ``point(lo)`` not. Each step queries the midpoints of all live samples in one call and
+    moves ``hi`` (adversarial) or ``lo``; a sample stops when ``hi - lo <= tol`` or at its first refused row,
+    so ``hi`` always stays a point the oracle has seen adversarial. Returns ``(lo, hi)`` (float64).
+    """
+    lo, hi = lo.double().clone(), hi.double().clone()
+    tol = torch.as_tensor(tol, dtype=torch.float64, device=lo.device).expand_as(lo)
+    live = live & has_budget(oracle) & (hi - lo > tol)
+    while live.any():
+        idx = live.nonzero().squeeze(1)
+        mid = (lo[idx] + hi[idx]) / 2
+        stuck = (mid <= lo[idx]) | (mid >= hi[idx])  # float64 resolution reached
+        adv, ok = query_adv(problem, oracle, point(mid, idx), idx)
+        hi[idx[adv]] = mid[adv]
+        lo[idx[ok & ~adv]] = mid[ok & ~adv]
+        live[idx[~ok | stuck]] = False
+        live &= hi - lo > tol
+    return lo, hi
+
+
+def blend(x, x_far, t):
+    """``(1 - t) x + t x_far`` with one ``t`` per sample."""
+    t = per_sample(t, x)
+    return (1 - t) * x + t * x_far
+
+
+def _natural_candidates(problem):
+    """(n, n) bool: image j of the batch may start sample i (the attacker's own natural images, labels known).
+
+    Targeted: the true label of j is i's target; untargeted: it differs from i's label.
+    """
+    y = problem.y
+    return y[None, :] == problem.target[:, None] if problem.targeted else y[None, :] != y[:, None]
+
+
+def _search_images(problem, oracle, x0, found):
+    """Query, round by round, each unfound sample's next candidate image of the batch (one call per round)."""
+    cand = _natural_candidates(problem)
+    rank = cand.long().cumsum(1) - 1
+    for r in range(int(cand.sum(1).max().item()) if cand.numel() else 0):
+        pick = cand & (rank == r)
+        live = ~found & pick.any(1) & has_budget(oracle)
+        if not live.any():  # later rounds need even more candidates
+            break
+        idx = live.nonzero().squeeze(1)
+        images = problem.x[pick[idx].float().argmax(1)]
+        adv, _ = query_adv(problem, oracle, images, idx)
+        x0[idx[adv]] = images[adv]
+        found[idx[adv]] = True
+
+
+def _search_noise(problem, oracle, gen, x0, found, tries):
+    """Up to ``tries`` rounds of uniform noise in [0, 1] for the unfound samples (one call per round)."""
+    for _ in range(tries):
+        live = ~found & has_budget(oracle)
+        if not live.any():
+            break
+        idx = live.nonzero().squeeze(1)
+        noise = torch.rand((idx.numel(), *problem.x.shape[1:]), generator=gen, device=gen.device)
+        noise = noise.to(problem.x.device, problem.x.dtype)
+        adv, _ = query_adv(problem, oracle, noise, idx)
+        x0[idx[adv]] = noise[adv]
+        found[idx[adv]] = True
+
+
+def find_start(problem, oracle, gen, *, tries):
+    """An adversarial starting point per sample -> ``(x0, found)``; every try is a counted query.
+
+    Untargeted: uniform random noise (HSJA's BlendedUniformNoise initialization), up to ``tries`` draws, then
+    the other images of the batch with a different true label. Targeted: the images of the batch whose true
+    label is the target (queried to check), then random noise. ``x0`` is ``x`` where nothing was found.
+    """
+    x0, found = problem.x.clone(), torch.zeros(problem.n, dtype=torch.bool, device=problem.x.device)
+    if problem.targeted:
+        _search_images(problem, oracle, x0, found)
+        _search_noise(problem, oracle, gen, x0, found, tries)
+    else:
+        _search_noise(problem, oracle, gen, x0, found, tries)
+        _search_images(problem, oracle, x0, found)
+    return x0, found
+
+
+def blended_start(problem, oracle, gen, *, tries, tol=BLEND_TOL):
+    """:func:`find_start`, then a binary search of the blend factor toward ``x`` -> ``(x_start, found)``."""
+    x0, found = find_start(problem, oracle, gen, tries=tries)
+    x = problem.x
+    zeros, ones = torch.zeros(problem.n, device=x.device), torch.ones(problem.n, device=x.device)
+    _, t = bisect(problem, oracle, lambda t, i: blend(x[i], x0[i], t), zeros, ones, tol, found)
+    return blend(x, x0, t), found
+
+
+def decision_state(problem, x_bd, dist, **extra):
+    """The state every decision attack shares (see the module docstring), claimed where already inside eps."""
+    n, dev = problem.n, problem.x.device
+    state = dict(x_bd=x_bd, dist=dist, claimed=torch.full((n,), float("inf"), device=dev),
+                 x_adv=x_bd.clone(), success=torch.zeros(n, dtype=torch.bool, device=dev), **extra)
+    return claim(problem, state)
+
+
+def push_to_eps(problem, x_bd, dist):
+    """``x + (x_bd - x) * eps / dist`` in [0, 1]: the ray from ``x`` through ``x_bd``, out to the eps sphere."""
+    x = problem.x
+    scale = problem.eps / dist.clamp_min(1e-12)
+    return (x + (x_bd - x) * per_sample(scale, x)).clamp(0.0, 1.0)
+
+
+def claim(problem, state):
+    """The acceptance check of Alg. 1 (line 2): claim success where the adversarial point lies inside the eps ball
+    and closer than any earlier (failed) claim; ``x_adv`` is then pushed out to the eps sphere, else ``x_bd``."""
+    state = dict(state)
+    dist = state["dist"]
+    success = (dist <= problem.eps) & (dist < state["claimed"])
+    state["x_adv"] = rows_where(success, push_to_eps(problem, state["x_bd"], dist), state["x_bd"])
+    state["claimed"] = torch.where(success, dist, state["claimed"])
+    state["success"] = success
+    return state
+
+
+@ACCEPT.register("within_eps", paper="Supp. F-A, Alg. 1: stop once the adversarial point is within eps",
+                 norms=("linf", "l2"))
+def within_eps(problem, state, proposal, oracle, gen):
+    """Take the perturb block's updated search state (a dict of per-sample tensors), then :func:`claim`.
+
+    Makes no query: decision attacks only ever move ``x_bd`` to points the oracle has seen adversarial.
+    """
+    return claim(problem, {**state, **proposal})

@@ -1,0 +1,154 @@
+"""HopSkipJumpAttack (Chen, Jordan, Wainwright, IEEE S&P 2020), Linf and L2, batched over samples.
+
+One pipeline iteration is one HSJA iteration for every active sample: the gradient-direction estimate at the
+boundary point (one oracle call for all samples' probes), the geometric step-size search (one call per halving),
+and the binary search back to the boundary (one call per bisection step). Defaults: Table V of the
+BlackboxBench paper (gamma 1, stepsize_search geometric_progression, max_num_evals 10000, init_num_evals 100);
+the remaining constants (probe size, step size, binary-search thresholds) follow the authors' reference code.
+"""
+import math
+
+import torch
+
+from ..errors import BenchError
+from ..registry import INIT, PERTURB
+from .common import per_sample, rows_where
+from .decision import bisect, blend, blended_start, decision_state, has_budget, query_adv
+
+PAPER = "Chen et al., HopSkipJumpAttack, IEEE S&P 2020"
+FIRST_DELTA = 0.1  # probe size of the first iteration: 0.1 * (clip_max - clip_min), reference code
+MAX_HALVINGS = 50  # step-size halvings after which the step is below float32 resolution of the image
+
+
+def _dim(problem):
+    return problem.x[0].numel()
+
+
+def to_boundary(problem, oracle, x_far, theta, live):
+    """HSJA's binary search from ``x_far`` (adversarial) toward ``x`` -> ``(x_bd, dist_far)``; ``theta`` (n,).
+
+    Linf: the parameter is the radius of the Linf box around ``x`` that ``x_far`` is clipped to, searched down
+    from ``dist(x_far)`` until the bracket is below ``min(dist * theta, theta)``. L2: the blend factor between
+    ``x`` and ``x_far``, searched down from 1 to a bracket of ``theta``. ``dist_far`` is the distance of
+    ``x_far`` itself, which the reference code uses to size the next probes.
+    """
+    x = problem.x
+    d_far = problem.dist(x_far)
+    zeros = torch.zeros_like(d_far)
+    if problem.norm == "linf":
+        def point(t, i):
+            t = per_sample(t, x[i])
+            return torch.minimum(torch.maximum(x_far[i], x[i] - t), x[i] + t)
+
+        hi, tol = d_far, torch.minimum(d_far.double() * theta, theta)
+    else:
+        def point(t, i):
+            return blend(x[i], x_far[i], t)
+
+        hi, tol = torch.ones_like(d_far), theta
+    _, hi = bisect(problem, oracle, point, zeros, hi, tol, live)
+    return point(hi, torch.arange(problem.n, device=x.device)), d_far
+
+
+def estimate_direction(problem, oracle, x_bd, num, delta, gen):
+    """Monte-Carlo estimate of the boundary normal at ``x_bd`` (HSJA Sec. 4.2), ``num[i]`` probes for sample i.
+
+    All probes of all samples go in one oracle call. Directions are uniform in [-1, 1]^d (Linf) or Gaussian
+    (L2), normalized, clipped to [0, 1]; the +1/-1 decisions get the mean baseline subtracted unless they are
+    all equal. Refused probes are left out of every sum. Returns unit-L2 directions (zero where none answered).
+    """
+    n = problem.n
+    owner = torch.repeat_interleave(torch.arange(n, device=x_bd.device), num)
+    if owner.numel() == 0:
+        return torch.zeros_like(x_bd)
+    shape = (owner.numel(), *x_bd.shape[1:])
+    if problem.norm == "linf":
+        rv = torch.rand(shape, generator=gen, device=gen.device) * 2 - 1
+    else:
+        rv = torch.randn(shape, generator=gen, device=gen.device)
+    rv = rv.to(x_bd.device, x_bd.dtype)
+    rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)
+    base, step = x_bd[owner], per_sample(delta[owner], rv)
+    probes = (base + step * rv).clamp(0.0, 1.0)
+    rv = (probes - base) / step
+    adv, ok = query_adv(problem, oracle, probes, owner)
+    okf = ok.to(x_bd.dtype)
+    fval = (2 * adv.to(x_bd.dtype) - 1) * okf
+    count = torch.zeros(n, device=x_bd.device).index_add_(0, owner, okf)
+    mean = torch.zeros(n, device=x_bd.device).index_add_(0, owner, fval) / count.clamp_min(1)
+    mixed = mean.abs() < 1
+    coef = torch.where(mixed[owner], fval - mean[owner], fval) * okf
+    grad = torch.zeros_like(x_bd).index_add_(0, owner, per_sample(coef, rv) * rv)
+    return grad / per_sample(grad.flatten(1).norm(dim=1).clamp_min(1e-20), grad)
+
+
+def geometric_step(problem, oracle, x_bd, update, size, live):
+    """Halve each sample's step size until ``x_bd + size * update`` is adversarial (one call per halving).
+
+    Returns ``(x_step, found)``; a sample whose query was refused is not ``found``.
+    """
+    size, found = size.clone(), torch.zeros_like(live)
+    live = live & has_budget(oracle)
+    for _ in range(MAX_HALVINGS):
+        if not live.any():
+            break
+        idx = live.nonzero().squeeze(1)
+        cand = (x_bd[idx] + per_sample(size[idx], x_bd) * update[idx]).clamp(0.0, 1.0)
+        adv, ok = query_adv(problem, oracle, cand, idx)
+        found[idx[adv]] = True
+        live[idx[adv | ~ok]] = False
+        size[idx[ok & ~adv]] /= 2
+    return (x_bd + per_sample(size, x_bd) * update).clamp(0.0, 1.0), found
+
+
+@INIT.register("hsja_init", paper=PAPER, norms=("linf", "l2"))
+def hsja_init(problem, oracle, gen, *, gamma=1.0, init_tries=100):
+    """Blended-uniform-noise start (targeted: the batch's images of the target class first), then the binary
+    search to the boundary.
+
+    ``gamma`` (Table V: 1) sets the binary-search threshold theta = gamma / d^{3/2} (L2) or gamma / d^2 (Linf),
+    kept per sample in the state. ``init_tries`` bounds the random-noise draws per sample (the reference code
+    allows up to 1e4; with a query budget a bound keeps a hopeless search from eating it all); untargeted
+    samples with no hit fall back to the batch's images of other classes (see ``decision.find_start``).
+    """
+    if problem.norm not in ("linf", "l2"):
+        raise BenchError(f"hsja supports norms linf and l2, got '{problem.norm}'")
+    d, n, dev = _dim(problem), problem.n, problem.x.device
+    theta = torch.full((n,), gamma / (d ** 2 if problem.norm == "linf" else d ** 1.5), dtype=torch.float64,
+                       device=dev)
+    x_start, found = blended_start(problem, oracle, gen, tries=init_tries)
+    x_bd, d_far = to_boundary(problem, oracle, x_start, theta, found)
+    dist = torch.where(found, problem.dist(x_bd), torch.full_like(d_far, float("inf")))
+    return decision_state(problem, x_bd, dist, dist_post=d_far, it=torch.zeros(n, dtype=torch.long, device=dev),
+                          theta=theta)
+
+
+@PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"))
+def hsja(problem, state, oracle, gen, *, init_num_evals=100, max_num_evals=10000,
+         stepsize_search="geometric_progression"):
+    """One HSJA iteration (Alg. 1 of the HSJA paper) for every sample that has an adversarial point.
+
+    Iteration t (1-based, per sample) uses ``min(init_num_evals * sqrt(t), max_num_evals)`` probes (Table V:
+    100 and 10000) of size 0.1 at t = 1, then ``sqrt(d) theta dist_post`` (L2) or ``d theta dist_post`` (Linf);
+    steps along the estimate (its sign for Linf) starting at ``dist / sqrt(t)`` and halving until adversarial
+    (``stepsize_search`` geometric_progression, Table V); then binary-searches back to the boundary.
+    Returns the updated search state for the ``within_eps`` acceptance.
+    """
+    if stepsize_search != "geometric_progression":
+        raise BenchError(f"hsja: stepsize_search '{stepsize_search}' is not supported (geometric_progression)")
+    go = torch.isfinite(state["dist"]) & has_budget(oracle)
+    it = state["it"] + go.long()
+    t = it.clamp_min(1).to(torch.float64)
+    theta, x_bd, dist = state["theta"], state["x_bd"], state["dist"]
+    scale = _dim(problem) if problem.norm == "linf" else math.sqrt(_dim(problem))
+    delta = torch.where(it == 1, FIRST_DELTA, scale * theta * state["dist_post"].double()).to(x_bd.dtype)
+    num = torch.clamp((init_num_evals * t.sqrt()).long(), max=max_num_evals)
+    num = torch.where(go, torch.minimum(num, oracle.remaining()), torch.zeros_like(num))
+    grad = estimate_direction(problem, oracle, x_bd, num, delta, gen)
+    update = grad.sign() if problem.norm == "linf" else grad
+    size = torch.where(go, dist, torch.zeros_like(dist)) / t.sqrt().to(dist.dtype)
+    x_step, stepped = geometric_step(problem, oracle, x_bd, update, size, go)
+    x_new, d_post = to_boundary(problem, oracle, x_step, theta, stepped)
+    return dict(x_bd=rows_where(stepped, x_new, x_bd),
+                dist=torch.where(stepped, problem.dist(x_new), dist),
+                dist_post=torch.where(stepped, d_post, state["dist_post"]), it=it)

@@ -1,0 +1,113 @@
+"""SimBA (Guo et al., "Simple Black-box Adversarial Attacks", ICML 2019): SimBA (pixel basis) and SimBA-DCT.
+
+Each iteration takes the next direction ``q`` of a random ordering of an orthonormal basis and tries
+``x - step * q`` then, only if that did not lower the loss, ``x + step * q`` (paper Alg. 1), keeping the first
+that lowers it: 1 or 2 queries per iteration. The loss is the output probability of the true class (untargeted;
+minus that of the target class when targeted), as in the paper and the authors' code, computed here from the
+oracle's log-probabilities (same order). Basis: SimBA, the pixel (standard) basis in a random order; SimBA-DCT,
+the orthonormal 2-D DCT basis of the whole image (the authors' ``block_idct`` with block size = image size),
+ordered "strided": the low-frequency ``freq_dims`` x ``freq_dims`` block first, then bands of ``stride`` more
+frequencies, each band shuffled over channels and positions (authors' ``block_order``). Table VI: freq_dims 28,
+order strided, stride 7; ``step`` 0.2 is the authors' default ``--epsilon`` (step size per iteration).
+
+Deviations: the ordering is drawn independently per sample (the authors share one per batch); after the whole
+basis has been tried the ordering starts again (as BlackboxBench's SimBA does, so the query budget can be
+used); every candidate is projected into the eps ball and [0, 1] (``problem.project``) as the threat model
+requires; ``freq_dims`` is clamped to the image size and the last band is cut at the image border.
+"""
+import math
+
+import torch
+
+from ..registry import ACCEPT, INIT, PERTURB
+from .common import greedy_update, merge_proposal, random_permutations, start_state
+
+PAPER = "Guo et al., Simple Black-box Adversarial Attacks, ICML 2019"
+
+
+def dct_matrix(n, device):
+    """Orthonormal DCT-II matrix (n, n): row ``u`` is the ``u``-th cosine basis vector."""
+    k = torch.arange(n, dtype=torch.float64, device=device)
+    m = torch.cos(math.pi * (2 * k[None] + 1) * k[:, None] / (2 * n)) * math.sqrt(2.0 / n)
+    m[0] /= math.sqrt(2.0)
+    return m.float()
+
+
+def strided_band(h, w, freq_dims, stride, device):
+    """Band index of every frequency (u, v): 0 inside the top-left ``freq_dims`` block, then 1, 2, ... for each
+    further ``stride`` rows/columns (authors' block_order), as an (h * w,) tensor."""
+    f = min(freq_dims, h, w)
+    u = torch.arange(h, device=device)[:, None]
+    v = torch.arange(w, device=device)[None]
+    level = torch.maximum(u, v)
+    band = torch.where(level < f, torch.zeros_like(level), 1 + torch.div(level - f, stride, rounding_mode="floor"))
+    return band.flatten()
+
+
+def basis_images(coords, shape, dct):
+    """Unit-norm basis images (n, C, H, W) for per-sample coordinate indices ``coords`` (n,) of a C*H*W basis:
+    the pixel basis when ``dct`` is False, else the 2-D DCT basis (coordinate = channel, frequency u, v)."""
+    c, h, w = shape
+    n, dev = coords.shape[0], coords.device
+    if not dct:
+        return torch.nn.functional.one_hot(coords, c * h * w).float().view(n, c, h, w)
+    ch, u, v = coords // (h * w), (coords // w) % h, coords % w
+    img = dct_matrix(h, dev)[u][:, :, None] * dct_matrix(w, dev)[v][:, None, :]  # (n, H, W)
+    return torch.nn.functional.one_hot(ch, c).float()[:, :, None, None] * img[:, None]
+
+
+def _init(problem, oracle, gen, dct, freq_dims, stride):
+    n, c, h, w = problem.x.shape
+    key = None
+    if dct:
+        key = strided_band(h, w, freq_dims, stride, problem.x.device).repeat(c)
+    perm = random_permutations(n, c * h * w, gen, problem.x.device, key)
+    return start_state(problem, oracle, problem.x.clone(), loss="prob", perm=perm,
+                       it=torch.zeros(n, dtype=torch.long, device=problem.x.device))
+
+
+@INIT.register("simba_init_pixel", paper=PAPER, norms=("linf", "l2"))
+def simba_init_pixel(problem, oracle, gen):
+    """Start at the clean image (one query) with a per-sample random ordering of the pixel basis."""
+    return _init(problem, oracle, gen, False, 0, 1)
+
+
+@INIT.register("simba_init_dct", paper=PAPER, norms=("linf", "l2"))
+def simba_init_dct(problem, oracle, gen, *, freq_dims=28, stride=7):
+    """Start at the clean image (one query) with a per-sample strided ordering of the DCT basis.
+
+    ``freq_dims`` 28 and ``stride`` 7: Table VI ("order strided"); freq_dims is clamped to the image size.
+    """
+    return _init(problem, oracle, gen, True, freq_dims, stride)
+
+
+def _perturb(problem, state, dct, step):
+    x_adv, it, perm = state["x_adv"], state["it"], state["perm"]
+    coords = perm.gather(1, (it % perm.shape[1])[:, None]).squeeze(1)
+    q = basis_images(coords, x_adv.shape[1:], dct).to(x_adv.dtype)
+    return {"minus": problem.project(x_adv - step * q), "plus": problem.project(x_adv + step * q), "it": it + 1}
+
+
+@PERTURB.register("simba_pixel", paper=PAPER, norms=("linf", "l2"))
+def simba_pixel(problem, state, oracle, gen, *, step=0.2):
+    """Candidates ``x -+ step * e_i`` for the next pixel ``e_i`` of each sample's ordering (``step`` 0.2: the
+    authors' default)."""
+    return _perturb(problem, state, False, step)
+
+
+@PERTURB.register("simba_dct", paper=PAPER, norms=("linf", "l2"))
+def simba_dct(problem, state, oracle, gen, *, step=0.2):
+    """Candidates ``x -+ step * d_i`` for the next DCT basis image ``d_i`` of each sample's ordering."""
+    return _perturb(problem, state, True, step)
+
+
+@ACCEPT.register("simba_greedy", paper=PAPER, norms=("linf", "l2"))
+def simba_greedy(problem, state, proposal, oracle, gen):
+    """Query ``x - step q`` for every sample, then ``x + step q`` only where the first did not lower the
+    true-class probability (paper Alg. 1); keep whichever lowers it."""
+    minus, state = merge_proposal(state, proposal, image_key="minus")
+    took = greedy_update(problem, state, minus, oracle, loss="prob")
+    rest = (~took).nonzero().squeeze(1)
+    if rest.numel():
+        greedy_update(problem, state, proposal["plus"][rest], oracle, idx=rest, loss="prob")
+    return state

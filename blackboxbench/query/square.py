@@ -1,0 +1,184 @@
+"""Square Attack (Andriushchenko et al., "Square Attack: a query-efficient black-box adversarial attack via
+random search", ECCV 2020), Linf and L2, batched over samples.
+
+Random search (paper Alg. 1): start from a vertex-like point of the eps ball, then every iteration change one
+randomly placed square window of side ``s`` (Linf: set it to a random vertex per channel, Sec. 3.1 Alg. 2;
+L2: move mass into it with a pseudo-Gaussian "two bumps" pattern, Sec. 3.2 Alg. 3), one query per iteration and
+sample, and keep the candidate only if the margin loss drops (``margin_greedy``). ``s`` follows the paper's
+piecewise-constant schedule of ``p`` (fraction of pixels changed), halved at iterations 10, 50, 200, 500, 1000,
+2000, 4000, 6000, 8000 of a 10,000-query run and rescaled to other budgets as in the authors' code.
+Default ``p_init`` 0.05: BlackboxBench Table VI.
+
+Every window is drawn independently per sample (position, signs, orientation) and placed by broadcasting; the
+iteration counter ``it`` is a per-sample tensor in the state, so any active subset can be attacked.
+"""
+import torch
+
+from ..errors import BenchError
+from ..registry import INIT, PERTURB
+from .common import per_sample, rand_like_gen, random_signs, random_window, rows_where, start_state
+
+PAPER = "Andriushchenko et al., Square Attack, ECCV 2020"
+# Iterations (of 10,000) after which p is halved (paper Sec. 4 / authors' p_selection).
+P_HALVINGS = (10, 50, 200, 500, 1000, 2000, 4000, 6000, 8000)
+
+
+def _check_norm(problem, norm):
+    if problem.norm != norm:
+        raise BenchError(f"square_{norm} attacks the {norm} ball, got norm '{problem.norm}'")
+
+
+def p_schedule(p_init, it, n_iters):
+    """Fraction of pixels changed at per-sample iteration ``it`` (n,) of an ``n_iters`` run (authors' schedule,
+    stated for 10,000 iterations and rescaled linearly; p returns to ``p_init`` past the end, as theirs does)."""
+    scaled = torch.div(it * 10000, max(int(n_iters), 1), rounding_mode="floor")
+    halvings = sum((scaled > t).long() for t in P_HALVINGS)
+    halvings = torch.where(scaled > 10000, torch.zeros_like(halvings), halvings)
+    return p_init / 2.0 ** halvings.double()
+
+
+def square_side(p, n_pixels, lo, hi):
+    """Side of the square window covering a fraction ``p`` (n,) of the ``n_pixels`` pixels, rounded, clamped."""
+    s = torch.round(torch.sqrt(p * n_pixels)).long()
+    return s.clamp(min=lo, max=hi)
+
+
+def _budget(oracle, n_iters):
+    return oracle.max_queries if n_iters is None else n_iters
+
+
+# --------------------------------------------------------------------------- Linf
+@INIT.register("square_init_linf", paper=PAPER, norms=("linf",))
+def square_init_linf(problem, oracle, gen):
+    """Vertical stripes: every column of every channel gets +eps or -eps (paper Sec. 3.1, one query)."""
+    _check_norm(problem, "linf")
+    x = problem.x
+    n, c, _, w = x.shape
+    stripes = random_signs((n, c, 1, w), gen, x.device) * problem.eps
+    return start_state(problem, oracle, (x + stripes).clamp(0, 1),
+                       it=torch.zeros(n, dtype=torch.long, device=x.device))
+
+
+@PERTURB.register("square_linf", paper=PAPER, norms=("linf",))
+def square_linf(problem, state, oracle, gen, *, p_init=0.05, n_iters=None):
+    """Set one random s x s window per sample to a random vertex (+-eps per channel) of the Linf ball.
+
+    ``p_init`` 0.05 (Table VI); ``n_iters`` is the length the p schedule is stretched to (None: the query budget,
+    as the authors pass ``n_iters`` = budget). As in the authors' code a window that would not change the current
+    image is redrawn.
+    """
+    x, x_adv, it = problem.x, state["x_adv"], state["it"]
+    n, c, h, w = x.shape
+    p = p_schedule(p_init, it, _budget(oracle, n_iters))
+    s = square_side(p, h * w, 1, min(h, w) - 1)
+    window, _, _ = random_window(s, (h, w), gen)
+    delta = x_adv - x
+    redraw = torch.ones(n, dtype=torch.bool, device=x.device)
+    for _ in range(100):  # a window equal to the current one is redrawn (rare; bounded for eps == 0)
+        vertex = random_signs((n, c, 1, 1), gen, x.device) * problem.eps
+        delta = rows_where(redraw, torch.where(window, vertex, delta), delta)
+        cand = (x + delta).clamp(0, 1)
+        redraw = ((cand - x_adv).abs() < 1e-7).logical_or(~window).flatten(1).all(1)
+        if not redraw.any():
+            break
+    return {"x_adv": cand, "it": it + 1}
+
+
+# --------------------------------------------------------------------------- L2
+_TAIL = {}
+
+
+def _inv_square_cumsum(k, device):
+    """``T[m] = sum_{j<m} 1 / (j+1)^2`` for m = 0..k, cached per (k, device)."""
+    key = (k, str(device))
+    if key not in _TAIL:
+        terms = 1.0 / torch.arange(1, k + 1, dtype=torch.float64, device=device) ** 2
+        _TAIL[key] = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), terms.cumsum(0)]).float()
+    return _TAIL[key]
+
+
+def pseudo_gaussian_windows(top, left, size, transpose, size_hw):
+    """The paper's L2 window pattern (Sec. 3.2, Fig. 2: two opposite-signed pseudo-Gaussian bumps), one per sample,
+    placed at (``top``, ``left``) with side ``size`` (n,) and transposed where ``transpose`` (n,): (n, 1, H, W),
+    unit L2 norm, zero outside the window.
+
+    Each half (rows ``< s//2`` and the rest) is the authors' rectangle bump: pixel (i, j) of an x-by-y rectangle
+    holds ``sum_{k >= d} 1/(k+1)^2`` over ``k < y//2 + 1``, ``d`` the Chebyshev distance to (x//2, y//2);
+    each half is normalised, the lower one negated, and the whole normalised again.
+    """
+    h, w = size_hw
+    dev = top.device
+    r = torch.arange(h, device=dev)[None, :, None] - top[:, None, None]
+    q = torch.arange(w, device=dev)[None, None, :] - left[:, None, None]
+    r, q = r.expand(-1, h, w), q.expand(-1, h, w)
+    flip = transpose[:, None, None]
+    r, q = torch.where(flip, q, r), torch.where(flip, r, q)
+    s = size[:, None, None]
+    inside = (r >= 0) & (r < s) & (q >= 0) & (q < s)
+    half = s // 2
+    upper = r < half
+    i = torch.where(upper, r, r - half)
+    rows = torch.where(upper, half, s - half)
+    d = torch.maximum((i - rows // 2).abs(), (q - s // 2).abs())
+    tail = _inv_square_cumsum(int(size.max()) + 1, dev)
+    k_max = s // 2 + 1
+    val = (tail[k_max.clamp(max=tail.numel() - 1)] - tail[d.clamp(0, tail.numel() - 1)]) * inside
+    norm_up = (val.square() * upper).flatten(1).sum(1).sqrt().clamp_min(1e-12)[:, None, None]
+    norm_lo = (val.square() * ~upper).flatten(1).sum(1).sqrt().clamp_min(1e-12)[:, None, None]
+    val = torch.where(upper, val / norm_up, -val / norm_lo)
+    val = val / val.flatten(1).norm(dim=1).clamp_min(1e-12)[:, None, None]
+    return val[:, None]
+
+
+def _random_transpose(n, gen, device):
+    return rand_like_gen((n,), gen, device) > 0.5
+
+
+@INIT.register("square_init_l2", paper=PAPER, norms=("l2",))
+def square_init_l2(problem, oracle, gen):
+    """A grid of (H//5)-sided windows, each holding the pseudo-Gaussian pattern with a random sign per channel
+    (and random orientation), rescaled to L2 norm eps (authors' L2 initialisation; one query)."""
+    _check_norm(problem, "l2")
+    x = problem.x
+    n, c, h, w = x.shape
+    s = max(h // 5, 1)
+    start = (h - 5 * s) // 2
+    delta = torch.zeros_like(x)
+    size = torch.full((n,), s, dtype=torch.long, device=x.device)
+    for top in range(start, start + (h // s) * s, s):  # loop over grid cells, not samples
+        for left in range(start, start + (w // s) * s, s):
+            where = torch.full((n,), top, device=x.device), torch.full((n,), left, device=x.device)
+            bump = pseudo_gaussian_windows(*where, size, _random_transpose(n, gen, x.device), (h, w))
+            delta = delta + bump * random_signs((n, c, 1, 1), gen, x.device)
+    delta = delta / per_sample(delta.flatten(1).norm(dim=1).clamp_min(1e-12), delta) * problem.eps
+    return start_state(problem, oracle, (x + delta).clamp(0, 1),
+                       it=torch.zeros(n, dtype=torch.long, device=x.device))
+
+
+@PERTURB.register("square_l2", paper=PAPER, norms=("l2",))
+def square_l2(problem, state, oracle, gen, *, p_init=0.05, n_iters=None):
+    """Authors' L2 update: zero a second random window, refill the first with old perturbation plus a fresh
+    pseudo-Gaussian pattern (random sign per channel) so that the total stays on the L2 sphere of radius eps.
+
+    ``p_init`` 0.05 (Table VI); the side is at least 3 and odd; ``n_iters`` as in :func:`square_linf`.
+    """
+    x, x_adv, it = problem.x, state["x_adv"], state["it"]
+    n, c, h, w = x.shape
+    eps = problem.eps
+    p = p_schedule(p_init, it, _budget(oracle, n_iters))
+    s = torch.round(torch.sqrt(p * h * w)).long().clamp(min=3)
+    s = (s + (s % 2 == 0).long()).clamp(max=min(h, w) - 1).clamp(min=1)
+    win1, top1, left1 = random_window(s, (h, w), gen)
+    win2 = random_window(s, (h, w), gen)[0]
+    delta = x_adv - x
+    sq = lambda v: v.square().sum((2, 3), keepdim=True)  # noqa: E731  per sample and channel
+    norm_win1 = sq(delta * win1).sqrt()
+    norm_image = per_sample(delta.flatten(1).norm(dim=1), delta)
+    norm_both = sq(delta * (win1 | win2)).sqrt()
+    bump = pseudo_gaussian_windows(top1, left1, s, _random_transpose(n, gen, x.device), (h, w))
+    new = bump * random_signs((n, c, 1, 1), gen, x.device) + delta * win1 / (1e-10 + norm_win1)
+    budget = ((eps ** 2 - norm_image.square()).clamp_min(0) / c + norm_both.square()).sqrt()
+    new = new / sq(new).sqrt().clamp_min(1e-12) * budget
+    delta = torch.where(win1, new, torch.where(win2, torch.zeros_like(delta), delta))
+    delta = delta / per_sample(delta.flatten(1).norm(dim=1).clamp_min(1e-12), delta) * eps
+    return {"x_adv": (x + delta).clamp(0, 1), "it": it + 1}

@@ -1,0 +1,18 @@
+"""Update-direction blocks of the transfer pipeline: ``fn(grad, state, **params) -> direction``."""
+from ..registry import DIRECTION
+
+
+@DIRECTION.register("momentum", paper="Dong et al., Boosting Adversarial Attacks with Momentum (MI-FGSM), "
+                                      "CVPR 2018", norms=("linf", "l2"))
+def momentum(grad, state, *, decay=1.0):
+    """MI-FGSM: ``g <- decay * g + grad / mean(|grad|)`` per sample, with ``g_0 = 0`` (Dong et al. Alg. 1).
+
+    The paper divides by the L1 norm; the mean of |grad| (the reference implementation's choice) differs from it
+    by the constant pixel count, which leaves the direction unchanged. ``decay`` 1.0: Table VII.
+    """
+    scale = grad.abs().flatten(1).mean(1).clamp_min(1e-12).view(-1, *([1] * (grad.dim() - 1)))
+    g = grad / scale
+    if "momentum" in state:
+        g = g + decay * state["momentum"]
+    state["momentum"] = g
+    return g

@@ -1,0 +1,31 @@
+"""Install with ``pip install .``; the YAML catalogs (attacks/, defenses/, analysis/) ship inside the package as
+``blackboxbench/_catalogs/<kind>`` so recipes are found from any working directory."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "blackboxbench" / "__init__.py").read_text()).group(1)
+CATALOGS = ("attacks", "defenses", "analysis")
+
+setup(
+    name="blackboxbench",
+    version=VERSION,
+    description="Black-box adversarial attacks composed from registered blocks, with a trustworthy leaderboard",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["blackboxbench", "blackboxbench.*"])
+    + [f"blackboxbench._catalogs.{c}" for c in CATALOGS],
+    package_dir={f"blackboxbench._catalogs.{c}": c for c in CATALOGS},
+    package_data={f"blackboxbench._catalogs.{c}": ["*.yaml", "*/*.yaml", "*/*/*.yaml", "*.md"] for c in CATALOGS},
+    install_requires=["torch>=2.1", "torchvision", "timm", "numpy", "pyyaml", "scipy", "lpips", "matplotlib",
+                      "tqdm", "scikit-learn"],
+    extras_require={
+        "test": ["pytest"],
+        # torchattacks pins an old `requests`: install it with `pip install --no-deps torchattacks`.
+        "bench": ["adversarial-robustness-toolbox", "foolbox"],
+    },
+    entry_points={"console_scripts": ["blackboxbench=blackboxbench.cli:main"]},
+)

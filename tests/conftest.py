@@ -1,0 +1,31 @@
+"""Shared fixtures. Tests needing the real offline assets skip when the data root is absent."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def find_data_root():
+    env = os.environ.get("BLACKBOXBENCH_DATA")
+    root = Path(env) if env else REPO.parent / "shared" / "data"
+    return root if root.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def data_root():
+    root = find_data_root()
+    if root is None:
+        pytest.skip("offline data root absent (set BLACKBOXBENCH_DATA or provide ../shared/data)")
+    return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Models trained on first use (digits_*) go to a per-session cache unless the caller set one."""
+    if "BLACKBOXBENCH_CACHE" not in os.environ:
+        os.environ["BLACKBOXBENCH_CACHE"] = str(tmp_path_factory.mktemp("bbb_cache"))
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    yield

@@ -1,0 +1,68 @@
+import pytest
+import torch
+from torch import nn
+
+from blackboxbench.errors import BenchError
+from blackboxbench.oracle import Oracle, rank_within_group
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.seen = 0
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.lin(x.flatten(1))
+
+
+def test_rank_within_group():
+    idx = torch.tensor([2, 0, 2, 2, 1, 0])
+    assert rank_within_group(idx).tolist() == [0, 0, 1, 2, 0, 1]
+
+
+def test_budget_is_hard_and_counts_every_image():
+    model = Counting()
+    oracle = Oracle(model, n=3, max_queries=4, num_classes=3, feedback="score", input_shape=(1, 2, 2))
+    x = torch.rand(9, 1, 2, 2)
+    idx = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2])  # sample 1 asks for 5 > 4
+    ans, ok = oracle(x, idx)
+    assert ok.tolist() == [True] * 7 + [False, True]
+    assert oracle.counts.tolist() == [3, 4, 1] and model.seen == 8
+    assert torch.isnan(ans[7]).all() and not torch.isnan(ans[:7]).any()
+    ans, ok = oracle(x[:3], torch.tensor([0, 0, 1]))  # sample 0 has one left, sample 1 none
+    assert ok.tolist() == [True, False, False] and oracle.counts.tolist() == [4, 4, 1]
+    assert (oracle.counts <= 4).all() and model.seen == 9
+
+
+def test_views_map_local_indices():
+    oracle = Oracle(Counting(), n=4, max_queries=10, num_classes=3, feedback="label")
+    view = oracle.view(torch.tensor([1, 3])).view(torch.tensor([1]))
+    ans, ok = view(torch.rand(2, 1, 2, 2), torch.tensor([0, 0]))
+    assert oracle.counts.tolist() == [0, 0, 0, 2] and ans.dtype == torch.long and ok.all()
+    assert view.remaining().tolist() == [8]
+
+
+def test_no_gradient_and_only_scores_or_labels():
+    model = Counting()
+    oracle = Oracle(model, n=2, max_queries=5, num_classes=3, feedback="score")
+    x = torch.rand(2, 1, 2, 2, requires_grad=True)
+    ans, _ = oracle(x)
+    assert not ans.requires_grad and ans.grad_fn is None
+    assert torch.allclose(ans.exp().sum(1), torch.ones(2))  # log-probabilities
+    with pytest.raises(RuntimeError):
+        ans.sum().backward()
+    assert model.lin.weight.grad is None and x.grad is None
+    labels, _ = Oracle(model, n=2, max_queries=5, num_classes=3, feedback="label")(x)
+    assert labels.dtype == torch.long and labels.dim() == 1
+
+
+def test_bad_shapes_are_one_line_errors():
+    oracle = Oracle(Counting(), n=2, max_queries=5, num_classes=3, input_shape=(1, 2, 2))
+    with pytest.raises(BenchError, match="shape"):
+        oracle(torch.rand(2, 1, 3, 3))
+    with pytest.raises(BenchError, match="len\\(idx\\)"):
+        oracle(torch.rand(3, 1, 2, 2), torch.tensor([0, 1]))
+    with pytest.raises(BenchError):
+        Oracle(Counting(), n=2, max_queries=5, num_classes=3, feedback="logits")

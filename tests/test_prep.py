@@ -1,0 +1,282 @@
+"""Preparation module: datasets, model zoo, target labels."""
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blackboxbench.errors import BenchError
+from blackboxbench.prep import data as D
+from blackboxbench.prep import models as M
+from blackboxbench.prep.cifar_resnet import CifarResNet
+from blackboxbench.registry import DATASET, MODEL, TARGET_LABEL
+
+CIFAR_ACC = {20: 93.0, 32: 91.7, 44: 93.3, 56: 95.0}  # measured on the 300 images (data README)
+
+
+@pytest.fixture(scope="module")
+def shared_data():
+    root = os.environ.get("BLACKBOXBENCH_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not Path(root).is_dir():
+        pytest.skip(f"no data directory at {root} (set BLACKBOXBENCH_DATA)")
+    return Path(root)
+
+
+def assert_images(ds, shape, num_classes):
+    assert tuple(ds.x.shape) == shape and ds.x.dtype == torch.float32
+    assert ds.y.dtype == torch.long and ds.y.shape == (shape[0],)
+    assert 0 <= ds.x.min() and ds.x.max() <= 1
+    assert (ds.x * 255 - (ds.x * 255).round()).abs().max() < 1e-4, "not on the uint8 grid"
+    assert ds.num_classes == num_classes and 0 <= ds.y.min() and ds.y.max() < num_classes
+
+
+def one_line_error(fn, *words):
+    with pytest.raises(BenchError) as err:
+        fn()
+    msg = str(err.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    return msg
+
+
+# ---------------------------------------------------------------- datasets
+
+def test_digits_offline(monkeypatch):
+    monkeypatch.delenv("BLACKBOXBENCH_DATA", raising=False)
+    test, train = DATASET.get("digits")(None), DATASET.get("digits")(None, split="train")
+    assert_images(test, (500, 1, 8, 8), 10)
+    assert_images(train, (1297, 1, 8, 8), 10)
+    first = DATASET.get("digits")(None, n=7)
+    assert torch.equal(first.x, test.x[:7]) and torch.equal(first.y, test.y[:7])
+    from sklearn.datasets import load_digits
+    v = load_digits().images[-1]
+    assert torch.equal(test.x[-1, 0] * 255, torch.tensor(np.round(v * 255 / 16), dtype=torch.float32))
+
+
+def test_missing_data_root_and_files(monkeypatch, tmp_path):
+    monkeypatch.delenv("BLACKBOXBENCH_DATA", raising=False)
+    one_line_error(lambda: D.resolve_data_root(None), "no data root", "BLACKBOXBENCH_DATA")
+    one_line_error(lambda: D.resolve_data_root(tmp_path / "nope"), str(tmp_path / "nope"))
+    monkeypatch.setenv("BLACKBOXBENCH_DATA", str(tmp_path))
+    assert D.resolve_data_root(None) == tmp_path
+    one_line_error(lambda: DATASET.get("cifar10")(None), str(tmp_path / "cifar10/cifar10_test_300.npz"))
+    one_line_error(lambda: DATASET.get("mnist")(tmp_path), "mnist_test_first1000.npz")
+    one_line_error(lambda: DATASET.get("nips17")(tmp_path), "imagenet_nips17_subset100")
+    one_line_error(lambda: DATASET.get("cifar10")(tmp_path, torchvision_root=tmp_path), "torchvision")
+    one_line_error(lambda: M.build_model("cifar_resnet20", tmp_path), "resnet20-*.th")
+
+
+def test_imagefolder(tmp_path):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for cls in ("b_cat", "a_dog"):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        for i in range(2):
+            arrays[cls, i] = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+            Image.fromarray(arrays[cls, i]).save(tmp_path / "imgs" / cls / f"{i}.png")
+    ds = DATASET.get("imagefolder")(tmp_path, path="imgs")
+    assert_images(ds, (4, 3, 6, 5), 2)
+    assert ds.y.tolist() == [0, 0, 1, 1]  # a_dog < b_cat
+    assert torch.equal(ds.x[2] * 255, torch.from_numpy(arrays["b_cat", 0]).permute(2, 0, 1).float())
+    assert_images(DATASET.get("imagefolder")(None, path=tmp_path / "imgs", size=4, n=3), (3, 3, 4, 4), 2)
+
+
+def test_real_datasets(shared_data):
+    assert_images(DATASET.get("cifar10")(shared_data), (300, 3, 32, 32), 10)
+    assert_images(DATASET.get("mnist")(shared_data, n=50), (50, 1, 28, 28), 10)
+    nips = DATASET.get("nips17")(shared_data, n=3)
+    assert_images(nips, (3, 3, 299, 299), 1000)
+    assert nips.y.tolist() == [305, 883, 243] and nips.given_target.tolist()[:2] == [778, 377]
+    assert_images(DATASET.get("nips17")(shared_data, n=2, size=224), (2, 3, 224, 224), 1000)
+
+
+# ---------------------------------------------------------------- models
+
+@pytest.mark.parametrize("depth", sorted(CIFAR_ACC))
+def test_cifar_resnets_accuracy(shared_data, depth):
+    ds = DATASET.get("cifar10")(shared_data)
+    model = M.build_model(f"cifar_resnet{depth}", shared_data)
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+    with torch.no_grad():
+        acc = 100 * (model(ds.x).argmax(1) == ds.y).float().mean().item()
+    assert abs(acc - CIFAR_ACC[depth]) <= 0.7, acc
+
+
+@pytest.fixture(scope="module")
+def digits_models(tmp_path_factory):
+    """The digits models trained once into a fresh cache (a few seconds each)."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BLACKBOXBENCH_CACHE", str(cache))
+        return cache, {name: M.build_model(name) for name in M.DIGITS_ARCHS}
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("name", sorted(M.DIGITS_ARCHS))
+def test_digits_models_accuracy(digits_models, name):
+    test = DATASET.get("digits")(None)
+    with torch.no_grad():
+        acc = (digits_models[1][name](test.x).argmax(1) == test.y).float().mean().item()
+    assert acc >= 0.93, acc
+
+
+def test_digits_models_cached_and_deterministic(digits_models, monkeypatch):
+    cache, models = digits_models
+    assert sorted(p.name for p in cache.iterdir()) == sorted(f"{n}-{M.DIGITS_VERSION}.pt" for n in models)
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(cache))
+    monkeypatch.setattr(M, "train_digits", lambda *a, **k: pytest.fail("retrained instead of using the cache"))
+    assert_same_weights(M.build_model("digits_mlp"), models["digits_mlp"])
+    monkeypatch.undo()
+    assert_same_weights(M.train_digits("digits_mlp"), models["digits_mlp"].net)
+    assert_same_weights(M.train_digits("digits_cnn", epochs=1), M.train_digits("digits_cnn", epochs=1))
+    assert not torch.equal(*(models[n](torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(0)))
+                             for n in ("digits_mlp", "digits_cnn")))
+
+
+class Spy(nn.Module):
+    def forward(self, x):
+        self.seen = x
+        return x.flatten(1)[:, :10]
+
+
+def test_normalized_resize_and_gradients():
+    spy = Spy()
+    model = M.Normalized(spy, mean=(0.5, 0.4, 0.3), std=(0.2, 0.2, 0.1), resize=16)
+    x = torch.rand(2, 3, 8, 8, requires_grad=True)
+    model(x).sum().backward()
+    up = F.interpolate(x.detach(), size=(16, 16), mode="bilinear", align_corners=False, antialias=False)
+    mean, std = torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1), torch.tensor([0.2, 0.2, 0.1]).view(1, 3, 1, 1)
+    assert torch.allclose(spy.seen, (up - mean) / std)
+    assert x.grad is not None and x.grad.abs().sum() > 0  # input gradients flow (transfer surrogates)
+    x16 = torch.rand(1, 3, 16, 16)
+    model(x16)
+    assert torch.allclose(spy.seen, (x16 - mean) / std)
+    assert not model.training
+
+
+def test_build_model_specs_and_errors():
+    small = M.build_model({"name": "cifar_resnet20", "pretrained": False}, device="cpu")
+    assert isinstance(small.net, CifarResNet) and not any(p.requires_grad for p in small.parameters())
+    one_line_error(lambda: M.build_model("cifar_resnet21"), "unknown model", "did you mean")
+    one_line_error(lambda: M.build_model({"name": "digits_mlp", "pretrainde": False}), "pretrainde", "pretrained")
+    one_line_error(lambda: M.build_model({"name": "timm:resnet18", "arch": "resnet50"}), "arch given twice")
+    one_line_error(lambda: M.build_model("timm:resnet181"), "unknown timm arch", "resnet18")
+    one_line_error(lambda: M.build_model("torchvision:resnet181"), "unknown torchvision arch")
+    assert {"cifar_resnet20", "cifar_resnet56", "digits_mlp", "digits_cnn", "timm", "torchvision",
+            "checkpoint"} <= set(MODEL.names())
+
+
+@pytest.fixture
+def empty_caches(tmp_path, monkeypatch):
+    """torch.hub and Hugging Face caches pointed at an empty folder: nothing is available offline."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path / "hub" / "checkpoints"
+
+
+@pytest.mark.parametrize("lib", ["timm", "torchvision"])
+def test_imagenet_archs_offline(empty_caches, lib):
+    model = M.build_model({"name": f"{lib}:resnet18", "num_classes": 10, "resize": 64})
+    x = torch.rand(2, 3, 32, 32, requires_grad=True)
+    out = model(x)
+    assert out.shape == (2, 10)
+    out.sum().backward()
+    assert x.grad is not None
+    one_line_error(lambda: M.build_model({"name": f"{lib}:resnet18", "pretrained": True}),
+                   "not available offline", str(empty_caches))
+    # weights already in the torch.hub cache are used, never downloaded
+    url = (__import__("timm").models.get_pretrained_cfg("resnet18").url if lib == "timm" else
+           __import__("torchvision").models.get_model_weights("resnet18").DEFAULT.url)
+    ref = M.build_model(f"{lib}:resnet18")
+    empty_caches.mkdir(parents=True)
+    torch.save(ref.net.state_dict(), empty_caches / url.rsplit("/", 1)[-1])
+    assert_same_weights(M.build_model({"name": f"{lib}:resnet18", "pretrained": True}).net, ref.net)
+
+
+def test_checkpoint_loader(tmp_path):
+    net = CifarResNet(20)
+    torch.save({"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}}, tmp_path / "r20.th")
+    model = M.build_model({"name": "checkpoint", "path": str(tmp_path / "r20.th"), "arch": "cifar_resnet20",
+                           "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]})
+    assert_same_weights(model.net, net.eval())
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model(x), net((x - 0.5) / 0.25), atol=1e-5)
+    one_line_error(lambda: M.build_model({"name": "checkpoint", "path": str(tmp_path / "r20.th"),
+                                          "arch": "digits_mlp"}), "does not fit")
+    one_line_error(lambda: M.build_model({"name": "checkpoint", "path": "r20.th"}, data_root=tmp_path / "x"),
+                   str(tmp_path / "x"))
+    scripted = torch.jit.script(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)))
+    scripted.save(str(tmp_path / "tiny.pt"))
+    tiny = M.build_model({"name": "checkpoint", "path": "tiny.pt"}, data_root=tmp_path)
+    x = torch.rand(2, 3, 2, 2)
+    with torch.no_grad():
+        assert torch.allclose(tiny(x), scripted(x))
+    one_line_error(lambda: M.build_model({"name": "checkpoint", "path": "r20.th"}, data_root=tmp_path),
+                   "not a TorchScript file")
+
+
+# ---------------------------------------------------------------- target labels
+
+def target_call(mode, logits, y, gen, given=None):
+    return TARGET_LABEL.get(mode)(logits, y, gen, given)
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 10, generator=g)
+    y = torch.randint(0, 10, (256,), generator=g)
+    y[:64] = logits[:64].argmax(1)   # correctly classified
+    y[64:96] = logits[64:96].argmin(1)  # y is the least likely
+    return logits, y
+
+
+@pytest.mark.parametrize("mode", TARGET_LABEL.names())
+def test_target_modes_invariants(batch, mode):
+    logits, y = batch
+    given = (y + 1) % 10
+    t = target_call(mode, logits, y, torch.Generator().manual_seed(1), given)
+    assert t.dtype == torch.long and t.shape == y.shape and 0 <= t.min() and t.max() < 10
+    if mode == "specified":
+        assert torch.equal(t, given)
+    else:
+        assert not (t == y).any(), f"{mode} returned the true label"
+    again = target_call(mode, logits, y, torch.Generator().manual_seed(1), given)
+    assert torch.equal(t, again)
+
+
+def test_target_modes_definitions(batch):
+    logits, y = batch
+    gen = torch.Generator().manual_seed(0)
+    assert set(TARGET_LABEL.names()) >= {"random", "least_likely", "most_likely", "median", "specified"}
+    ll, ml, med = (target_call(m, logits, y, gen) for m in ("least_likely", "most_likely", "median"))
+    keep = logits.argmin(1) != y
+    assert torch.equal(ll[keep], logits.argmin(1)[keep])
+    assert torch.equal(ll[~keep], logits.argsort(dim=1)[~keep, 1])  # the next lowest when argmin is y
+    assert torch.equal(ml[:64], logits[:64].argsort(dim=1, descending=True)[:, 1])
+    others_above = (logits > logits.gather(1, med[:, None])).sum(1) - (logits.gather(1, y[:, None])[:, 0]
+                                                                         > logits.gather(1, med[:, None])[:, 0]).long()
+    assert (others_above == 4).all()  # the median of the 9 classes other than y
+    r = torch.cat([target_call("random", logits, y, torch.Generator().manual_seed(s)) for s in range(8)])
+    counts = torch.bincount(r - (r > y.repeat(8)).long(), minlength=9)  # rank among the other classes
+    assert counts.min() > 0.7 * len(r) / 9  # roughly uniform over the 9 others
+
+
+def test_target_specified():
+    logits, y = torch.randn(4, 10), torch.tensor([0, 3, 5, 3])
+    spec = TARGET_LABEL.get("specified")
+    gen = torch.Generator()
+    assert spec(logits, y, gen, None, label=3).tolist() == [3, 3, 3, 3]  # y == 3 rows: the runner skips them
+    assert spec(logits, y, gen, torch.tensor([1, 2, 3, 4])).tolist() == [1, 2, 3, 4]
+    one_line_error(lambda: spec(logits, y, gen, None), "set label")
+    one_line_error(lambda: spec(logits, y, gen, None, label=10), "[0, 10)")

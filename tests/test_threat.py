@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from blackboxbench.threat import Problem, dist, margin_loss, project, quantize
+
+
+@pytest.mark.parametrize("norm,eps", [("linf", 0.03), ("linf", 8 / 255), ("l2", 0.5), ("l2", 1.0)])
+def test_project_then_quantize_stays_in_ball_and_grid(norm, eps):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (64, 3, 8, 8), generator=g).float() / 255
+    x_adv = x + torch.randn(x.shape, generator=g) * 0.2
+    p = project(x_adv, x, eps, norm)
+    assert (dist(p, x, norm) <= eps + 1e-6).all() and p.min() >= 0 and p.max() <= 1
+    q = quantize(p, x)
+    assert torch.equal(q * 255, torch.round(q * 255))
+    assert (dist(q, x, norm) <= dist(p, x, norm) + 1e-5).all()  # rounding towards x never grows the norm (up to float noise)
+    assert q.min() >= 0 and q.max() <= 1
+    assert ((q - x).abs() <= (p - x).abs() + 4e-6).all()
+
+
+def test_project_matches_reference():
+    x = torch.full((1, 1, 2, 2), 0.5)
+    assert torch.allclose(project(x + torch.tensor([0.1, -0.2, 0.01, 0.9]).view(1, 1, 2, 2), x, 0.05, "linf"),
+                          torch.tensor([0.55, 0.45, 0.51, 0.55]).view(1, 1, 2, 2))
+    d = torch.tensor([0.3, 0.4, 0.0, 0.0]).view(1, 1, 2, 2)  # L2 norm 0.5 -> scaled to 0.25
+    assert torch.allclose(project(x + d, x, 0.25, "l2"), x + d / 2)
+
+
+def test_quantize_keeps_grid_points_and_rounds_towards_clean():
+    x = torch.tensor([[[[10 / 255, 200 / 255]]]])
+    assert torch.equal(quantize(x, x), x)
+    x_adv = x + torch.tensor([[[[7.6 / 255, -7.6 / 255]]]])
+    assert torch.allclose(quantize(x_adv, x) * 255, torch.tensor([[[[17.0, 193.0]]]]))
+
+
+def test_margin_loss_reference():
+    s = torch.tensor([[3.0, 1.0, 2.0], [0.0, 5.0, 1.0]])
+    y = torch.tensor([0, 0])
+    assert torch.allclose(margin_loss(s, y), torch.tensor([1.0, -5.0]))
+    t = torch.tensor([2, 2])
+    assert torch.allclose(margin_loss(s, y, t), torch.tensor([1.0, 4.0]))
+
+
+def test_problem_success_from_labels_and_scores():
+    p = Problem(x=torch.zeros(3, 1, 2, 2), y=torch.tensor([0, 1, 2]), eps=0.1, norm="linf")
+    assert p.is_adv_label(torch.tensor([1, 1, -1])).tolist() == [True, False, False]
+    scores = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [float("nan")] * 3])
+    assert p.is_adv(scores).tolist() == [True, False, False]
+    pt = Problem(x=torch.zeros(2, 1, 2, 2), y=torch.tensor([0, 0]), eps=0.1, norm="linf",
+                 target=torch.tensor([2, 1]))
+    assert pt.is_adv_label(torch.tensor([2, 2])).tolist() == [True, False]
+    assert pt.sub(torch.tensor([1])).target.tolist() == [1]
