@@ -39,7 +39,7 @@ CASES = [
      "threat.feedback", "needs feedback 'score'"),
     ("transfer without surrogates", GOOD.replace("square_linf", "mi_fgsm").replace(", max_queries: 10", ""),
      "surrogates", "needs"),
-    ("bad target label mode", GOOD.replace("eps: 8/255", "eps: 8/255, targeted: true, target_label: middle"),
+    ("bad target label mode", GOOD.replace("eps: 8/255", "eps: 8/255, targeted: true, target_label: medain"),
      "threat.target_label", "did you mean: median"),
     ("invalid yaml", "dataset: [digits\n", "", "invalid YAML"),
     ("unknown key inside runs", GOOD + "runs:\n  - {atack: square_linf}\n", "runs[0].atack", "did you mean"),

@@ -68,6 +68,21 @@ def test_missing_data_root_and_files(monkeypatch, tmp_path):
     one_line_error(lambda: M.build_model("cifar_resnet20", tmp_path), "resnet20-*.th")
 
 
+def test_cifar10_torchvision_fallback(tmp_path, monkeypatch):
+    import torchvision
+
+    class FakeCIFAR10:
+        def __init__(self, root, train, download):
+            assert root == str(tmp_path) and not train and not download
+            self.data, self.targets = np.full((3, 32, 32, 3), 51, np.uint8), [4, 5, 6]
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
+    monkeypatch.delenv("BLACKBOXBENCH_DATA", raising=False)
+    ds = DATASET.get("cifar10")(None, n=2, torchvision_root=tmp_path)
+    assert_images(ds, (2, 3, 32, 32), 10)
+    assert ds.y.tolist() == [4, 5] and torch.allclose(ds.x, torch.tensor(0.2))
+
+
 def test_imagefolder(tmp_path):
     from PIL import Image
     rng = np.random.default_rng(0)
@@ -202,6 +217,7 @@ def test_imagenet_archs_offline(empty_caches, lib):
     assert_same_weights(M.build_model({"name": f"{lib}:resnet18", "pretrained": True}).net, ref.net)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit")  # TorchScript is deprecated in recent torch, still supported
 def test_checkpoint_loader(tmp_path):
     net = CifarResNet(20)
     torch.save({"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}}, tmp_path / "r20.th")

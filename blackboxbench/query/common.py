@@ -1,13 +1,13 @@
 """Helpers shared by the query-attack families: batched row selection, per-sample random draws and windows,
-score losses that never mistake a refused query for progress, and the greedy / step acceptance blocks.
+margin queries that never mistake a refused query for progress, and the greedy / step acceptance blocks.
 
 Everything is batched over samples (dim 0) and works for any active subset the pipeline passes (local indices).
-Score-attack state (see :func:`start_state`): ``x_adv`` (n, C, H, W), ``loss`` (n,) float (lower is better, +inf
-when unknown), ``success`` (n,) bool, plus any per-sample tensors an attack adds (e.g. an iteration counter).
+Score-attack state (see :func:`start_state`): ``x_adv`` (n, C, H, W), ``margin`` (n,) float (CW margin of the
+log-probabilities, lower is better, +inf when unknown), ``success`` (n,) bool, plus any per-sample tensors an
+attack adds (e.g. an iteration counter).
 """
 import torch
 
-from ..errors import BenchError
 from ..registry import ACCEPT, INIT
 
 
@@ -80,61 +80,44 @@ def random_window(size, size_hw, gen):
     return window_mask(top, left, size, size, size_hw), top, left
 
 
-# --------------------------------------------------------------------------- score losses and queries
-def own_logprob_loss(problem, scores):
-    """Loss of SimBA (Guo et al. 2019): log-prob of the true class (untargeted) or minus that of the target."""
-    label = problem.y if problem.target is None else problem.target
-    own = scores.gather(1, label[:, None]).squeeze(1)
-    return own if problem.target is None else -own
+# --------------------------------------------------------------------------- margin queries
+def query_margin(problem, oracle, images, idx=None):
+    """Query ``images`` for local samples ``idx`` (default one image per sample) -> ``(margin, adv, ok)``.
 
-
-LOSSES = {"margin": lambda problem, scores: problem.margin(scores), "prob": own_logprob_loss}
-
-
-def score_loss(problem, scores, loss="margin"):
-    """Per-sample loss to minimise from log-probabilities: ``margin`` (CW margin, < 0 is adversarial) or
-    ``prob`` (see :func:`own_logprob_loss`)."""
-    if loss not in LOSSES:
-        raise BenchError(f"unknown score loss '{loss}'; choose one of {', '.join(LOSSES)}")
-    return LOSSES[loss](problem, scores)
-
-
-def query_loss(problem, oracle, images, idx=None, loss="margin"):
-    """Query ``images`` for local samples ``idx`` (default one image per sample) -> ``(loss, adv, ok)``.
-
-    A refused query (past the sample's budget) gets loss +inf and ``adv`` False, so it can never be accepted as
-    an improvement nor counted as a success.
+    ``margin`` is the CW margin of the log-probabilities (``problem.margin``, < 0 adversarial). A refused query
+    (past the sample's budget) gets margin +inf and ``adv`` False, so it can never be accepted as an improvement
+    nor counted as a success.
     """
     answer, ok = oracle(images, idx)
     sub = problem if idx is None else problem.sub(idx)
-    value = score_loss(sub, answer, loss)
-    value = torch.where(ok, value, torch.full_like(value, float("inf")))
-    return value, sub.is_adv(answer) & ok, ok
+    margin = sub.margin(answer)
+    margin = torch.where(ok, margin, torch.full_like(margin, float("inf")))
+    return margin, sub.is_adv(answer) & ok, ok
 
 
-def start_state(problem, oracle, x0, loss="margin", **extra):
+def start_state(problem, oracle, x0, **extra):
     """Query the starting points ``x0`` (projected into the ball) once and build the shared score state.
 
     ``extra`` adds per-sample tensors (each with the batch on dim 0), e.g. ``it=torch.zeros(n, dtype=long)``.
     """
     x0 = problem.project(x0)
-    value, adv, _ = query_loss(problem, oracle, x0, loss=loss)
-    return dict(x_adv=x0, loss=value, success=adv, **extra)
+    margin, adv, _ = query_margin(problem, oracle, x0)
+    return dict(x_adv=x0, margin=margin, success=adv, **extra)
 
 
-def greedy_update(problem, state, candidates, oracle, idx=None, loss="margin"):
-    """Query ``candidates`` for the local samples ``idx`` (default all) and keep each one that lowers the loss.
+def greedy_update(problem, state, candidates, oracle, idx=None):
+    """Query ``candidates`` for the local samples ``idx`` (default all) and keep each one that lowers the margin.
 
-    Updates ``state`` in place (``x_adv``, ``loss``, ``success``) and returns the bool mask (len(idx),) of
+    Updates ``state`` in place (``x_adv``, ``margin``, ``success``) and returns the bool mask (len(idx),) of
     accepted candidates. Refused queries are never accepted.
     """
     if idx is None:
         idx = torch.arange(candidates.shape[0], device=candidates.device)
-    value, adv, _ = query_loss(problem, oracle, candidates, idx, loss)
-    better = value < state["loss"][idx]
+    margin, adv, _ = query_margin(problem, oracle, candidates, idx)
+    better = margin < state["margin"][idx]
     keep = idx[better]
     state["x_adv"][keep] = candidates[better]
-    state["loss"][keep] = value[better]
+    state["margin"][keep] = margin[better]
     state["success"][keep] = adv[better]
     return better
 
@@ -144,13 +127,13 @@ def merge_proposal(state, proposal, image_key="x_adv"):
 
     A proposal is either candidate images (n, C, H, W), or a dict holding them under ``image_key`` plus updated
     per-sample state entries (e.g. an advanced iteration counter) that replace those of ``state``. The returned
-    state is a shallow copy whose ``x_adv``/``loss``/``success`` are cloned, so updating it in place is safe.
+    state is a shallow copy whose ``x_adv``/``margin``/``success`` are cloned, so updating it in place is safe.
     """
     state = dict(state)
     if isinstance(proposal, dict):
         state.update({k: v for k, v in proposal.items() if k in state and k != "x_adv"})
         proposal = proposal[image_key]
-    for k in ("x_adv", "loss", "success"):
+    for k in ("x_adv", "margin", "success"):
         state[k] = state[k].clone()
     return proposal, state
 
@@ -182,6 +165,6 @@ def margin_step(problem, state, proposal, oracle, gen):
     """Move to the proposal unconditionally and query it once for its margin and success (NES and other
     gradient-estimation attacks; the query is BlackboxBench's per-iteration early-stop check)."""
     candidates, state = merge_proposal(state, proposal)
-    value, adv, _ = query_loss(problem, oracle, candidates)
-    state["x_adv"], state["loss"], state["success"] = candidates, value, adv
+    margin, adv, _ = query_margin(problem, oracle, candidates)
+    state["x_adv"], state["margin"], state["success"] = candidates, margin, adv
     return state

@@ -51,7 +51,7 @@ def to_boundary(problem, oracle, x_far, theta, live):
 
 
 def estimate_direction(problem, oracle, x_bd, num, delta, gen):
-    """Monte-Carlo estimate of the boundary normal at ``x_bd`` (HSJA Sec. 4.2), ``num[i]`` probes for sample i.
+    """HSJA's Monte-Carlo estimate of the boundary normal at ``x_bd``, with ``num[i]`` probes for sample i.
 
     All probes of all samples go in one oracle call. Directions are uniform in [-1, 1]^d (Linf) or Gaussian
     (L2), normalized, clipped to [0, 1]; the +1/-1 decisions get the mean baseline subtracted unless they are
@@ -126,7 +126,7 @@ def hsja_init(problem, oracle, gen, *, gamma=1.0, init_tries=100):
 @PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"))
 def hsja(problem, state, oracle, gen, *, init_num_evals=100, max_num_evals=10000,
          stepsize_search="geometric_progression"):
-    """One HSJA iteration (Alg. 1 of the HSJA paper) for every sample that has an adversarial point.
+    """One HopSkipJumpAttack iteration for every sample that has an adversarial point.
 
     Iteration t (1-based, per sample) uses ``min(init_num_evals * sqrt(t), max_num_evals)`` probes (Table V:
     100 and 10000) of size 0.1 at t = 1, then ``sqrt(d) theta dist_post`` (L2) or ``d theta dist_post`` (Linf);

@@ -16,7 +16,7 @@ BlackboxBench's NES (from the SignHunter code) has no momentum or learning-rate 
 import torch
 
 from ..registry import PERTURB
-from .common import per_sample, query_loss, randn_like_gen
+from .common import per_sample, query_margin, randn_like_gen
 
 PAPER = "Ilyas et al., Black-box Adversarial Attacks with Limited Queries and Information, ICML 2018"
 
@@ -30,9 +30,9 @@ def nes_gradient(problem, x_cur, oracle, gen, q, fd_eta):
     probes = torch.cat([x_cur[:, None] + fd_eta * u, x_cur[:, None] - fd_eta * u], 1).flatten(0, 1)
     idx = torch.arange(n, device=x_cur.device).repeat_interleave(2 * q)
     probes = problem.sub(idx).project(probes)  # valid images, as BlackboxBench's loss_fct projects its queries
-    loss, _, ok = query_loss(problem, oracle, probes, idx)
-    loss, ok = loss.view(n, 2, q), ok.view(n, 2, q)
-    diff = torch.where(ok.all(1), loss[:, 0] - loss[:, 1], torch.zeros_like(loss[:, 0]))
+    margin, _, ok = query_margin(problem, oracle, probes, idx)
+    margin, ok = margin.view(n, 2, q), ok.view(n, 2, q)
+    diff = torch.where(ok.all(1), margin[:, 0] - margin[:, 1], torch.zeros_like(margin[:, 0]))
     return (diff.view(n, q, *([1] * (u.dim() - 2))) * u).sum(1) / (2 * q * fd_eta)
 
 

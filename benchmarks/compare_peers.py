@@ -1,0 +1,526 @@
+"""Side-by-side comparison with peer libraries (torchattacks, ART, foolbox) on CIFAR-10 / ResNet-20.
+
+Sections (``--only`` runs one; otherwise all run and ``--out`` is rewritten):
+
+* ``square``: Square Linf eps 0.03, 10,000 queries: ours (recipe square_linf) vs torchattacks.Square vs ART
+  SquareAttack.
+* ``hsja``: HSJA Linf eps 0.03, 10,000 queries: ours (hsja_linf) vs ART HopSkipJump vs foolbox
+  HopSkipJumpAttack; success = "a queried image with Linf distance <= eps was classified adversarially within the
+  sample's first 10,000 queries" for the peers (they minimize the distance and have no budget of their own).
+* ``mifgsm``: MI-FGSM ResNet-20 -> ResNet-56 (Linf 0.03, alpha 0.003, 100 iterations, decay 1.0): ours (mi_fgsm)
+  vs torchattacks.MIFGSM; transfer ASR over images ResNet-56 classifies correctly.
+* ``overhead``: our Square run's wall time / the time of the same model forwards (same batch sizes) run bare.
+
+Our attacks are built from the recipes with the builder and run as ``Runner._query_batch`` /
+``Runner._transfer_batch`` do. Peers count queries through :class:`Counting`, an ``nn.Module`` around the same
+model object that attributes every forwarded row to its sample (by batch position, by the sample being attacked,
+or by the clean image whose eps ball holds the row) and counts forwards and *distinct* images per sample; its own
+bookkeeping time is measured and subtracted from the peers' wall time.
+
+Run: ``python benchmarks/compare_peers.py --n 100 --n-hsja 10`` (data root from env BLACKBOXBENCH_DATA).
+"""
+import argparse
+import math
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from blackboxbench.builder import build_attack, load_recipe  # noqa: E402
+from blackboxbench.config import finish_threat  # noqa: E402
+from blackboxbench.oracle import Oracle, rank_within_group  # noqa: E402
+from blackboxbench.prep.data import resolve_data_root  # noqa: E402
+from blackboxbench.prep.models import build_model  # noqa: E402
+from blackboxbench.registry import DATASET  # noqa: E402
+from blackboxbench.runner import check_outputs, make_generator, resolve_device  # noqa: E402
+from blackboxbench.threat import Problem  # noqa: E402
+
+EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
+GRID_EPS = math.floor(EPS * 255 + 1e-6) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
+GRID_LABEL = " at eps 7/255 (ours' grid eps)"
+SECTIONS = ("square", "hsja", "mifgsm", "overhead")
+SRC = "benchmarks/compare_peers.py"
+
+
+class Stop(Exception):
+    """Raised inside a peer's forward to end its run (budget reached, every sample decided, or time cap)."""
+
+
+class Counting(nn.Module):
+    """``model`` plus per-sample query accounting for a batch of clean images ``x`` with labels ``y``.
+
+    ``mode``: ``position`` (a batch of exactly n rows is samples 0..n-1, other sizes fall back to content),
+    ``current`` (every row belongs to ``self.current``) or ``content`` (a row belongs to the clean image whose
+    Linf ``eps`` ball holds it; rows outside every ball are counted as unattributed). Rows equal to their clean
+    image are clean-accuracy checks and are not counted as queries.
+    Per sample: ``forwards`` (every row), ``distinct`` (rows never forwarded before for that sample) and the
+    forward / distinct index of the first row classified adversarially within ``eps`` (``hit_fwd``,
+    ``hit_distinct``; 0 = none).
+    """
+
+    def __init__(self, model, x, y, eps, mode, stop_at_hit=False, deadline=None):
+        super().__init__()
+        self.model, self.x, self.y, self.eps, self.mode = model, x, y, eps, mode
+        self.stop_at_hit, self.deadline = stop_at_hit, deadline
+        n = len(x)
+        z = lambda: torch.zeros(n, dtype=torch.long, device=x.device)  # noqa: E731
+        self.forwards, self.distinct, self.hit_fwd, self.hit_distinct = z(), z(), z(), z()
+        self.seen, self.clean_rows, self.unattributed, self.book, self.current = set(), 0, 0, 0.0, None
+        self.cast, self.book_cpu = 0, 0.0
+        g = torch.Generator().manual_seed(0)
+        self.probe = torch.randperm(x[0].numel(), generator=g)[:64].to(x.device)
+        self.fp = torch.randn(x[0].numel(), generator=g, dtype=torch.float64).to(x.device)
+        self.eval()
+
+    def forward(self, inp):
+        t0, c0 = time.perf_counter(), time.process_time()
+        if self.deadline is not None and t0 > self.deadline:
+            raise Stop("time cap")
+        if inp.dtype != self.x.dtype:  # ART's HSJA binary search hands float64 arrays to predict
+            inp = inp.to(self.x.dtype)
+            self.cast += 1
+        rows = inp.detach()
+        ids = self._attribute(rows)
+        t1, c1 = time.perf_counter(), time.process_time()
+        out = self.model(inp)
+        t2, c2 = time.perf_counter(), time.process_time()
+        self._record(rows, out.detach(), ids)
+        stop = self.stop_at_hit and self._decided()
+        self.book += (t1 - t0) + (time.perf_counter() - t2)
+        self.book_cpu += (c1 - c0) + (time.process_time() - c2)
+        if stop:
+            raise Stop("decided")
+        return out
+
+    def _attribute(self, rows):
+        m, n = rows.shape[0], len(self.x)
+        if self.mode == "current":
+            return torch.full((m,), self.current, dtype=torch.long, device=rows.device)
+        if self.mode == "position" and m == n:
+            return torch.arange(n, device=rows.device)
+        flat, clean = rows.flatten(1), self.x.flatten(1)
+        near = (flat[:, None, self.probe] - clean[None, :, self.probe]).abs().amax(-1).argmin(1)
+        inside = (flat - clean[near]).abs().amax(1) <= self.eps + 1e-4
+        return torch.where(inside, near, torch.full_like(near, -1))
+
+    def _record(self, rows, out, ids):
+        known = ids >= 0
+        self.unattributed += int((~known).sum())
+        rows, out, s = rows[known], out[known], ids[known]
+        d = (rows - self.x[s]).flatten(1).abs().amax(1)
+        query = d > 0
+        self.clean_rows += int((~query).sum())
+        rows, out, s, d = rows[query], out[query], s[query], d[query]
+        if s.numel() == 0:
+            return
+        fwd_idx = self.forwards[s] + rank_within_group(s) + 1
+        self.forwards.index_add_(0, s, torch.ones_like(s))
+        keys = list(zip(s.tolist(), (rows.flatten(1).double() @ self.fp).tolist()))
+        new = torch.tensor([k not in self.seen for k in keys], device=s.device)
+        self.seen.update(keys)
+        new_rank = torch.zeros_like(s)
+        new_rank[new] = rank_within_group(s[new])
+        dist_idx = torch.where(new, self.distinct[s] + new_rank + 1, self.distinct[s])
+        self.distinct.index_add_(0, s[new], torch.ones_like(s[new]))
+        hit = (out.argmax(1) != self.y[s]) & (d <= self.eps + TOL) & (self.hit_fwd[s] == 0)
+        for j in hit.nonzero().squeeze(1).tolist():  # first hits only: at most once per sample
+            if self.hit_fwd[s[j]] == 0:
+                self.hit_fwd[s[j]], self.hit_distinct[s[j]] = fwd_idx[j], dist_idx[j]
+
+    def _decided(self):
+        idx = [self.current] if self.mode == "current" else range(len(self.x))
+        return all(self.hit_fwd[i] > 0 or self.distinct[i] >= BUDGET for i in idx)
+
+    def success(self):
+        return (self.hit_distinct > 0) & (self.hit_distinct <= BUDGET)
+
+
+class Timed(nn.Module):
+    """``model`` recording the batch size of every forward and the seconds spent inside it (for ``overhead``)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.sizes, self.seconds = model, [], 0.0
+        self.eval()
+
+    def forward(self, x):
+        t = time.perf_counter()
+        out = self.model(x)
+        self.seconds += time.perf_counter() - t
+        self.sizes.append(x.shape[0])
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+class Clock:
+    """Wall and process CPU seconds since creation (CPU time is the fairer measure on a loaded machine)."""
+
+    def __init__(self):
+        self.t, self.c = time.perf_counter(), time.process_time()
+
+    def read(self):
+        return time.perf_counter() - self.t, time.process_time() - self.c
+
+
+def linf(a, b):
+    return (a - b).flatten(1).abs().amax(1)
+
+
+def predict(model, x, bs=500):
+    with torch.no_grad():
+        return torch.cat([model(x[i:i + bs]).argmax(1) for i in range(0, len(x), bs)])
+
+
+def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None, note=""):
+    q = queries[success].double()
+    return dict(attack=attack, lib=lib, n=n, images=images, asr=float(success.float().mean()) if n else float("nan"),
+                mean_q=float(q.mean()) if q.numel() else float("nan"),
+                med_q=float(q.median()) if q.numel() else float("nan"),
+                mean_fwd=None if fwd is None or not q.numel() else float(fwd[success].double().mean()),
+                wall=clock[0], cpu=clock[1], max_linf=max_linf, note=note)
+
+
+def build_ours(name, threat=None):
+    recipe, source = load_recipe(name, SRC)
+    threat = finish_threat(dict(threat or {"norm": "linf", "eps": EPS}), recipe, source)
+    return build_attack(recipe, threat, source), threat
+
+
+def run_ours_query(name, model, x, y, device, seed):
+    """As ``Runner._query_batch``: clean check, attack the clean-correct samples, check outputs, confirm.
+
+    Returns the attack result, the problem, (wall, CPU) seconds and the :class:`Timed` model it ran on.
+    """
+    model = Timed(model)
+    attack, t = build_ours(name)
+    assert t["max_queries"] == BUDGET and t["eps"] == EPS
+    clock = Clock()
+    gen = make_generator(device, seed)
+    with torch.no_grad():
+        correct = model(x).argmax(1) == y
+    idx = correct.nonzero().squeeze(1)
+    problem = Problem(x[idx], y[idx], t["eps"], t["norm"], None, 10)
+    oracle = Oracle(model, len(idx), t["max_queries"], 10, t["feedback"], x.shape[1:])
+    res = attack.run(problem, oracle, gen)
+    check_outputs(res.x_adv, problem.x, t["eps"], t["norm"], name)
+    with torch.no_grad():
+        confirmed = problem.is_adv_label(model(res.x_adv).argmax(1))
+    wall = clock.read()
+    assert bool((confirmed == res.success).all()), "oracle-verified success differs from a fresh forward"
+    assert int(res.queries.max()) <= BUDGET
+    return res, problem, wall, model
+
+
+def ours_row(attack, name, res, problem, wall, timed, note):
+    return row(attack, f"ours ({name})", problem.n, res.success, res.queries, wall,
+               float(linf(res.x_adv, problem.x).max()), images=sum(timed.sizes), note=note)
+
+
+def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None):
+    """Success = first adversarial query within eps at distinct index <= BUDGET (see :class:`Counting`)."""
+    wall, cpu = clock.read()
+    success = cnt.success()
+    notes = [note] if note else []
+    max_l = float("nan")
+    if x_adv is not None:
+        max_l = float(linf(x_adv, x).max())
+        adv_ok = (predict(model, x_adv) != y) & (linf(x_adv, x) <= cnt.eps + TOL)
+        notes.append(f"returned images adversarial within eps: {int(adv_ok.sum())}/{len(y)}")
+    if stopped:
+        notes.append(stopped)
+    if cnt.cast:
+        notes.append(f"{cnt.cast} float64 batches cast to float32 by the wrapper")
+    if cnt.unattributed:
+        notes.append(f"{cnt.unattributed} rows unattributed")
+    images = int(cnt.forwards.sum()) + cnt.clean_rows + cnt.unattributed
+    return row(attack, lib, len(y), success, cnt.hit_distinct, (wall - cnt.book, cpu - cnt.book_cpu), max_l,
+               images=images, fwd=cnt.hit_fwd, note="; ".join(notes))
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+def section_square(args, ctx):
+    import torchattacks
+    from art.attacks.evasion import SquareAttack
+
+    model, device = ctx["m20"], ctx["device"]
+    x, y = ctx["data"].x[:args.n].to(device), ctx["data"].y[:args.n].to(device)
+    res, problem, wall, timed = run_ours_query("square_linf", model, x, y, device, args.seed)
+    ctx["square_ours"] = (timed, wall)
+    xc, yc = problem.x, problem.y
+    rows = [ours_row("Square Linf", "square_linf", res, problem, wall, timed,
+                     "uint8 outputs rounded towards the clean image (eps 0.03 -> 7/255 = 0.02745); queries include "
+                     "the verification query of the returned image")]
+
+    def torchattacks_square(eps, note):
+        cnt = Counting(model, xc, yc, eps, "content", deadline=time.perf_counter() + args.peer_cap)
+        torch.manual_seed(args.seed)
+        atk = torchattacks.Square(cnt, norm="Linf", eps=eps, n_queries=BUDGET, n_restarts=1, p_init=0.05,
+                                  loss="margin", seed=args.seed)
+        clock, x_adv, stopped = Clock(), None, None
+        try:
+            x_adv = atk(xc, yc)
+        except Stop as e:
+            stopped = f"stopped by the {e} ({args.peer_cap:.0f} s)"
+        return peer_result("Square Linf", f"torchattacks {torchattacks.__version__}{note}", cnt, clock, x_adv, xc,
+                           yc, model, "n_queries counts iterations (1 init query + up to 10,000: <= 10,001 per "
+                           "sample); one window and one sign draw shared by the whole batch", stopped)
+
+    rows.append(torchattacks_square(EPS, ""))
+
+    cnt = Counting(model, xc, yc, EPS, "content", deadline=time.perf_counter() + args.peer_cap)
+    np.random.seed(args.seed)
+    clf = art_classifier(cnt, device)
+    atk = SquareAttack(clf, norm=np.inf, max_iter=BUDGET, eps=EPS, p_init=0.05, nb_restarts=1, verbose=False)
+    clock, x_adv, stopped = Clock(), None, None
+    try:
+        x_adv = torch.from_numpy(atk.generate(xc.cpu().numpy(), y=yc.cpu().numpy())).to(device)
+    except Stop as e:
+        stopped = f"stopped by the {e} ({args.peer_cap:.0f} s)"
+    rows.append(peer_result("Square Linf", f"ART {art_version()}", cnt, clock, x_adv, xc, yc,
+                            model, "max_iter 10,000 (1 new image per iteration, but 3 forwards: it re-predicts "
+                            "x_adv and its loss each iteration); window shared by the batch", stopped))
+    if args.same_grid:
+        rows.append(torchattacks_square(GRID_EPS, GRID_LABEL))
+    return rows
+
+
+def hsja_steps():
+    """Iterations whose gradient probes (100 sqrt(t), Table V) plus ~30 search queries reach ~10,000."""
+    total, t = 0, 0
+    while total < BUDGET:
+        t += 1
+        total += int(100 * math.sqrt(t)) + 30
+    return t
+
+
+def section_hsja(args, ctx):
+    import foolbox as fb
+    from art.attacks.evasion import HopSkipJump
+
+    model, device = ctx["m20"], ctx["device"]
+    x, y = ctx["data"].x[:args.n_hsja].to(device), ctx["data"].y[:args.n_hsja].to(device)
+    res, problem, wall, timed = run_ours_query("hsja_linf", model, x, y, device, args.seed)
+    xc, yc = problem.x, problem.y
+    rows = [ours_row("HSJA Linf", "hsja_linf", res, problem, wall, timed,
+                     "stops at success (within_eps accept); uint8 outputs (eps 7/255 after rounding)")]
+    steps = hsja_steps()
+
+    def art_hsja(eps, label):
+        cnt = Counting(model, xc, yc, eps, "current", stop_at_hit=True,
+                       deadline=time.perf_counter() + args.peer_cap)
+        np.random.seed(args.seed)
+        atk = HopSkipJump(art_classifier(cnt, device), norm=np.inf, max_iter=steps, max_eval=10000, init_eval=100,
+                          init_size=100, verbose=False)
+        clock, stopped = Clock(), None
+        for i in range(len(yc)):  # ART attacks one sample at a time anyway; this makes attribution exact
+            cnt.current = i
+            try:
+                atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
+            except Stop as e:
+                if str(e) == "time cap":
+                    stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
+                    break
+        return peer_result("HSJA Linf", f"ART {art_version()}{label}", cnt, clock, None, xc, yc, model,
+                           f"max_iter {steps}; each sample stopped at its first hit or 10,000 queries", stopped)
+
+    def foolbox_hsja(eps, label):
+        cnt = Counting(model, xc, yc, eps, "position", stop_at_hit=True,
+                       deadline=time.perf_counter() + args.peer_cap)
+        torch.manual_seed(args.seed)
+        fmodel = fb.PyTorchModel(cnt, bounds=(0, 1), device=device)
+        atk = fb.attacks.HopSkipJumpAttack(steps=steps, constraint="linf")
+        clock, stopped = Clock(), None
+        try:
+            atk(fmodel, xc, yc, epsilons=eps)
+            stopped = "ran all steps"
+        except Stop as e:
+            stopped = "stopped when every sample had hit or used 10,000 queries" if str(e) == "decided" else \
+                f"stopped by the time cap ({args.peer_cap:.0f} s)"
+        return peer_result("HSJA Linf", f"foolbox {fb.__version__}{label}", cnt, clock, None, xc, yc, model,
+                           f"steps {steps}; whole batch queried every time (no per-sample stop)", stopped)
+
+    rows += [art_hsja(EPS, ""), foolbox_hsja(EPS, "")]
+    if args.same_grid:
+        rows += [art_hsja(GRID_EPS, GRID_LABEL), foolbox_hsja(GRID_EPS, GRID_LABEL)]
+    return rows
+
+
+def section_mifgsm(args, ctx):
+    import torchattacks
+
+    m20, m56, device = ctx["m20"], ctx["m56"], ctx["device"]
+    x, y = ctx["data"].x[:args.n].to(device), ctx["data"].y[:args.n].to(device)
+    ok56 = predict(m56, x) == y
+    attack, t = build_ours("mi_fgsm")
+    assert t["eps"] == EPS and attack.iterations == 100 and abs(attack.alpha - 0.003) < 1e-12
+    clock = Clock()
+    gen = make_generator(device, args.seed)
+    surrogate = attack.refine([m20], gen)
+    problem = Problem(x, y, t["eps"], t["norm"], None, 10)
+    ours = attack.run(surrogate, problem, gen)
+    check_outputs(ours, x, t["eps"], t["norm"], "mi_fgsm")
+    wall_ours = clock.read()
+
+    atk = torchattacks.MIFGSM(m20, eps=EPS, alpha=0.003, steps=100, decay=1.0)
+    clock = Clock()
+    peer = atk(x, y)
+    wall_peer = clock.read()
+    rows = []
+    for lib, adv, wall, note in (("ours (mi_fgsm)", ours, wall_ours, "uint8-quantized outputs"),
+                                 (f"torchattacks {torchattacks.__version__}", peer, wall_peer, "float outputs")):
+        success = (predict(m56, adv) != y)[ok56]
+        white = float((predict(m20, adv) != y).float().mean())
+        r = row("MI-FGSM R20->R56", lib, int(ok56.sum()), success, torch.zeros(len(success)), wall,
+                float(linf(adv, x).max()), note=f"{note}; white-box ASR on ResNet-20 {white:.1%} (all {len(y)})")
+        r["mean_q"] = r["med_q"] = None
+        rows.append(r)
+    return rows
+
+
+def section_overhead(args, ctx):
+    if "square_ours" not in ctx:
+        model, device = ctx["m20"], ctx["device"]
+        x, y = ctx["data"].x[:args.n].to(device), ctx["data"].y[:args.n].to(device)
+        _, _, wall, timed = run_ours_query("square_linf", model, x, y, device, args.seed)
+        ctx["square_ours"] = (timed, wall)
+    timed, wall = ctx["square_ours"]
+    model, device = ctx["m20"], ctx["device"]
+    bufs = {b: torch.rand(b, 3, 32, 32, generator=torch.Generator().manual_seed(b)).to(device)
+            for b in set(timed.sizes)}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    clock = Clock()
+    with torch.no_grad():
+        for b in timed.sizes:
+            model(bufs[b])
+    sync()
+    bare = clock.read()
+    return dict(wall=wall[0], cpu=wall[1], bare=bare[0], bare_cpu=bare[1], inside=timed.seconds,
+                calls=len(timed.sizes), images=sum(timed.sizes))
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def art_classifier(model, device):
+    from art.estimators.classification import PyTorchClassifier
+
+    return PyTorchClassifier(model=model, loss=nn.CrossEntropyLoss(), input_shape=(3, 32, 32), nb_classes=10,
+                             clip_values=(0.0, 1.0), device_type="gpu" if device.type == "cuda" else "cpu")
+
+
+def art_version():
+    import art
+
+    return art.__version__
+
+
+def fmt(v, spec):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def table(rows):
+    out = ["| attack | library | n | ASR | mean q | median q | mean fwd to success | images fwd | wall s | CPU s | "
+           "max Linf | notes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['attack']} | {r['lib']} | {r['n']} | {fmt(r['asr'] * 100, '.1f')}% | "
+                   f"{fmt(r['mean_q'], '.0f')} | {fmt(r['med_q'], '.0f')} | {fmt(r['mean_fwd'], '.0f')} | "
+                   f"{fmt(r['images'], 'd')} | "
+                   f"{fmt(r['wall'], '.1f')} | {fmt(r['cpu'], '.1f')} | {fmt(r['max_linf'], '.5f')} | {r['note']} |")
+    return out
+
+
+def ratios(rows):
+    ours = rows[0]
+    out = []
+    for r in rows[1:]:
+        out.append(f"- {r['lib']}: wall {r['wall'] / ours['wall']:.2f}x ours, CPU {r['cpu'] / ours['cpu']:.2f}x "
+                   f"ours, ASR "
+                   f"{(r['asr'] - ours['asr']) * 100:+.1f} points vs ours")
+    return out
+
+
+def machine(args, device):
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                   if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if device.type == "cuda" else ""
+    return (f"{cpu} x{os.cpu_count()}{gpu}; device {device.type}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} thread(s); Python {platform.python_version()}")
+
+
+def render(name, args, ctx, result, load):
+    cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    lines = [f"<!-- section:{name} -->", f"## {name}", "",
+             f"Command: `{cmd}`  ", f"Machine: {machine(args, ctx['device'])}  ",
+             f"Load average (1 min) before/after: {load[0]:.2f} / {load[1]:.2f}; section time {load[2]:.0f} s", ""]
+    if name == "overhead":
+        r = result
+        lines += [f"Our Square run: {r['wall']:.1f} s wall ({r['cpu']:.1f} s CPU); {r['calls']} model forwards "
+                  f"({r['images']} images) took {r['inside']:.1f} s inside the run; the same forwards replayed bare "
+                  f"took {r['bare']:.1f} s wall ({r['bare_cpu']:.1f} s CPU).", "",
+                  f"- overhead (wall / bare replay wall): **{r['wall'] / r['bare']:.2f}x** (target <= 1.2x)",
+                  f"- overhead (CPU / bare replay CPU): **{r['cpu'] / r['bare_cpu']:.2f}x**",
+                  f"- overhead (wall / time inside the model during the run): {r['wall'] / r['inside']:.2f}x"]
+    else:
+        lines += table(result) + [""] + ratios(result)
+    return lines + [f"<!-- /section:{name} -->"]
+
+
+def write(out, sections):
+    """Replace the named sections of ``out`` (keeping the others and any text around them)."""
+    text = out.read_text() if out.exists() else "# Benchmarks against peer libraries\n\n"
+    for name, lines in sections:
+        block = "\n".join(lines)
+        pat = re.compile(rf"<!-- section:{name} -->.*?<!-- /section:{name} -->", re.S)
+        text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
+    out.write_text(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data-root", default=os.environ.get("BLACKBOXBENCH_DATA"))
+    ap.add_argument("--n", type=int, default=100, help="images for Square and MI-FGSM (first n of the 300)")
+    ap.add_argument("--n-hsja", type=int, default=20, help="images for HSJA")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer-cap", type=float, default=900.0, help="seconds after which a peer run is stopped")
+    ap.add_argument("--same-grid", action="store_true",
+                    help="also run the query peers at eps 7/255, the radius our uint8 outputs actually reach")
+    ap.add_argument("--out", default="benchmarks/RESULTS.md")
+    ap.add_argument("--only", choices=SECTIONS)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    root = resolve_data_root(args.data_root)
+    ctx = {"device": device, "data": DATASET.get("cifar10")(root, n=300),
+           "m20": build_model("cifar_resnet20", root, device), "m56": build_model("cifar_resnet56", root, device)}
+    runs = {"square": section_square, "hsja": section_hsja, "mifgsm": section_mifgsm, "overhead": section_overhead}
+    done = []
+    for name in [args.only] if args.only else SECTIONS:
+        l0, t0 = os.getloadavg()[0], time.perf_counter()
+        result = runs[name](args, ctx)
+        lines = render(name, args, ctx, result, (l0, os.getloadavg()[0], time.perf_counter() - t0))
+        print("\n".join(lines), flush=True)
+        done.append((name, lines))
+        write(Path(args.out), done[-1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
