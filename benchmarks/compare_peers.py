@@ -17,7 +17,8 @@ model object that attributes every forwarded row to its sample (by batch positio
 or by the clean image whose eps ball holds the row) and counts forwards and *distinct* images per sample; its own
 bookkeeping time is measured and subtracted from the peers' wall time.
 
-Run: ``python benchmarks/compare_peers.py --n 100 --n-hsja 10`` (data root from env BLACKBOXBENCH_DATA).
+Run: ``python benchmarks/compare_peers.py --n 100 --n-hsja 10 --threads 1 --same-grid`` (data root from env
+BLACKBOXBENCH_DATA; about 13 minutes on a loaded 2-core CPU).
 """
 import argparse
 import math

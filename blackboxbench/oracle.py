@@ -24,15 +24,18 @@ def rank_within_group(idx):
 class Oracle:
     """Query access to ``model`` for a batch of ``n`` samples, each with budget ``max_queries``."""
 
-    def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=1024):
+    def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=None):
         if feedback not in FEEDBACKS:
             raise BenchError(f"feedback must be one of {FEEDBACKS}, got '{feedback}'")
         self._forward = model
-        self.n, self.max_queries, self.feedback, self.chunk = n, int(max_queries), feedback, chunk
+        self.n, self.max_queries, self.feedback = n, int(max_queries), feedback
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.device = next(iter(model.parameters()), torch.zeros(())).device if hasattr(model, "parameters") \
             else torch.device("cpu")
+        # Forward in chunks: ~256 images is the CPU sweet spot (1024-image batches cost 1.7x per image on
+        # ResNet-20, see benchmarks/RESULTS.md); a GPU wants larger ones.
+        self.chunk = chunk or (4096 if self.device.type == "cuda" else 256)
         self.counts = torch.zeros(n, dtype=torch.long, device=self.device)
         self.forwarded = 0  # images actually forwarded, all samples together
 

@@ -5,7 +5,6 @@ the real pretrained CIFAR-10 ResNet-20 checks success at the paper's budget (Tab
 budgets (skipped without the offline data).
 """
 import functools
-import math
 from pathlib import Path
 
 import pytest
@@ -148,8 +147,9 @@ def cifar(data_root):
 
 @pytest.mark.parametrize("name,norm", SETTINGS)
 def test_untargeted_table_v_budget(cifar, name, norm):
-    """Measured on these 8 images (seed 0): ASR 8/8 for all three; median queries hsja_linf 750, hsja_l2 501,
-    rays 252 (see the report). A margin of two samples absorbs platform numerics."""
+    """Measured on these 8 images (seed 0, one thread): ASR 8/8 for all three; mean / median queries hsja_linf
+    1248 / 750, hsja_l2 780 / 720, rays 532 / 252. The bounds leave a margin of two samples for platform
+    numerics; a broken attack lands far below them."""
     model, x, y = cifar
     problem, res = run(name, model, x, y, EPS[norm], norm, budget=10_000)
     check_outputs(problem, res, model, 10_000)
@@ -159,12 +159,16 @@ def test_untargeted_table_v_budget(cifar, name, norm):
 
 @pytest.mark.parametrize("name,norm", SETTINGS)
 def test_targeted_smoke(cifar, name, norm):
+    """Three images of different classes, each targeted at another's class, 1,000 queries, three times the
+    Table V eps: measured successes (seed 0) hsja_linf 1/3, hsja_l2 1/3, rays 2/3 (at eps itself and 3,000
+    queries: 1/3, 2/3, 3/3)."""
     model, x, y = cifar
     first = torch.tensor([int((y == c).nonzero()[0]) for c in y.unique()])[:3]  # three different classes
     x, y = x[first], y[first]
     target = y.roll(1)  # each target class has an image in the batch: a natural targeted start
-    problem, res = run(name, model, x, y, EPS[norm], norm, budget=300, target=target)
-    check_outputs(problem, res, model, 300)
+    problem, res = run(name, model, x, y, 3 * EPS[norm], norm, budget=1000, target=target)
+    check_outputs(problem, res, model, 1000)
+    assert res.success.any(), res.queries
 
 
 @pytest.mark.parametrize("name,norm", SETTINGS)

@@ -22,24 +22,24 @@ def rows_where(mask, a, b):
     return torch.where(mask.view(-1, *([1] * (a.dim() - 1))), a, b)
 
 
-def rand_like_gen(shape, gen, device):
+def uniform(shape, gen, device, dtype=torch.float32):
     """Uniform [0, 1) draws from ``gen`` (which may live on another device), returned on ``device``."""
-    return torch.rand(shape, generator=gen, device=gen.device).to(device)
+    return torch.rand(shape, generator=gen, device=gen.device, dtype=dtype).to(device)
 
 
-def randn_like_gen(shape, gen, device):
+def gaussian(shape, gen, device):
     """Standard normal draws from ``gen``, returned on ``device``."""
     return torch.randn(shape, generator=gen, device=gen.device).to(device)
 
 
 def random_signs(shape, gen, device):
     """Uniform {-1, +1} draws of ``shape``."""
-    return torch.where(rand_like_gen(shape, gen, device) < 0.5, -1.0, 1.0)
+    return torch.where(uniform(shape, gen, device) < 0.5, -1.0, 1.0)
 
 
 def randint_below(high, gen):
     """One uniform integer in ``[0, high[i])`` per sample (``high`` (n,) long tensor, every entry >= 1)."""
-    u = rand_like_gen(high.shape, gen, high.device)
+    u = uniform(high.shape, gen, high.device, torch.float64)
     return torch.minimum((u * high).long(), high - 1)
 
 
@@ -48,7 +48,7 @@ def random_permutations(n, d, gen, device, key=None):
 
     With ``key`` (d,) (integer-valued), coordinates are sorted by ``key`` first and shuffled only among equal keys.
     """
-    u = rand_like_gen((n, d), gen, device)
+    u = uniform((n, d), gen, device, torch.float64)
     if key is not None:
         u = u + key.to(u.dtype)[None]
     return u.argsort(dim=1)
@@ -58,11 +58,11 @@ def window_mask(top, left, height, width, size_hw):
     """Per-sample rectangular windows as a bool mask (n, 1, H, W).
 
     Window ``i`` covers rows ``top[i] .. top[i]+height[i]-1`` and columns ``left[i] .. left[i]+width[i]-1``
-    (each an (n,) long tensor or an int; ``size_hw`` = (H, W)); parts outside the image are dropped.
-    Built by broadcasting, no per-sample loop.
+    (``top``/``left`` (n,) long tensors, ``height``/``width`` (n,) tensors or ints; ``size_hw`` = (H, W));
+    parts outside the image are dropped. Built by broadcasting, no per-sample loop.
     """
     h, w = size_hw
-    device = top.device if torch.is_tensor(top) else left.device
+    device = top.device
     as_t = lambda v: torch.as_tensor(v, device=device).reshape(-1, 1)  # noqa: E731
     top, left, height, width = as_t(top), as_t(left), as_t(height), as_t(width)
     rows = torch.arange(h, device=device)[None]

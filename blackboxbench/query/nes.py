@@ -16,7 +16,7 @@ BlackboxBench's NES (from the SignHunter code) has no momentum or learning-rate 
 import torch
 
 from ..registry import PERTURB
-from .common import per_sample, query_margin, randn_like_gen
+from .common import per_sample, query_margin, gaussian
 
 PAPER = "Ilyas et al., Black-box Adversarial Attacks with Limited Queries and Information, ICML 2018"
 
@@ -26,7 +26,7 @@ def nes_gradient(problem, x_cur, oracle, gen, q, fd_eta):
     one oracle call. Probes are projected onto the eps ball and [0, 1]; pairs with a refused probe contribute
     nothing."""
     n = x_cur.shape[0]
-    u = randn_like_gen((n, q, *x_cur.shape[1:]), gen, x_cur.device)
+    u = gaussian((n, q, *x_cur.shape[1:]), gen, x_cur.device)
     probes = torch.cat([x_cur[:, None] + fd_eta * u, x_cur[:, None] - fd_eta * u], 1).flatten(0, 1)
     idx = torch.arange(n, device=x_cur.device).repeat_interleave(2 * q)
     probes = problem.sub(idx).project(probes)  # valid images, as BlackboxBench's loss_fct projects its queries
