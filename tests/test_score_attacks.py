@@ -1,9 +1,9 @@
 """Score-based attacks (log-probability feedback): Square Linf/L2, NES, SimBA and SimBA-DCT, built from their recipes.
 
-Helpers are checked against loop-based references; a linear toy model (no data needed) checks that every
-recipe reaches a known boundary on 8x8 images and handles refused queries; the real pretrained CIFAR-10
-ResNet-20 checks success at the paper's budget (Table VI), a targeted run and tiny budgets (skipped without the
-offline data).
+Helpers are checked against slicing references and their defining properties; a linear toy model (no data
+needed) checks that every recipe reaches a known boundary on 8x8 images and never claims an unreachable one; the
+real pretrained CIFAR-10 ResNet-20 checks success at the paper's budget (Table VI), a targeted run and tiny
+budgets (skipped without the offline data).
 """
 import functools
 from pathlib import Path
@@ -223,19 +223,26 @@ def cifar(data_root):
     return model, ds.x[keep][:16], ds.y[keep][:16]
 
 
-# (recipe, norm, images, budget, min success rate). Measured with seed 0 on these images (see the report):
-# square_linf 8/8, square_l2 8/8, nes linf 8/8 at 10,000 queries; the slow ones run with fewer queries.
-REAL = [("square_linf", "linf", 8, 10_000, 0.8), ("square_l2", "l2", 8, 10_000, 0.8),
-        ("nes", "linf", 8, 10_000, 0.75), ("simba_pixel", "l2", 8, 10_000, 0.75),
-        ("simba_dct", "linf", 8, 10_000, 0.75)]
+# (recipe, norm, images, budget, max median queries). Measured with seed 0 on these 8 images: every setting
+# fools 8/8 at Table VI's 10,000 queries, median queries square_linf 39, square_l2 81, nes linf 157,
+# simba_pixel linf 285, simba_pixel l2 101, simba_dct linf 74, simba_dct l2 77; the caps leave ~4-5x.
+# NES L2 is left out: with Table VI's 0.01 step it needs 4,474 median queries (4/4 images, 35 s) and fools
+# 10/16 images at 10,000; the toy model and the tiny-budget test cover it.
+REAL = [("square_linf", "linf", 8, 10_000, 200), ("square_l2", "l2", 8, 10_000, 400),
+        ("nes", "linf", 8, 10_000, 700), ("simba_pixel", "linf", 8, 10_000, 1200),
+        ("simba_pixel", "l2", 8, 10_000, 500), ("simba_dct", "linf", 8, 10_000, 400),
+        ("simba_dct", "l2", 8, 10_000, 400)]
 
 
-@pytest.mark.parametrize("name,norm,n,budget,min_asr", REAL)
-def test_untargeted_on_resnet20(cifar, name, norm, n, budget, min_asr):
+@pytest.mark.parametrize("name,norm,n,budget,max_median", REAL)
+def test_untargeted_on_resnet20(cifar, name, norm, n, budget, max_median):
+    """Success rate >= 7/8 (one image of slack for platform numerics) and a median query count near the measured
+    one, so a slowed-down attack fails too."""
     model, x, y = cifar
     problem, res = run(name, model, x[:n], y[:n], EPS[norm], norm, budget=budget)
     check_outputs(problem, res, model, budget)
-    assert res.success.float().mean() >= min_asr, res.queries
+    assert res.success.float().mean() >= 0.875, res.queries
+    assert res.queries[res.success].float().median() <= max_median, res.queries
 
 
 def test_targeted_square_on_resnet20(cifar):
@@ -244,7 +251,7 @@ def test_targeted_square_on_resnet20(cifar):
     target = (y + 1) % 10
     problem, res = run("square_linf", model, x, y, EPS["linf"], "linf", budget=10_000, target=target)
     check_outputs(problem, res, model, 10_000)
-    assert res.success.float().mean() >= 0.75, res.queries
+    assert res.success.float().mean() >= 0.75, res.queries  # measured 4/4, median 376 queries
 
 
 @pytest.mark.parametrize("name,norm", SETTINGS)

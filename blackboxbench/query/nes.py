@@ -16,7 +16,7 @@ BlackboxBench's NES (from the SignHunter code) has no momentum or learning-rate 
 import torch
 
 from ..registry import PERTURB
-from .common import per_sample, query_margin, gaussian
+from .common import gaussian, per_sample, query_margin
 
 PAPER = "Ilyas et al., Black-box Adversarial Attacks with Limited Queries and Information, ICML 2018"
 
