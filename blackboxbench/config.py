@@ -92,7 +92,7 @@ def apply_set(cfg, assignments, source):
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"cannot set inside a non-mapping", source=source, key=key)
+                raise ConfigError("cannot set inside a non-mapping", source=source, key=key)
         node[parts[-1]] = value
     return cfg
 

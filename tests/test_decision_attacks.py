@@ -4,66 +4,23 @@ A linear toy model (no data needed) checks convergence to a known boundary and t
 the real pretrained CIFAR-10 ResNet-20 checks success at the paper's budget (Table V), targeted runs and tiny
 budgets (skipped without the offline data).
 """
-import functools
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.oracle import Oracle
 from blackboxbench.query.decision import bisect, blend, find_start
-from blackboxbench.query.pipeline import QueryAttack
-from blackboxbench.registry import ACCEPT, DATASET, INIT, PERTURB, check_params
 from blackboxbench.threat import Problem
+
+from attack_utils import check_outputs, correctly_classified, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "decision"
 SETTINGS = [("hsja_linf", "linf"), ("hsja_l2", "l2"), ("rays", "linf")]
 EPS = {"linf": 0.03, "l2": 1.0}  # Table V, CIFAR-10
 N_REAL = 8
-
-
-def build(name):
-    recipe = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
-    assert recipe["name"] == name and recipe["family"] == "decision"
-    blocks = {}
-    for kind, reg in (("init", INIT), ("perturb", PERTURB), ("accept", ACCEPT)):
-        params = dict(recipe["blocks"][kind])
-        fn = reg.get(params.pop("name"))
-        check_params(fn, params)
-        blocks[kind] = functools.partial(fn, **params)
-    return QueryAttack(name, "decision", blocks["init"], blocks["perturb"], blocks["accept"])
-
-
-def run(name, model, x, y, eps, norm, budget, target=None, seed=0):
-    problem = Problem(x=x, y=y, eps=eps, norm=norm, target=target, num_classes=10)
-    oracle = Oracle(model, n=len(x), max_queries=budget, num_classes=10, feedback="label", input_shape=x.shape[1:])
-    return problem, build(name).run(problem, oracle, torch.Generator().manual_seed(seed))
-
-
-def check_outputs(problem, res, model, budget):
-    """Inside the eps ball and [0, 1] on the uint8 grid, within budget, and every success really adversarial."""
-    x_adv = res.x_adv
-    assert (problem.dist(x_adv) <= problem.eps + 1e-6).all()
-    assert x_adv.min() >= 0 and x_adv.max() <= 1
-    assert torch.equal(x_adv * 255, torch.round(x_adv * 255))
-    assert (res.queries <= budget).all()
-    with torch.no_grad():
-        pred = model(x_adv).argmax(1)
-    hit = pred == problem.target if problem.targeted else pred != problem.y
-    assert hit[res.success].all()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Decision attacks forward many small batches: one intra-op thread is as fast and does not collapse when
-    the cores are shared (two threads on a busy 2-core machine made this file several times slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- toy linear model (no data)
@@ -95,7 +52,7 @@ def toy():
 def test_toy_linear_boundary_is_reached(toy, name, norm):
     model, x, y, dist = toy
     eps = 1.5 * dist[norm].max().item()  # reachable, and far below the random-noise start
-    problem, res = run(name, model, x, y, eps, norm, budget=2000)
+    problem, res = run_query(name, model, x, y, eps, norm, budget=2000)
     assert res.success.all(), res.queries
     check_outputs(problem, res, model, 2000)
 
@@ -122,14 +79,14 @@ def test_refused_start_is_not_found(toy):
     x0, found = find_start(problem, oracle, torch.Generator().manual_seed(0), tries=10)
     assert not found.any() and torch.equal(x0, x)
     for name, norm in SETTINGS:
-        _, res = run(name, model, x, y, 0.5, norm, budget=0)
+        _, res = run_query(name, model, x, y, 0.5, norm, budget=0)
         assert not res.success.any() and (res.queries == 0).all()
 
 
 def test_rays_rejects_l2(toy):
     model, x, y, _ = toy
     with pytest.raises(BenchError):
-        run("rays", model, x, y, 1.0, "l2", budget=10)
+        run_query("rays", model, x, y, 1.0, "l2", budget=10)
 
 
 # ---------------------------------------------------------------- real CIFAR-10 ResNet-20
@@ -139,10 +96,7 @@ def cifar(data_root):
     from blackboxbench.prep.models import build_model
 
     model = build_model("cifar_resnet20", data_root)
-    ds = DATASET.get("cifar10")(data_root, n=2 * N_REAL)
-    with torch.no_grad():
-        keep = model(ds.x).argmax(1) == ds.y
-    return model, ds.x[keep][:N_REAL], ds.y[keep][:N_REAL]
+    return (model, *correctly_classified([model], data_root, n=N_REAL, pool=2 * N_REAL))
 
 
 @pytest.mark.parametrize("name,norm", SETTINGS)
@@ -151,7 +105,7 @@ def test_untargeted_table_v_budget(cifar, name, norm):
     1248 / 750, hsja_l2 780 / 720, rays 532 / 252. The bounds leave a margin of two samples for platform
     numerics; a broken attack lands far below them."""
     model, x, y = cifar
-    problem, res = run(name, model, x, y, EPS[norm], norm, budget=10_000)
+    problem, res = run_query(name, model, x, y, EPS[norm], norm, budget=10_000)
     check_outputs(problem, res, model, 10_000)
     assert res.success.float().mean() >= 0.75, res.queries
     assert res.queries[res.success].float().median() <= 2500
@@ -166,7 +120,7 @@ def test_targeted_smoke(cifar, name, norm):
     first = torch.tensor([int((y == c).nonzero()[0]) for c in y.unique()])[:3]  # three different classes
     x, y = x[first], y[first]
     target = y.roll(1)  # each target class has an image in the batch: a natural targeted start
-    problem, res = run(name, model, x, y, 3 * EPS[norm], norm, budget=1000, target=target)
+    problem, res = run_query(name, model, x, y, 3 * EPS[norm], norm, budget=1000, target=target)
     check_outputs(problem, res, model, 1000)
     assert res.success.any(), res.queries
 
@@ -174,7 +128,7 @@ def test_targeted_smoke(cifar, name, norm):
 @pytest.mark.parametrize("name,norm", SETTINGS)
 def test_tiny_budget_ends_without_false_success(cifar, name, norm):
     model, x, y = cifar
-    problem, res = run(name, model, x[:4], y[:4], EPS[norm], norm, budget=20)
+    problem, res = run_query(name, model, x[:4], y[:4], EPS[norm], norm, budget=20)
     check_outputs(problem, res, model, 20)
     assert (res.queries == 20).all() and not res.stalled
     assert not res.success.any()

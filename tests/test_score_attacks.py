@@ -5,69 +5,26 @@ needed) checks that every recipe reaches a known boundary on 8x8 images and neve
 real pretrained CIFAR-10 ResNet-20 checks success at the paper's budget (Table VI), a targeted run and tiny
 budgets (skipped without the offline data).
 """
-import functools
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.oracle import Oracle
 from blackboxbench.query.common import greedy_update, random_window, start_state, window_mask
-from blackboxbench.query.pipeline import QueryAttack
 from blackboxbench.query.simba import basis_images, strided_band
 from blackboxbench.query.square import p_schedule, pseudo_gaussian_windows
-from blackboxbench.registry import ACCEPT, DATASET, INIT, PERTURB, check_params
+from blackboxbench.registry import INIT
 from blackboxbench.threat import Problem
+
+from attack_utils import check_outputs, correctly_classified, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "score"
 SETTINGS = [("square_linf", "linf"), ("square_l2", "l2"), ("nes", "linf"), ("nes", "l2"),
             ("simba_pixel", "linf"), ("simba_pixel", "l2"), ("simba_dct", "linf"), ("simba_dct", "l2")]
 EPS = {"linf": 0.03, "l2": 1.0}  # Table VI, CIFAR-10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Query loops forward tiny batches: with one intra-op thread they do not stall on thread synchronisation
-    when the machine is busy (measured 33x faster than two threads on a loaded 2-core machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def build(name):
-    recipe = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
-    assert recipe["name"] == name and recipe["family"] == "score"
-    blocks = {}
-    for kind, reg in (("init", INIT), ("perturb", PERTURB), ("accept", ACCEPT)):
-        params = dict(recipe["blocks"][kind])
-        fn = reg.get(params.pop("name"))
-        check_params(fn, params)
-        blocks[kind] = functools.partial(fn, **params)
-    return QueryAttack(name, "score", blocks["init"], blocks["perturb"], blocks["accept"])
-
-
-def run(name, model, x, y, eps, norm, budget, target=None, seed=0, num_classes=10):
-    problem = Problem(x=x, y=y, eps=eps, norm=norm, target=target, num_classes=num_classes)
-    oracle = Oracle(model, n=len(x), max_queries=budget, num_classes=num_classes, feedback="score",
-                    input_shape=x.shape[1:])
-    return problem, build(name).run(problem, oracle, torch.Generator().manual_seed(seed))
-
-
-def check_outputs(problem, res, model, budget):
-    """Inside the eps ball and [0, 1] on the uint8 grid, within budget, and every success really adversarial."""
-    x_adv = res.x_adv
-    assert (problem.dist(x_adv) <= problem.eps + 1e-6).all()
-    assert x_adv.min() >= 0 and x_adv.max() <= 1
-    assert torch.equal(x_adv * 255, torch.round(x_adv * 255))
-    assert (res.queries <= budget).all()
-    with torch.no_grad():
-        pred = model(x_adv).argmax(1)
-    hit = pred == problem.target if problem.targeted else pred != problem.y
-    assert hit[res.success].all()
 
 
 # ---------------------------------------------------------------- helpers
@@ -157,9 +114,9 @@ def test_square_rejects_the_other_norm():
     x = torch.rand(2, 3, 8, 8)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))
     with pytest.raises(BenchError):
-        run("square_linf", model, x, torch.zeros(2, dtype=torch.long), 1.0, "l2", budget=10)
+        run_query("square_linf", model, x, torch.zeros(2, dtype=torch.long), 1.0, "l2", budget=10)
     with pytest.raises(BenchError):
-        run("square_l2", model, x, torch.zeros(2, dtype=torch.long), 0.03, "linf", budget=10)
+        run_query("square_l2", model, x, torch.zeros(2, dtype=torch.long), 0.03, "linf", budget=10)
 
 
 # ---------------------------------------------------------------- toy linear model (no data)
@@ -197,7 +154,7 @@ def toy():
 def test_toy_linear_boundary_is_crossed(toy, name, norm):
     model, x, y, need = toy
     eps = 2 * need[norm].max().item()  # NES L2 (0.01 steps, Table VI) needs ~3000 queries here, the rest < 500
-    problem, res = run(name, model, x, y, eps, norm, budget=5000, num_classes=5)
+    problem, res = run_query(name, model, x, y, eps, norm, budget=5000, num_classes=5)
     assert res.success.all(), res.queries
     check_outputs(problem, res, model, 5000)
 
@@ -205,7 +162,7 @@ def test_toy_linear_boundary_is_crossed(toy, name, norm):
 @pytest.mark.parametrize("name,norm", SETTINGS)
 def test_toy_unreachable_is_never_claimed(toy, name, norm):
     model, x, y, need = toy
-    problem, res = run(name, model, x, y, 0.9 * need[norm].min().item(), norm, budget=200, num_classes=5)
+    problem, res = run_query(name, model, x, y, 0.9 * need[norm].min().item(), norm, budget=200, num_classes=5)
     assert not res.success.any() and (res.queries == 200).all() and not res.stalled
     check_outputs(problem, res, model, 200)
 
@@ -217,10 +174,7 @@ def cifar(data_root):
     from blackboxbench.prep.models import build_model
 
     model = build_model("cifar_resnet20", data_root)
-    ds = DATASET.get("cifar10")(data_root, n=24)
-    with torch.no_grad():
-        keep = model(ds.x).argmax(1) == ds.y
-    return model, ds.x[keep][:16], ds.y[keep][:16]
+    return (model, *correctly_classified([model], data_root, n=16, pool=24))
 
 
 # (recipe, norm, images, budget, max median queries). Measured with seed 0 on these 8 images: every setting
@@ -239,7 +193,7 @@ def test_untargeted_on_resnet20(cifar, name, norm, n, budget, max_median):
     """Success rate >= 7/8 (one image of slack for platform numerics) and a median query count near the measured
     one, so a slowed-down attack fails too."""
     model, x, y = cifar
-    problem, res = run(name, model, x[:n], y[:n], EPS[norm], norm, budget=budget)
+    problem, res = run_query(name, model, x[:n], y[:n], EPS[norm], norm, budget=budget)
     check_outputs(problem, res, model, budget)
     assert res.success.float().mean() >= 0.875, res.queries
     assert res.queries[res.success].float().median() <= max_median, res.queries
@@ -249,7 +203,7 @@ def test_targeted_square_on_resnet20(cifar):
     model, x, y = cifar
     x, y = x[:4], y[:4]
     target = (y + 1) % 10
-    problem, res = run("square_linf", model, x, y, EPS["linf"], "linf", budget=10_000, target=target)
+    problem, res = run_query("square_linf", model, x, y, EPS["linf"], "linf", budget=10_000, target=target)
     check_outputs(problem, res, model, 10_000)
     assert res.success.float().mean() >= 0.75, res.queries  # measured 4/4, median 376 queries
 
@@ -257,6 +211,6 @@ def test_targeted_square_on_resnet20(cifar):
 @pytest.mark.parametrize("name,norm", SETTINGS)
 def test_tiny_budget_ends_without_false_success(cifar, name, norm):
     model, x, y = cifar
-    problem, res = run(name, model, x[:4], y[:4], EPS[norm], norm, budget=5)
+    problem, res = run_query(name, model, x[:4], y[:4], EPS[norm], norm, budget=5)
     check_outputs(problem, res, model, 5)
     assert (res.queries[~res.success] == 5).all() and not res.stalled

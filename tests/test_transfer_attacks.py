@@ -18,11 +18,12 @@ import yaml
 from scipy import ndimage
 from torch import nn
 
-from blackboxbench.config import parse_number
 from blackboxbench.errors import BenchError
-from blackboxbench.registry import DIRECTION, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE, check_params
+from blackboxbench.registry import DIRECTION, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
 from blackboxbench.threat import Problem
-from blackboxbench.transfer import TransferAttack
+
+from attack_utils import build as build_recipe
+from attack_utils import check_output, correctly_classified
 from blackboxbench.transfer.gradients import gaussian_kernel
 from blackboxbench.transfer.transforms import apply_di, draw_di
 
@@ -38,44 +39,8 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-# ------------------------------------------------------------------ recipe -> TransferAttack (local helper) ----
-
-def _pick(value, norm, targeted):
-    """A value keyed by setting ({untargeted: a, targeted: b} or {linf: a, l2: b}) -> the one for this setting."""
-    if isinstance(value, dict) and value and set(value) <= {"linf", "l2", "targeted", "untargeted"}:
-        return value[norm] if norm in value else value["targeted" if targeted else "untargeted"]
-    return value
-
-
 def build(name, norm="linf", targeted=False, iterations=None):
-    """The recipe's blocks bound with their YAML parameters, as a :class:`TransferAttack`."""
-    recipe = yaml.safe_load((RECIPE_DIR / f"{name}.yaml").read_text())
-    blocks, hyper, eps = recipe["blocks"], recipe["hyper"], EPS[norm]
-
-    def bind(kind, spec):
-        params = {k: _pick(v, norm, targeted) for k, v in spec.items() if k != "name"}
-        fn = KINDS[kind].get(spec["name"])
-        check_params(fn, params)
-        return functools.partial(fn, **params)
-
-    def number(key):
-        return parse_number(_pick(hyper[key], norm, targeted), {"eps": eps})
-
-    lists = {k: [bind(k, s) for s in blocks.get(k) or []] for k in ("refine", "transform", "gradient", "direction")}
-    return TransferAttack(name, iterations or int(number("iterations")), float(number("alpha")),
-                          bind("loss", blocks["loss"]), bind("update", blocks["update"]),
-                          transforms=lists["transform"], gradients=lists["gradient"], directions=lists["direction"],
-                          refiners=lists["refine"], random_start=float(number("random_start")))
-
-
-def check_output(x_adv, x, eps, norm):
-    """On the uint8 grid, inside [0, 1] and inside the eps ball."""
-    q = x_adv * 255
-    assert torch.equal(q, q.round()), "output is not on the uint8 grid"
-    assert x_adv.min() >= 0 and x_adv.max() <= 1
-    d = (x_adv - x).flatten(1)
-    dist = d.abs().amax(1) if norm == "linf" else d.norm(dim=1)
-    assert (dist <= eps + 1e-5).all(), f"max {norm} distance {dist.max():.5f} > eps {eps}"
+    return build_recipe(name, norm, targeted, EPS[norm], iterations)
 
 
 # ---------------------------------------------------------------------------------------------- update ----
@@ -283,13 +248,7 @@ def zoo(data_root):
 @pytest.fixture(scope="module")
 def batch(data_root, zoo):
     """16 CIFAR-10 test images classified correctly by ResNet-20, -32 and -56 (clean error 0 on the batch)."""
-    with np.load(data_root / "cifar10" / "cifar10_test_300.npz") as d:
-        x = torch.from_numpy(d["x"]).permute(0, 3, 1, 2).float() / 255
-        y = torch.from_numpy(d["y"]).long()
-    with torch.no_grad():
-        ok = torch.stack([zoo[k](x).argmax(1) == y for k in zoo]).all(0)
-    idx = ok.nonzero().squeeze(1)[:16]
-    return x[idx], y[idx]
+    return correctly_classified(list(zoo.values()), data_root, n=16, pool=300)
 
 
 @pytest.fixture(scope="module")
