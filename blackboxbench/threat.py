@@ -20,8 +20,8 @@ def dist(x_adv, x, norm):
     return flat_norm(x_adv - x, norm)
 
 
-def _bcast(v, like):
-    """Per-sample scalar(s) ``v`` broadcast against a batch ``like``."""
+def per_sample(v, like):
+    """Per-sample values ``v`` (n,) (or one scalar) shaped (n, 1, ..., 1) to broadcast against a batch ``like``."""
     v = torch.as_tensor(v, dtype=like.dtype, device=like.device)
     return v.view(-1, *([1] * (like.dim() - 1))) if v.dim() else v
 
@@ -34,11 +34,11 @@ def project(x_adv, x, eps, norm):
     """
     delta = x_adv - x
     if norm == "linf":
-        e = _bcast(eps, delta)
+        e = per_sample(eps, delta)
         delta = torch.maximum(torch.minimum(delta, e), -e)
     else:
         n = flat_norm(delta, "l2").clamp_min(1e-12)
-        delta = delta * _bcast(torch.clamp(torch.as_tensor(eps, device=n.device, dtype=n.dtype) / n, max=1.0),
+        delta = delta * per_sample(torch.clamp(torch.as_tensor(eps, device=n.device, dtype=n.dtype) / n, max=1.0),
                                delta)
     return (x + delta).clamp(0.0, 1.0)
 

@@ -9,17 +9,13 @@ attack adds (e.g. an iteration counter).
 import torch
 
 from ..registry import ACCEPT, INIT
+from ..threat import per_sample  # noqa: F401  (re-exported for the query families)
 
 
 # --------------------------------------------------------------------------- batched indexing / randomness
-def per_sample(v, like):
-    """Per-sample values ``v`` (n,) shaped (n, 1, ..., 1) to broadcast against a batch ``like`` (n, ...)."""
-    return v.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
-
-
 def rows_where(mask, a, b):
     """Row ``i`` of ``a`` where ``mask[i]`` else row ``i`` of ``b`` (``mask`` (n,) bool, ``a``/``b`` (n, ...))."""
-    return torch.where(mask.view(-1, *([1] * (a.dim() - 1))), a, b)
+    return torch.where(per_sample(mask, a).bool(), a, b)
 
 
 def uniform(shape, gen, device, dtype=torch.float32):

@@ -1,5 +1,6 @@
 """Update-direction blocks of the transfer pipeline: ``fn(grad, state, **params) -> direction``."""
 from ..registry import DIRECTION
+from ..threat import per_sample
 
 
 @DIRECTION.register("momentum", paper="Dong et al., Boosting Adversarial Attacks with Momentum (MI-FGSM), "
@@ -10,7 +11,7 @@ def momentum(grad, state, *, decay=1.0):
     The paper divides by the L1 norm; the mean of |grad| (the reference implementation's choice) differs from it
     by the constant pixel count, which leaves the direction unchanged. ``decay`` 1.0: Table VII.
     """
-    scale = grad.abs().flatten(1).mean(1).clamp_min(1e-12).view(-1, *([1] * (grad.dim() - 1)))
+    scale = per_sample(grad.abs().flatten(1).mean(1).clamp_min(1e-12), grad)
     g = grad / scale
     if "momentum" in state:
         g = g + decay * state["momentum"]

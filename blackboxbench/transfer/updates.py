@@ -5,11 +5,7 @@ L_inf: ``x + alpha * sign(g)``; L_2: ``x + alpha * g / ||g||_2`` per sample; the
 """
 from ..errors import BenchError
 from ..registry import UPDATE
-from ..threat import flat_norm
-
-
-def _per_sample(v, like):
-    return v.view(-1, *([1] * (like.dim() - 1)))
+from ..threat import flat_norm, per_sample
 
 
 def _linf_step(x_adv, direction, alpha):
@@ -18,7 +14,7 @@ def _linf_step(x_adv, direction, alpha):
 
 def _l2_step(x_adv, direction, alpha):
     # 1e-12 keeps a zero direction a zero step (as the reference implementation does).
-    return x_adv + alpha * direction / _per_sample(flat_norm(direction, "l2") + 1e-12, direction)
+    return x_adv + alpha * direction / per_sample(flat_norm(direction, "l2") + 1e-12, direction)
 
 
 STEPS = {"linf": _linf_step, "l2": _l2_step}
