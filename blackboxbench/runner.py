@@ -183,8 +183,11 @@ class Runner:
 
     def run(self):
         exp, source = self.exp, self.exp["_source"]
-        data_root = resolve_data_root(exp["data_root"]) if exp["data_root"] or os.environ.get(
-            "BLACKBOXBENCH_DATA") else None
+        try:
+            data_root = resolve_data_root(exp["data_root"]) if exp["data_root"] or os.environ.get(
+                "BLACKBOXBENCH_DATA") else None
+        except BenchError as e:
+            raise ConfigError(str(e), source, "data_root") from None
         ds_cfg = dict(exp["dataset"])
         try:
             data = DATASET.get(ds_cfg.pop("name"))(data_root, **ds_cfg)

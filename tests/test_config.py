@@ -44,6 +44,10 @@ CASES = [
     ("invalid yaml", "dataset: [digits\n", "", "invalid YAML"),
     ("unknown key inside runs", GOOD + "runs:\n  - {atack: square_linf}\n", "runs[0].atack", "did you mean"),
     ("missing plugin file", GOOD + "plugins: [nothere.py]\n", "plugins[0]", "not found"),
+    ("missing data root", GOOD.replace("name: digits, n: 4", "name: cifar10, n: 4") + "data_root: /nonexistent\n",
+     "data_root", "/nonexistent"),
+    ("model unknown parameter", GOOD.replace("model: digits_mlp", "model: {name: digits_mlp, depth: 3}"), "model",
+     "unknown parameter"),
 ]
 
 
