@@ -37,7 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from blackboxbench.builder import build_attack, load_recipe  # noqa: E402
-from blackboxbench.config import finish_threat  # noqa: E402
+from blackboxbench.config import finish_threat, parse_number  # noqa: E402
 from blackboxbench.oracle import Oracle, rank_within_group  # noqa: E402
 from blackboxbench.prep.data import resolve_data_root  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
@@ -260,8 +260,8 @@ def section_square(args, ctx):
     ctx["square_ours"] = (timed, wall)
     xc, yc = problem.x, problem.y
     rows = [ours_row("Square Linf", "square_linf", res, problem, wall, timed,
-                     "uint8 outputs rounded towards the clean image (eps 0.03 -> 7/255 = 0.02745); queries include "
-                     "the verification query of the returned image")]
+                     f"uint8 outputs rounded towards the clean image (eps {EPS:.5g} -> {round(GRID_EPS * 255)}/255 = "
+                     f"{GRID_EPS:.5f}); queries include the verification query of the returned image")]
 
     def torchattacks_square(eps, note):
         cnt = Counting(model, xc, yc, eps, "content", deadline=time.perf_counter() + args.peer_cap)
@@ -468,7 +468,7 @@ def render(name, args, ctx, result, load):
     lines = [f"<!-- section:{name} -->", f"## {name}", "",
              f"Command: `{cmd}`  ", f"Machine: {machine(args, ctx['device'])}  ",
              f"Load average (1 min) before/after: {load[0]:.2f} / {load[1]:.2f}; section time {load[2]:.0f} s", ""]
-    if name == "overhead":
+    if name.startswith("overhead"):
         r = result
         lines += [f"Our Square run: {r['wall']:.1f} s wall ({r['cpu']:.1f} s CPU); {r['calls']} model forwards "
                   f"({r['images']} images) took {r['inside']:.1f} s inside the run; the same forwards replayed bare "
@@ -504,7 +504,16 @@ def main(argv=None):
                     help="also run the query peers at eps 7/255, the radius our uint8 outputs actually reach")
     ap.add_argument("--out", default="benchmarks/RESULTS.md")
     ap.add_argument("--only", choices=SECTIONS)
+    ap.add_argument("--eps", default=None, help="Linf eps for every attack, e.g. 8/255 (default 0.03, Tables V-VII); "
+                    "results go to their own sections, suffixed with the eps")
     args = ap.parse_args(argv)
+    global EPS, GRID_EPS, GRID_LABEL
+    suffix = ""
+    if args.eps is not None:
+        EPS = float(parse_number(args.eps))
+        GRID_EPS = math.floor(EPS * 255 + 1e-6) / 255
+        GRID_LABEL = f" at eps {round(GRID_EPS * 255)}/255 (ours' grid eps)"
+        suffix = "@" + args.eps.replace("/", "_")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -516,9 +525,9 @@ def main(argv=None):
     for name in [args.only] if args.only else SECTIONS:
         l0, t0 = os.getloadavg()[0], time.perf_counter()
         result = runs[name](args, ctx)
-        lines = render(name, args, ctx, result, (l0, os.getloadavg()[0], time.perf_counter() - t0))
+        lines = render(name + suffix, args, ctx, result, (l0, os.getloadavg()[0], time.perf_counter() - t0))
         print("\n".join(lines), flush=True)
-        done.append((name, lines))
+        done.append((name + suffix, lines))
         write(Path(args.out), done[-1:])
     return 0
 
