@@ -162,8 +162,10 @@ def _targets_for(threat, logits, y, gen, given):
 
 
 def _base_records(start, y, target, clean_correct):
-    return [{"index": start + i, "label": int(y[i]), "target": None if target is None else int(target[i]),
-             "clean_correct": bool(clean_correct[i])} for i in range(len(y))]
+    y, ok = y.tolist(), clean_correct.tolist()  # one device sync per batch, not per sample
+    target = [None] * len(y) if target is None else target.tolist()
+    return [{"index": start + i, "label": y[i], "target": target[i], "clean_correct": bool(ok[i])}
+            for i in range(len(y))]
 
 
 class Runner:
@@ -263,8 +265,9 @@ class Runner:
                 success = problem.is_adv_label(model(res.x_adv).argmax(1))
             metrics = sample_metrics(res.x_adv, problem.x)
             per = (time.time() - t0) / idx.numel()
+            success, queries = success.tolist(), res.queries.tolist()
             for j, i in enumerate(idx.tolist()):
-                records[i].update(attacked=True, success=bool(success[j]), queries=int(res.queries[j]),
+                records[i].update(attacked=True, success=bool(success[j]), queries=int(queries[j]),
                                   time=per, **{m: v[j] for m, v in metrics.items()})
         return records
 
@@ -281,7 +284,7 @@ class Runner:
         per = (time.time() - t0) / len(y)
         metrics = sample_metrics(x_adv, x)
         records = _base_records(start, y, target, correct)
-        valid = torch.ones_like(y, dtype=torch.bool) if target is None else target != y
+        valid = (torch.ones_like(y, dtype=torch.bool) if target is None else target != y).tolist()
         results = {}
         with torch.no_grad():
             for name, m in models.items():

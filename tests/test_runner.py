@@ -96,7 +96,7 @@ def test_transfer_run_per_target(tmp_path, targeted):
 
 def test_resume_after_kill_equals_uninterrupted(tmp_path):
     """Kill the CLI mid-run with SIGKILL, re-run: no sample lost or duplicated, same records."""
-    text = QUERY.replace("n: 24", "n: 40").replace("max_queries: 300", "max_queries: 600")
+    text = QUERY.replace("n: 24", "n: 64").replace("max_queries: 300", "max_queries: 600")
     killed = _write(tmp_path, text, tmp_path / "k", "k.yaml")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "run.py"), str(killed), "--quiet"], env=env,
@@ -112,12 +112,12 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     partial = len(rec_files[0].read_text().splitlines())
-    assert 8 <= partial < 40
+    assert 8 <= partial < 64
     with open(rec_files[0], "a") as f:
-        f.write('{"index": 39, "label"')  # a torn line as a crash mid-write would leave
+        f.write('{"index": 63, "label"')  # a torn line as a crash mid-write would leave
     assert main(["run", str(killed), "--quiet"]) == 0
     resumed = _records(rec_files[0].parent)
-    assert [r["index"] for r in resumed] == list(range(40))
+    assert [r["index"] for r in resumed] == list(range(64))
     fresh_dir, _ = _run(_write(tmp_path, text, tmp_path / "f", "f.yaml"))
     assert resumed == _records(fresh_dir)
 
