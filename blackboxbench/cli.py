@@ -1,6 +1,7 @@
 """Command line: ``blackboxbench run CONFIG [--set k=v ...]``, ``blackboxbench leaderboard DIR -o CSV``,
 ``blackboxbench list``. Errors caused by input print one line and exit with status 2."""
 import argparse
+import os
 import sys
 
 from .errors import BenchError
@@ -88,6 +89,9 @@ def main(argv=None):
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `blackboxbench list | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except KeyboardInterrupt:
         print("interrupted: re-run the same command to resume", file=sys.stderr)
         return 130
