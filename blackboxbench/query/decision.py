@@ -19,7 +19,7 @@ the searches below freeze a sample at its first refused row instead of reading i
 import torch
 
 from ..registry import ACCEPT
-from .common import per_sample, rows_where
+from .common import per_sample, rows_where, uniform
 
 BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary search toward x (reference code)
 
@@ -99,8 +99,7 @@ def _search_noise(problem, oracle, gen, x0, found, tries):
         if not live.any():
             break
         idx = live.nonzero().squeeze(1)
-        noise = torch.rand((idx.numel(), *problem.x.shape[1:]), generator=gen, device=gen.device)
-        noise = noise.to(problem.x.device, problem.x.dtype)
+        noise = uniform((idx.numel(), *problem.x.shape[1:]), gen, problem.x.device, problem.x.dtype)
         adv, _ = query_adv(problem, oracle, noise, idx)
         x0[idx[adv]] = noise[adv]
         found[idx[adv]] = True

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
-from .common import per_sample, rows_where
+from .common import gaussian, per_sample, rows_where, uniform
 from .decision import bisect, blend, blended_start, decision_state, has_budget, query_adv
 
 PAPER = "Chen et al., HopSkipJumpAttack, IEEE S&P 2020"
@@ -63,10 +63,10 @@ def estimate_direction(problem, oracle, x_bd, num, delta, gen):
         return torch.zeros_like(x_bd)
     shape = (owner.numel(), *x_bd.shape[1:])
     if problem.norm == "linf":
-        rv = torch.rand(shape, generator=gen, device=gen.device) * 2 - 1
+        rv = uniform(shape, gen, x_bd.device) * 2 - 1
     else:
-        rv = torch.randn(shape, generator=gen, device=gen.device)
-    rv = rv.to(x_bd.device, x_bd.dtype)
+        rv = gaussian(shape, gen, x_bd.device)
+    rv = rv.to(x_bd.dtype)
     rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)
     base, step = x_bd[owner], per_sample(delta[owner], rv)
     probes = (base + step * rv).clamp(0.0, 1.0)

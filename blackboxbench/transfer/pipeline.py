@@ -64,7 +64,6 @@ class TransferAttack:
             k = xt.shape[0] // x.shape[0]
             logits = model(xt)
             loss = self.loss(logits, label.repeat(k), problem.targeted).sum()
-            state["last_loss"] = loss.detach()
             return torch.autograd.grad(loss, x)[0]
 
         for g in self.gradients:
@@ -79,8 +78,7 @@ class TransferAttack:
             noise = torch.rand(problem.x.shape, generator=gen, device=gen.device) * 2 - 1
             x_adv = problem.project(x_adv + self.random_start * noise.to(x_adv.device))
         grad = self.grad_fn(model, problem, state, gen)
-        for t in range(self.iterations):
-            state["t"] = t
+        for _ in range(self.iterations):
             d = grad(x_adv)
             for direction in self.directions:
                 d = direction(d, state=state)
