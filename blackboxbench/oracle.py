@@ -22,7 +22,11 @@ def rank_within_group(idx):
 
 
 class Oracle:
-    """Query access to ``model`` for a batch of ``n`` samples, each with budget ``max_queries``."""
+    """Query access to ``model`` for a batch of ``n`` samples, each with budget ``max_queries``.
+
+    The oracle remembers its most recent call (a private copy of the images and the answers), so that
+    :meth:`confirm` of one of those images again needs no forward (and, as no image is forwarded, costs no query).
+    """
 
     def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=None):
         if feedback not in FEEDBACKS:
@@ -38,14 +42,18 @@ class Oracle:
         self.chunk = chunk or (4096 if self.device.type == "cuda" else 256)
         self.counts = torch.zeros(n, dtype=torch.long, device=self.device)
         self.forwarded = 0  # images actually forwarded, all samples together
+        self._last = None  # (images, sample indices, answers) of the most recent call, for confirm()
 
     def remaining(self):
         return self.max_queries - self.counts
 
     def view(self, idx):
+        """The oracle seen by samples ``idx`` (distinct indices), with local indices 0..len(idx)-1."""
+        idx = idx.to(self.device)
+        if torch.unique(idx).numel() != idx.numel():
+            raise BenchError("oracle.view: sample indices must be distinct")
         return OracleView(self, idx)
 
-    @torch.no_grad()
     def __call__(self, x, idx=None):
         """Answer queries ``x`` (m, C, H, W) made for samples ``idx`` (m,), default one image per sample.
 
@@ -53,26 +61,66 @@ class Oracle:
         ``ok`` False, and their answer is NaN (score) or -1 (label).
         """
         if idx is None:
-            idx = torch.arange(self.n, device=self.device)
-        idx = idx.to(self.device)
+            return self._ask(x, torch.arange(self.n, device=self.device), distinct=True)
+        return self._ask(x, idx.to(self.device), distinct=False)
+
+    def confirm(self, x, idx=None):
+        """As ``__call__``, but a row equal (bit for bit) to the image its sample had in the oracle's most recent
+        call gets that answer again, without a forward or a count. Rows are one image per sample (``idx``
+        distinct)."""
+        idx = torch.arange(self.n, device=self.device) if idx is None else idx.to(self.device)
+        x = x.to(self.device)
+        if self._last is None:
+            return self._ask(x, idx, distinct=True)
+        last_x, last_idx, last_answer = self._last
+        row = torch.full((self.n,), -1, dtype=torch.long, device=self.device)
+        row[last_idx] = torch.arange(last_idx.numel(), device=self.device)
+        row = row[idx]  # each sample's row in the last call, -1 if it had none
+        seen = (row >= 0).nonzero().squeeze(1)
+        seen = seen[(x[seen] == last_x[row[seen]]).flatten(1).all(1)]
+        if seen.numel() == 0:
+            return self._ask(x, idx, distinct=True)
+        answer, ok = self._empty(x.shape[0]), torch.ones(x.shape[0], dtype=torch.bool, device=self.device)
+        answer[seen] = last_answer[row[seen]]
+        new = torch.ones_like(ok)
+        new[seen] = False
+        if bool(new.any()):
+            answer[new], ok[new] = self._ask(x[new], idx[new], distinct=True)
+        return answer, ok
+
+    @torch.no_grad()
+    def _ask(self, x, idx, distinct):
         if x.dim() != 4 or x.shape[0] != idx.shape[0]:
             raise BenchError(f"oracle: expected queries (m, C, H, W) with m = len(idx) = {idx.shape[0]}, "
                              f"got shape {tuple(x.shape)}")
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
             raise BenchError(f"oracle: query images must have shape {self.input_shape}, got {tuple(x.shape[1:])}")
-        ok = self.counts[idx] + rank_within_group(idx) < self.max_queries
-        rows = ok.nonzero().squeeze(1)
-        self.counts.index_add_(0, idx[rows], torch.ones_like(rows))
-        self.forwarded += rows.numel()
-        xs = x.detach()[rows].to(self.device)
-        outs = [self._answer(xs[i:i + self.chunk]) for i in range(0, xs.shape[0], self.chunk)]
-        if self.feedback == "score":
-            answer = torch.full((x.shape[0], self.num_classes), float("nan"), device=self.device)
+        ok = self.counts[idx] + (0 if distinct else rank_within_group(idx)) < self.max_queries
+        if bool(ok.all()):  # the common case: nothing refused
+            xs, who = x.detach().to(self.device, copy=True), idx
         else:
-            answer = torch.full((x.shape[0],), -1, dtype=torch.long, device=self.device)
-        if outs:
-            answer[rows] = torch.cat(outs)
+            rows = ok.nonzero().squeeze(1)
+            xs, who = x.detach()[rows].to(self.device), idx[rows]
+        self.counts.index_add_(0, who, torch.ones_like(who))
+        self.forwarded += who.numel()
+        if who.numel() == 0:
+            out = self._empty(0)
+        elif who.numel() <= self.chunk:
+            out = self._answer(xs)
+        else:
+            out = torch.cat([self._answer(xs[i:i + self.chunk]) for i in range(0, xs.shape[0], self.chunk)])
+        # Remember a call of one image per sample for confirm(), as copies no caller can modify.
+        self._last = (xs, who, out.clone()) if distinct else None
+        if who.numel() == x.shape[0]:
+            return out, ok
+        answer = self._empty(x.shape[0])
+        answer[ok] = out
         return answer, ok
+
+    def _empty(self, m):
+        if self.feedback == "score":
+            return torch.full((m, self.num_classes), float("nan"), device=self.device)
+        return torch.full((m,), -1, dtype=torch.long, device=self.device)
 
     def _answer(self, x):
         logits = self._forward(x).float()
@@ -80,10 +128,11 @@ class Oracle:
 
 
 class OracleView:
-    """The oracle seen by a subset ``idx`` of the batch; blocks use local indices 0..len(idx)-1."""
+    """The oracle seen by distinct samples ``idx`` of the batch; blocks use local indices 0..len(idx)-1.
+    Made by :meth:`Oracle.view`."""
 
     def __init__(self, oracle, idx):
-        self.oracle, self.idx = oracle, idx.to(oracle.device)
+        self.oracle, self.idx = oracle, idx
         self.feedback, self.max_queries = oracle.feedback, oracle.max_queries
 
     @property
@@ -98,8 +147,12 @@ class OracleView:
         return self.oracle.max_queries - self.counts
 
     def view(self, idx):
-        return OracleView(self.oracle, self.idx[idx.to(self.idx.device)])
+        return self.oracle.view(self.idx[idx.to(self.idx.device)])
 
     def __call__(self, x, idx=None):
-        local = torch.arange(self.n, device=self.idx.device) if idx is None else idx.to(self.idx.device)
-        return self.oracle(x, self.idx[local])
+        if idx is None:  # one image per sample of the view: the indices are distinct
+            return self.oracle._ask(x, self.idx, distinct=True)
+        return self.oracle._ask(x, self.idx[idx.to(self.idx.device)], distinct=False)
+
+    def confirm(self, x, idx=None):
+        return self.oracle.confirm(x, self.idx if idx is None else self.idx[idx.to(self.idx.device)])

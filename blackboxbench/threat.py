@@ -29,18 +29,19 @@ def per_sample(v, like):
 def project(x_adv, x, eps, norm):
     """Project onto the ``norm`` ball of radius ``eps`` around ``x``, then onto [0, 1].
 
-    For L2 the ball projection comes first; clipping to [0, 1] afterwards only moves a coordinate towards ``x``
-    (``x`` itself lies in [0, 1]), so the result stays inside the ball.
+    A point already inside the ball comes back bit for bit (only clipped to [0, 1]), so projecting an image
+    on the uint8 grid keeps it there. For L2 the ball projection comes first; clipping to [0, 1] afterwards only
+    moves a coordinate towards ``x`` (``x`` itself lies in [0, 1]), so the result stays inside the ball.
     """
-    delta = x_adv - x
     if norm == "linf":
-        e = per_sample(eps, delta)
-        delta = torch.maximum(torch.minimum(delta, e), -e)
+        e = per_sample(eps, x)
+        inside = torch.minimum(torch.maximum(x_adv, x - e), x + e)
     else:
+        delta = x_adv - x
         n = flat_norm(delta, "l2").clamp_min(1e-12)
-        delta = delta * per_sample(torch.clamp(torch.as_tensor(eps, device=n.device, dtype=n.dtype) / n, max=1.0),
-                               delta)
-    return (x + delta).clamp(0.0, 1.0)
+        scale = torch.clamp(torch.as_tensor(eps, device=n.device, dtype=n.dtype) / n, max=1.0)
+        inside = torch.where(per_sample(scale < 1, delta).bool(), x + delta * per_sample(scale, delta), x_adv)
+    return inside.clamp(0.0, 1.0)
 
 
 def quantize(x_adv, x):
@@ -52,6 +53,21 @@ def quantize(x_adv, x):
     a, c = x_adv * 255.0, torch.round(x * 255.0)
     tol = 1e-3  # values within 1e-3 of a grid level belong to it (float noise of 255 * k/255)
     q = torch.where(a >= c, torch.floor(a + tol), torch.ceil(a - tol))
+    return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
+
+
+def quantize_outward(x_adv, x, eps):
+    """Round ``x_adv`` to the uint8 grid *away from* the clean image ``x``, then clip to the largest Linf ball of
+    radius <= ``eps`` on the grid (``floor(255 eps)`` levels) and to [0, 1].
+
+    Every perturbed coordinate keeps its sign and grows to the next grid level, so a point inside the Linf ball
+    keeps its direction and leaves the rounding no room to pull it back across a decision boundary.
+    """
+    a, c = x_adv * 255.0, torch.round(x * 255.0)
+    tol = 1e-3
+    q = torch.where(a >= c, torch.ceil(a - tol), torch.floor(a + tol))
+    levels = per_sample(torch.floor(torch.as_tensor(eps, dtype=torch.float64) * 255.0 + 1e-6), x).to(x.dtype)
+    q = torch.minimum(torch.maximum(q, c - levels), c + levels)
     return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
 
 

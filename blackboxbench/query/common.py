@@ -6,6 +6,8 @@ Score-attack state (see :func:`start_state`): ``x_adv`` (n, C, H, W), ``margin``
 log-probabilities, lower is better, +inf when unknown), ``success`` (n,) bool, plus any per-sample tensors an
 attack adds (e.g. an iteration counter).
 """
+import functools
+
 import torch
 
 from ..registry import ACCEPT, INIT
@@ -68,35 +70,60 @@ def window_mask(top, left, height, width, size_hw):
     return (in_r[:, :, None] & in_c[:, None, :])[:, None]
 
 
+def random_corner(size, size_hw, gen):
+    """Top-left corners (top, left) of per-sample square windows of side ``size`` (n,) placed uniformly inside
+    the image."""
+    h, w = size_hw
+    return randint_below(h - size + 1, gen), randint_below(w - size + 1, gen)
+
+
 def random_window(size, size_hw, gen):
     """Per-sample square windows of side ``size`` (n,) placed uniformly inside the image -> (mask, top, left)."""
-    h, w = size_hw
-    top = randint_below(h - size + 1, gen)
-    left = randint_below(w - size + 1, gen)
+    top, left = random_corner(size, size_hw, gen)
     return window_mask(top, left, size, size, size_hw), top, left
+
+
+def window_index(top, left, size, shape):
+    """Flat indices into a (C*H*W) image of each sample's ``size`` x ``size`` window, in every channel:
+    (n, C, S, S) long, S the largest side. A sample with a smaller side repeats its window's top-left pixel in the
+    extra positions, so gathering or scattering through them only duplicates that pixel (same value, no race)."""
+    c, h, w = shape
+    offsets, reach = _window_offsets(int(size.max()), c, h, w, top.device)
+    inside = reach < size.view(-1, 1, 1, 1)
+    return (top * w + left).view(-1, 1, 1, 1) + torch.where(inside, offsets, offsets[:, :, :1, :1])
+
+
+@functools.lru_cache(maxsize=256)
+def _window_offsets(side, c, h, w, device):
+    """(1, C, S, S) flat offsets of a window's pixels from its top-left pixel, and (1, 1, S, S) the Chebyshev
+    distance of each position from the top-left (a position belongs to a window of side s when it is < s);
+    memoised per shape (constants)."""
+    ar = torch.arange(side, device=device)
+    rows, cols = ar.view(1, 1, side, 1), ar.view(1, 1, 1, side)
+    offsets = (torch.arange(c, device=device) * (h * w)).view(1, c, 1, 1) + rows * w + cols
+    return offsets, torch.maximum(rows, cols)
 
 
 # --------------------------------------------------------------------------- margin queries
 def query_margin(problem, oracle, images, idx=None):
     """Query ``images`` for local samples ``idx`` (default one image per sample) -> ``(margin, adv, ok)``.
 
-    ``margin`` is the CW margin of the log-probabilities (``problem.margin``, < 0 adversarial). A refused query
-    (past the sample's budget) gets margin +inf and ``adv`` False, so it can never be accepted as an improvement
-    nor counted as a success.
+    ``margin`` is the CW margin of the log-probabilities (``problem.margin``); ``adv`` is ``margin < 0`` (the
+    true class, or the target, strictly beaten). A refused query (past the sample's budget) gets margin +inf and
+    ``adv`` False, so it can never be accepted as an improvement nor counted as a success.
     """
     answer, ok = oracle(images, idx)
-    sub = problem if idx is None else problem.sub(idx)
-    margin = sub.margin(answer)
-    margin = torch.where(ok, margin, torch.full_like(margin, float("inf")))
-    return margin, sub.is_adv(answer) & ok, ok
+    margin = (problem if idx is None else problem.sub(idx)).margin(answer)
+    margin = torch.where(ok, margin, float("inf"))
+    return margin, margin < 0, ok
 
 
 def start_state(problem, oracle, x0, **extra):
-    """Query the starting points ``x0`` (projected into the ball) once and build the shared score state.
+    """Query the starting points ``x0`` once and build the shared score state. ``x0`` must lie in the eps ball
+    and [0, 1] (an init projects its own points; they are kept bit for bit, so points on the uint8 grid stay on it).
 
     ``extra`` adds per-sample tensors (each with the batch on dim 0), e.g. ``it=torch.zeros(n, dtype=long)``.
     """
-    x0 = problem.project(x0)
     margin, adv, _ = query_margin(problem, oracle, x0)
     return dict(x_adv=x0, margin=margin, success=adv, **extra)
 
@@ -104,17 +131,20 @@ def start_state(problem, oracle, x0, **extra):
 def greedy_update(problem, state, candidates, oracle, idx=None):
     """Query ``candidates`` for the local samples ``idx`` (default all) and keep each one that lowers the margin.
 
-    Updates ``state`` in place (``x_adv``, ``margin``, ``success``) and returns the bool mask (len(idx),) of
-    accepted candidates. Refused queries are never accepted.
+    Replaces the ``x_adv``/``margin``/``success`` entries of ``state`` (never writes into the tensors it was
+    given) and returns the bool mask (len(idx),) of accepted candidates. Refused queries are never accepted.
     """
-    if idx is None:
-        idx = torch.arange(candidates.shape[0], device=candidates.device)
     margin, adv, _ = query_margin(problem, oracle, candidates, idx)
+    if idx is None:  # one candidate per sample
+        better = margin < state["margin"]
+        state["x_adv"] = rows_where(better, candidates, state["x_adv"])
+        state["margin"] = torch.where(better, margin, state["margin"])
+        state["success"] = torch.where(better, adv, state["success"])
+        return better
     better = margin < state["margin"][idx]
     keep = idx[better]
-    state["x_adv"][keep] = candidates[better]
-    state["margin"][keep] = margin[better]
-    state["success"][keep] = adv[better]
+    for key, new in (("x_adv", candidates), ("margin", margin), ("success", adv)):
+        state[key] = state[key].index_put((keep,), new[better])
     return better
 
 
@@ -123,14 +153,12 @@ def merge_proposal(state, proposal, image_key="x_adv"):
 
     A proposal is either candidate images (n, C, H, W), or a dict holding them under ``image_key`` plus updated
     per-sample state entries (e.g. an advanced iteration counter) that replace those of ``state``. The returned
-    state is a shallow copy whose ``x_adv``/``margin``/``success`` are cloned, so updating it in place is safe.
+    state is a shallow copy: replace its entries, do not write into them.
     """
     state = dict(state)
     if isinstance(proposal, dict):
         state.update({k: v for k, v in proposal.items() if k in state and k != "x_adv"})
         proposal = proposal[image_key]
-    for k in ("x_adv", "margin", "success"):
-        state[k] = state[k].clone()
     return proposal, state
 
 

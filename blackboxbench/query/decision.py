@@ -16,9 +16,12 @@ back unverified and is claimed again only once its distance has dropped below th
 Every query goes through :func:`query_adv`: a refused row (past the sample's budget) is never adversarial, and
 the searches below freeze a sample at its first refused row instead of reading it as "not adversarial".
 """
+import math
+
 import torch
 
 from ..registry import ACCEPT
+from ..threat import quantize_outward
 from .common import per_sample, rows_where, uniform
 
 BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary search toward x (reference code)
@@ -38,17 +41,19 @@ def has_budget(oracle):
     return oracle.remaining() > 0
 
 
-def bisect(problem, oracle, point, lo, hi, tol, live):
+def bisect(problem, oracle, point, lo, hi, tol, live, enough=None):
     """Batched binary search of a scalar parameter per sample, in label space.
 
     ``point(t, idx)`` builds the images of samples ``idx`` at parameters ``t`` (float64, (m,)); ``point(hi)`` must
     be adversarial and ``point(lo)`` not. Each step queries the midpoints of all live samples in one call and
-    moves ``hi`` (adversarial) or ``lo``; a sample stops when ``hi - lo <= tol`` or at its first refused row,
-    so ``hi`` always stays a point the oracle has seen adversarial. Returns ``(lo, hi)`` (float64).
+    moves ``hi`` (adversarial) or ``lo``; a sample stops when ``hi - lo <= tol``, when ``hi <= enough`` (the
+    parameter at which ``point`` is inside the eps ball: the attack needs no closer point), or at its first
+    refused row, so ``hi`` always stays a point the oracle has seen adversarial. Returns ``(lo, hi)`` (float64).
     """
     lo, hi = lo.double().clone(), hi.double().clone()
     tol = torch.as_tensor(tol, dtype=torch.float64, device=lo.device).expand_as(lo)
-    live = live & has_budget(oracle) & (hi - lo > tol)
+    enough = torch.as_tensor(-1.0 if enough is None else enough, dtype=torch.float64, device=lo.device)
+    live = live & has_budget(oracle) & (hi - lo > tol) & (hi > enough)
     while live.any():
         idx = live.nonzero().squeeze(1)
         mid = (lo[idx] + hi[idx]) / 2
@@ -57,7 +62,7 @@ def bisect(problem, oracle, point, lo, hi, tol, live):
         hi[idx[adv]] = mid[adv]
         lo[idx[ok & ~adv]] = mid[ok & ~adv]
         live[idx[~ok | stuck]] = False
-        live &= hi - lo > tol
+        live &= (hi - lo > tol) & (hi > enough)
     return lo, hi
 
 
@@ -127,7 +132,8 @@ def blended_start(problem, oracle, gen, *, tries, tol=BLEND_TOL):
     x0, found = find_start(problem, oracle, gen, tries=tries)
     x = problem.x
     zeros, ones = torch.zeros(problem.n, device=x.device), torch.ones(problem.n, device=x.device)
-    _, t = bisect(problem, oracle, lambda t, i: blend(x[i], x0[i], t), zeros, ones, tol, found)
+    enough = claim_radius(problem) / problem.dist(x0).double().clamp_min(1e-12)  # blend factor within reach
+    _, t = bisect(problem, oracle, lambda t, i: blend(x[i], x0[i], t), zeros, ones, tol, found, enough)
     return blend(x, x0, t), found
 
 
@@ -139,20 +145,39 @@ def decision_state(problem, x_bd, dist, **extra):
     return claim(problem, state)
 
 
-def push_to_eps(problem, x_bd, dist):
-    """``x + (x_bd - x) * eps / dist`` in [0, 1]: the ray from ``x`` through ``x_bd``, out to the eps sphere."""
+def claim_radius(problem):
+    """The distance within which a point can be claimed: eps, or for Linf the largest radius on the uint8 grid,
+    floor(255 eps) / 255, which is as far as a returned image can reach."""
+    if problem.norm == "linf":
+        return math.floor(problem.eps * 255 + 1e-6) / 255
+    return problem.eps
+
+
+def stop_radius(problem, state):
+    """(n,) distance below which a search may stop: the claim radius, and below any earlier failed claim."""
+    return torch.clamp(state["claimed"].double() * (1 - 1e-9), max=claim_radius(problem))
+
+
+def push_to_eps(problem, x_bd, dist, radius=None):
+    """``x + (x_bd - x) * radius / dist`` in [0, 1]: the ray from ``x`` through ``x_bd``, out to the sphere of
+    ``radius`` (default eps)."""
     x = problem.x
-    scale = problem.eps / dist.clamp_min(1e-12)
+    scale = (problem.eps if radius is None else radius) / dist.clamp_min(1e-12)
     return (x + (x_bd - x) * per_sample(scale, x)).clamp(0.0, 1.0)
 
 
 def claim(problem, state):
-    """The acceptance check of Alg. 1 (line 2): claim success where the adversarial point lies inside the eps ball
-    and closer than any earlier (failed) claim; ``x_adv`` is then pushed out to the eps sphere, else ``x_bd``."""
+    """The acceptance check of Alg. 1 (line 2): claim success where the adversarial point lies inside the claim
+    radius (:func:`claim_radius`) and closer than any earlier (failed) claim; ``x_adv`` is then pushed out to
+    that sphere (Linf: and rounded to the uint8 grid away from ``x``, see
+    :func:`~blackboxbench.threat.quantize_outward`), else ``x_bd``."""
     state = dict(state)
-    dist = state["dist"]
-    success = (dist <= problem.eps) & (dist < state["claimed"])
-    state["x_adv"] = rows_where(success, push_to_eps(problem, state["x_bd"], dist), state["x_bd"])
+    dist, radius = state["dist"], claim_radius(problem)
+    success = (dist <= radius) & (dist < state["claimed"])
+    out = push_to_eps(problem, state["x_bd"], dist, radius)
+    if problem.norm == "linf":
+        out = quantize_outward(out, problem.x, radius)
+    state["x_adv"] = rows_where(success, out, state["x_bd"])
     state["claimed"] = torch.where(success, dist, state["claimed"])
     state["success"] = success
     return state

@@ -13,7 +13,8 @@ import torch
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import gaussian, per_sample, rows_where, uniform
-from .decision import bisect, blend, blended_start, decision_state, has_budget, query_adv
+from .decision import (bisect, blend, blended_start, claim_radius, decision_state, has_budget, query_adv,
+                       stop_radius)
 
 PAPER = "Chen et al., HopSkipJumpAttack, IEEE S&P 2020"
 FIRST_DELTA = 0.1  # probe size of the first iteration: 0.1 * (clip_max - clip_min), reference code
@@ -24,13 +25,15 @@ def _dim(problem):
     return problem.x[0].numel()
 
 
-def to_boundary(problem, oracle, x_far, theta, live):
+def to_boundary(problem, oracle, x_far, theta, live, radius):
     """HSJA's binary search from ``x_far`` (adversarial) toward ``x`` -> ``(x_bd, dist_far)``; ``theta`` (n,).
 
     Linf: the parameter is the radius of the Linf box around ``x`` that ``x_far`` is clipped to, searched down
     from ``dist(x_far)`` until the bracket is below ``min(dist * theta, theta)``. L2: the blend factor between
-    ``x`` and ``x_far``, searched down from 1 to a bracket of ``theta``. ``dist_far`` is the distance of
-    ``x_far`` itself, which the reference code uses to size the next probes.
+    ``x`` and ``x_far``, searched down from 1 to a bracket of ``theta``. Either search stops early once its
+    adversarial end lies within ``radius`` (n,) (:func:`~.decision.stop_radius`: the attack can then claim
+    success and needs no closer point). ``dist_far``
+    is the distance of ``x_far`` itself, which the reference code uses to size the next probes.
     """
     x = problem.x
     d_far = problem.dist(x_far)
@@ -41,12 +44,14 @@ def to_boundary(problem, oracle, x_far, theta, live):
             return torch.minimum(torch.maximum(x_far[i], x[i] - t), x[i] + t)
 
         hi, tol = d_far, torch.minimum(d_far.double() * theta, theta)
+        enough = radius  # the box radius bounds the distance
     else:
         def point(t, i):
             return blend(x[i], x_far[i], t)
 
         hi, tol = torch.ones_like(d_far), theta
-    _, hi = bisect(problem, oracle, point, zeros, hi, tol, live)
+        enough = radius / d_far.double().clamp_min(1e-12)
+    _, hi = bisect(problem, oracle, point, zeros, hi, tol, live, enough)
     return point(hi, torch.arange(problem.n, device=x.device)), d_far
 
 
@@ -117,7 +122,8 @@ def hsja_init(problem, oracle, gen, *, gamma=1.0, init_tries=100):
     theta = torch.full((n,), gamma / (d ** 2 if problem.norm == "linf" else d ** 1.5), dtype=torch.float64,
                        device=dev)
     x_start, found = blended_start(problem, oracle, gen, tries=init_tries)
-    x_bd, d_far = to_boundary(problem, oracle, x_start, theta, found)
+    radius = torch.full((n,), claim_radius(problem), dtype=torch.float64, device=dev)
+    x_bd, d_far = to_boundary(problem, oracle, x_start, theta, found, radius)
     dist = torch.where(found, problem.dist(x_bd), torch.full_like(d_far, float("inf")))
     return decision_state(problem, x_bd, dist, dist_post=d_far, it=torch.zeros(n, dtype=torch.long, device=dev),
                           theta=theta)
@@ -148,7 +154,7 @@ def hsja(problem, state, oracle, gen, *, init_num_evals=100, max_num_evals=10000
     update = grad.sign() if problem.norm == "linf" else grad
     size = torch.where(go, dist, torch.zeros_like(dist)) / t.sqrt().to(dist.dtype)
     x_step, stepped = geometric_step(problem, oracle, x_bd, update, size, go)
-    x_new, d_post = to_boundary(problem, oracle, x_step, theta, stepped)
+    x_new, d_post = to_boundary(problem, oracle, x_step, theta, stepped, stop_radius(problem, state))
     return dict(x_bd=rows_where(stepped, x_new, x_bd),
                 dist=torch.where(stepped, problem.dist(x_new), dist),
                 dist_post=torch.where(stepped, d_post, state["dist_post"]), it=it)

@@ -11,9 +11,12 @@ its budget. Block contracts (all tensors carry the batch on dim 0, blocks use lo
   improves, and sets ``success`` where the oracle has seen ``x_adv`` adversarial (score attacks) or where the
   adversarial ``x_adv`` lies inside the eps ball (decision attacks).
 
-Only samples still being attacked are passed to ``perturb``/``accept``. A claimed success is confirmed with one
-counted query of the exact uint8 image the attack will return (projected to the eps ball and [0, 1], quantized
-towards the clean image); if the oracle does not confirm it, the sample keeps being attacked.
+Only samples still being attacked are passed to ``perturb``/``accept``: the pipeline keeps them as a compact
+working set (their problem, oracle view and a private copy of their state), rebuilt only when a sample leaves it,
+so blocks may update the state dict they receive in place. A claimed success is confirmed by the oracle on the
+exact uint8 image the attack will return (projected to the eps ball and [0, 1], quantized towards the clean
+image): one counted query, or none when that image is the last one the oracle answered for the sample (see
+:meth:`blackboxbench.oracle.Oracle.confirm`). If the oracle does not confirm it, the sample keeps being attacked.
 """
 from dataclasses import dataclass, field
 
@@ -59,40 +62,52 @@ class QueryAttack:
         for key in ("x_adv", "success"):
             if key not in state:
                 raise BenchError(f"init block of '{self.name}' must return state['{key}']")
-        state["success"] = state["success"].clone()
+        state = dict(state, success=state["success"].clone())
         x_out = problem.quantize(problem.project(state["x_adv"]))
         verified = torch.zeros_like(state["success"])
-        self._verify(problem, oracle, state, torch.arange(problem.n, device=problem.x.device), x_out, verified)
-        it, stalled = 0, False
+        everyone = torch.arange(problem.n, device=problem.x.device)
+        self._verify(problem, oracle.view(everyone), state, everyone, x_out, verified)
+        it, stalled, active = 0, False, None
         while it < self.max_iterations:
-            active = (~verified & (oracle.remaining() > 0)).nonzero().squeeze(1)
-            if active.numel() == 0:
-                break
+            if active is None:  # (re)build the working set: only samples still being attacked
+                active = (~verified & (oracle.remaining() > 0)).nonzero().squeeze(1)
+                if active.numel() == 0:
+                    break
+                sub_p, sub_o, sub_s = problem.sub(active), oracle.view(active), _gather(state, active)
             before = oracle.forwarded
-            sub_p, sub_o, sub_s = problem.sub(active), oracle.view(active), _gather(state, active)
             proposal = self.perturb(sub_p, sub_s, sub_o, gen)
             sub_s = self.accept(sub_p, sub_s, proposal, sub_o, gen)
-            _scatter(state, active, sub_s, self.name)
-            self._verify(problem, oracle, state, active, x_out, verified)
+            done = self._verify(sub_p, sub_o, sub_s, active, x_out, verified) | (sub_o.remaining() <= 0)
             it += 1
-            if oracle.forwarded == before:  # no block asked anything: nothing can change any more
-                stalled = True
-                break
-        pending = ~verified
-        x_out[pending] = problem.sub(pending.nonzero().squeeze(1)).quantize(
-            problem.sub(pending.nonzero().squeeze(1)).project(state["x_adv"][pending]))
+            stalled = oracle.forwarded == before and not done.any()  # nothing asked, nothing decided
+            if stalled or done.any() or it == self.max_iterations:
+                _scatter(state, active, sub_s, self.name)
+                if stalled:
+                    break
+                active = None  # shrink the working set only when a sample leaves it
+        pending = (~verified).nonzero().squeeze(1)
+        p = problem.sub(pending)
+        x_out[pending] = p.quantize(p.project(state["x_adv"][pending]))
         return QueryResult(x_out, verified, oracle.counts.clone(), it, stalled)
 
     @staticmethod
-    def _verify(problem, oracle, state, idx, x_out, verified):
-        """Confirm new claims of success on the exact image to be returned (one counted query each)."""
-        claim = idx[state["success"][idx] & ~verified[idx]]
+    def _verify(problem, oracle, state, active, x_out, verified):
+        """Confirm the claims of success in ``state`` (local to ``problem``/``oracle``, global indices ``active``)
+        on the exact image to be returned; returns the (len(active),) mask of samples verified now.
+
+        The oracle answers each claim with one counted query, or without a forward when that image is the last
+        one it answered for the sample (a score attack whose accepted candidate is already on the uint8 grid).
+        """
+        claim = state["success"].nonzero().squeeze(1)
+        now = torch.zeros_like(state["success"])
         if claim.numel() == 0:
-            return
+            return now
         p = problem.sub(claim)
         candidate = p.quantize(p.project(state["x_adv"][claim]))
-        answer, ok = oracle(candidate, claim)
+        answer, ok = oracle.confirm(candidate, claim)
         good = p.is_adv(answer) & ok
-        verified[claim[good]] = True
-        x_out[claim[good]] = candidate[good]
+        now[claim[good]] = True
+        verified[active[claim[good]]] = True
+        x_out[active[claim[good]]] = candidate[good]
         state["success"][claim[~good]] = False
+        return now

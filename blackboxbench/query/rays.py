@@ -14,7 +14,7 @@ import torch
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
-from .decision import bisect, decision_state, has_budget, query_adv
+from .decision import bisect, decision_state, has_budget, query_adv, stop_radius
 
 PAPER = "Chen & Gu, RayS: A Ray Searching Method for Hard-label Adversarial Attack, KDD 2020"
 SEARCH_TOL = 1e-3  # reference code: bisection tolerance on the ray length along s / ||s||_2 (= r * sqrt(d))
@@ -65,7 +65,8 @@ def rays(problem, state, oracle, gen):
     adv, _ = query_adv(problem, oracle, ray(hi[idx], idx), idx)
     hit = torch.zeros(n, dtype=torch.bool, device=x.device)
     hit[idx[adv]] = True
-    _, hi = bisect(problem, oracle, ray, torch.zeros_like(hi), hi, SEARCH_TOL / math.sqrt(dim), hit)
+    _, hi = bisect(problem, oracle, ray, torch.zeros_like(hi), hi, SEARCH_TOL / math.sqrt(dim), hit,
+                   enough=stop_radius(problem, state))  # the ray radius bounds the Linf distance
     better = hit & (hi < r_t)
     x_new = ray(hi, torch.arange(n, device=x.device))
     nxt = ind + 1

@@ -17,11 +17,14 @@ window corners are uniform over all positions that keep the window inside the im
 last row/column); acceptance uses the margin loss also when targeted (theirs switch to cross-entropy), as
 BlackboxBench's score attacks all use the CW margin.
 """
+import functools
+
 import torch
 
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
-from .common import per_sample, random_signs, random_window, rows_where, start_state, uniform
+from .common import (per_sample, random_corner, random_signs, random_window, start_state, uniform,
+                     window_index)
 
 PAPER = "Andriushchenko et al., Square Attack, ECCV 2020"
 # Iterations (of 10,000) after which p is halved (the authors' p_selection).
@@ -37,7 +40,7 @@ def p_schedule(p_init, it, n_iters):
     """Fraction of pixels changed at per-sample iteration ``it`` (n,) of an ``n_iters`` run (authors' schedule,
     stated for 10,000 iterations and rescaled linearly; p returns to ``p_init`` past the end, as theirs does)."""
     scaled = torch.div(it * 10000, max(int(n_iters), 1), rounding_mode="floor")
-    halvings = sum((scaled > t).long() for t in P_HALVINGS)
+    halvings = torch.bucketize(scaled, torch.tensor(P_HALVINGS, device=it.device))  # thresholds strictly below
     halvings = torch.where(scaled > 10000, torch.zeros_like(halvings), halvings)
     return p_init / 2.0 ** halvings.double()
 
@@ -48,21 +51,51 @@ def square_side(p, n_pixels, lo, hi):
     return s.clamp(min=lo, max=hi)
 
 
+def side_schedule(p_init, it, n_iters, n_pixels, lo, hi):
+    """``square_side(p_schedule(p_init, it, n_iters), n_pixels, lo, hi)`` by lookup: the side only changes where
+    the schedule halves p, so it is one bucketize of ``it`` into those iterations (memoised per setting)."""
+    starts, sides = _side_table(float(p_init), max(int(n_iters), 1), n_pixels, lo, hi, it.device)
+    return sides[torch.bucketize(it, starts, right=True)]
+
+
+@functools.lru_cache(maxsize=256)
+def _side_table(p_init, n_iters, n_pixels, lo, hi, device):
+    """The first iteration of each piece of the p schedule (where ``it * 10000 // n_iters`` first exceeds each
+    halving point, then 10,000), and the window side of every piece."""
+    marks = (*P_HALVINGS, 10000)
+    starts = torch.tensor([-(-(t + 1) * n_iters // 10000) for t in marks], device=device)
+    p = p_init / 2.0 ** torch.tensor([*range(len(P_HALVINGS) + 1), 0], dtype=torch.float64, device=device)
+    return starts, square_side(p, n_pixels, lo, hi)
+
+
 def _budget(oracle, n_iters):
     return oracle.max_queries if n_iters is None else n_iters
 
 
 # --------------------------------------------------------------------------- Linf
+def _vertex(state, sign):
+    """The Linf-ball vertex chosen by ``sign`` (> 0: ``x + eps``, else ``x - eps``), clipped to [0, 1] and on the
+    uint8 grid (state ``x_hi``/``x_lo``), broadcast over ``sign``'s shape."""
+    return torch.where(sign > 0, state["x_hi"], state["x_lo"])
+
+
 @INIT.register("square_init_linf", paper=PAPER, norms=("linf",))
 def square_init_linf(problem, oracle, gen):
     """Vertical stripes: every column of every channel gets +eps or -eps (the paper's Linf initialisation);
-    one query."""
+    one query.
+
+    The two vertices of every pixel, ``x +- eps`` clipped to [0, 1], are kept in the state on the uint8 grid
+    (rounded towards ``x``, as the returned image will be), so every candidate is an image the attack can return
+    as is and the pipeline's confirmation of a success needs no extra query. For eps on the grid (e.g. 8/255)
+    this is the paper's attack exactly; otherwise it searches the radius floor(255 eps)/255 the output reaches.
+    """
     _check_norm(problem, "linf")
     x = problem.x
     n, c, _, w = x.shape
-    stripes = random_signs((n, c, 1, w), gen, x.device) * problem.eps
-    return start_state(problem, oracle, (x + stripes).clamp(0, 1),
-                       it=torch.zeros(n, dtype=torch.long, device=x.device))
+    vertices = dict(x_hi=problem.quantize((x + problem.eps).clamp(0, 1)),
+                    x_lo=problem.quantize((x - problem.eps).clamp(0, 1)))
+    stripes = _vertex(vertices, random_signs((n, c, 1, w), gen, x.device))
+    return start_state(problem, oracle, stripes, it=torch.zeros(n, dtype=torch.long, device=x.device), **vertices)
 
 
 @PERTURB.register("square_linf", paper=PAPER, norms=("linf",))
@@ -71,22 +104,23 @@ def square_linf(problem, state, oracle, gen, *, p_init=0.05, n_iters=None):
 
     ``p_init`` 0.05 (Table VI); ``n_iters`` is the length the p schedule is stretched to (None: the query budget,
     as the authors pass ``n_iters`` = budget). As in the authors' code a window that would not change the current
-    image is redrawn.
+    image is redrawn. Candidates are on the uint8 grid (see :func:`square_init_linf`).
     """
     x, x_adv, it = problem.x, state["x_adv"], state["it"]
     n, c, h, w = x.shape
-    p = p_schedule(p_init, it, _budget(oracle, n_iters))
-    s = square_side(p, h * w, 1, min(h, w) - 1)
-    window, _, _ = random_window(s, (h, w), gen)
-    delta = x_adv - x
-    redraw = torch.ones(n, dtype=torch.bool, device=x.device)
+    s = side_schedule(p_init, it, _budget(oracle, n_iters), h * w, 1, min(h, w) - 1)
+    idx = window_index(*random_corner(s, (h, w), gen), s, (c, h, w)).flatten(2)  # (n, C, S*S)
+    cur, hi, lo = (v.flatten(1).gather(1, idx.flatten(1)).view(idx.shape)
+                   for v in (x_adv, state["x_hi"], state["x_lo"]))
+    at_hi, at_lo = (cur == hi).all(2), (cur == lo).all(2)  # (n, C): the window already sits on that vertex
+    up = uniform((n, c), gen, x.device) < 0.5  # the vertex of each channel: x + eps where up, else x - eps
     for _ in range(100):  # a window equal to the current one is redrawn (rare; bounded for eps == 0)
-        vertex = random_signs((n, c, 1, 1), gen, x.device) * problem.eps
-        delta = rows_where(redraw, torch.where(window, vertex, delta), delta)
-        cand = (x + delta).clamp(0, 1)
-        redraw = ((cand - x_adv).abs() < 1e-7).logical_or(~window).flatten(1).all(1)
-        if not redraw.any():
+        same = torch.where(up, at_hi, at_lo).all(1)
+        if not same.any():
             break
+        up = torch.where(same[:, None], uniform((n, c), gen, x.device) < 0.5, up)
+    new = torch.where(up[:, :, None], hi, lo)
+    cand = x_adv.flatten(1).clone().scatter_(1, idx.flatten(1), new.flatten(1)).view_as(x_adv)
     return {"x_adv": cand, "it": it + 1}
 
 
@@ -157,7 +191,7 @@ def square_init_l2(problem, oracle, gen):
             bump = pseudo_gaussian_windows(*corner, size, _random_transpose(n, gen, x.device), (h, w))
             delta = delta + bump * random_signs((n, c, 1, 1), gen, x.device)
     delta = delta / per_sample(delta.flatten(1).norm(dim=1).clamp_min(1e-12), delta) * problem.eps
-    return start_state(problem, oracle, (x + delta).clamp(0, 1),
+    return start_state(problem, oracle, problem.project(x + delta),
                        it=torch.zeros(n, dtype=torch.long, device=x.device))
 
 
