@@ -10,6 +10,9 @@ Sections (``--only`` runs one; otherwise all run and ``--out`` is rewritten):
 * ``mifgsm``: MI-FGSM ResNet-20 -> ResNet-56 (Linf 0.03, alpha 0.003, 100 iterations, decay 1.0): ours (mi_fgsm)
   vs torchattacks.MIFGSM; transfer ASR over images ResNet-56 classifies correctly.
 * ``overhead``: our Square run's wall time / the time of the same model forwards (same batch sizes) run bare.
+* ``seeds``: Square (ours vs torchattacks) and HSJA (ours vs ART) repeated over ``--seeds`` seeds, alternating
+  which library runs first; single runs differ by more than the libraries do, the means over seeds are the
+  comparison.
 
 Our attacks are built from the recipes with the builder and run as ``Runner._query_batch`` /
 ``Runner._transfer_batch`` do. Peers count queries through :class:`Counting`, an ``nn.Module`` around the same
@@ -48,7 +51,7 @@ from blackboxbench.threat import Problem  # noqa: E402
 EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
 GRID_EPS = math.floor(EPS * 255 + 1e-6) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
 GRID_LABEL = " at eps 7/255 (ours' grid eps)"
-SECTIONS = ("square", "hsja", "mifgsm", "overhead")
+SECTIONS = ("square", "hsja", "mifgsm", "overhead", "seeds")
 SRC = "benchmarks/compare_peers.py"
 
 
@@ -65,12 +68,14 @@ class Counting(nn.Module):
     image are clean-accuracy checks and are not counted as queries.
     Per sample: ``forwards`` (every row), ``distinct`` (rows never forwarded before for that sample) and the
     forward / distinct index of the first row classified adversarially within ``eps`` (``hit_fwd``,
-    ``hit_distinct``; 0 = none).
+    ``hit_distinct``; 0 = none). With ``uint8``, a row only counts as a hit if it stays adversarial once saved as
+    an image: rounded to the nearest uint8 level and clipped to the eps ball on that grid (the rule our own
+    outputs meet); that check's forward is bookkeeping, not a query.
     """
 
-    def __init__(self, model, x, y, eps, mode, stop_at_hit=False, deadline=None):
+    def __init__(self, model, x, y, eps, mode, stop_at_hit=False, deadline=None, uint8=False):
         super().__init__()
-        self.model, self.x, self.y, self.eps, self.mode = model, x, y, eps, mode
+        self.model, self.x, self.y, self.eps, self.mode, self.uint8 = model, x, y, eps, mode, uint8
         self.stop_at_hit, self.deadline = stop_at_hit, deadline
         n = len(x)
         z = lambda: torch.zeros(n, dtype=torch.long, device=x.device)  # noqa: E731
@@ -133,6 +138,13 @@ class Counting(nn.Module):
         dist_idx = torch.where(new, self.distinct[s] + new_rank + 1, self.distinct[s])
         self.distinct.index_add_(0, s[new], torch.ones_like(s[new]))
         hit = (out.argmax(1) != self.y[s]) & (d <= self.eps + TOL) & (self.hit_fwd[s] == 0)
+        if self.uint8 and hit.any():
+            j = hit.nonzero().squeeze(1)
+            levels = math.floor(self.eps * 255 + 1e-6) / 255
+            clean = self.x[s[j]]
+            saved = torch.minimum(torch.maximum(torch.round(rows[j] * 255) / 255, clean - levels), clean + levels)
+            with torch.no_grad():
+                hit[j] = self.model(saved.clamp(0, 1)).argmax(1) != self.y[s[j]]
         for j in hit.nonzero().squeeze(1).tolist():  # first hits only: at most once per sample
             if self.hit_fwd[s[j]] == 0:
                 self.hit_fwd[s[j]], self.hit_distinct[s[j]] = fwd_idx[j], dist_idx[j]
@@ -248,10 +260,49 @@ def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None)
                images=images, fwd=cnt.hit_fwd, note="; ".join(notes))
 
 
+def torchattacks_square(args, model, xc, yc, eps, seed, note):
+    import torchattacks
+
+    cnt = Counting(model, xc, yc, eps, "content", deadline=time.perf_counter() + args.peer_cap)
+    torch.manual_seed(seed)
+    atk = torchattacks.Square(cnt, norm="Linf", eps=eps, n_queries=BUDGET, n_restarts=1, p_init=0.05,
+                              loss="margin", seed=seed)
+    clock, x_adv, stopped = Clock(), None, None
+    try:
+        x_adv = atk(xc, yc)
+    except Stop as e:
+        stopped = f"stopped by the {e} ({args.peer_cap:.0f} s)"
+    return peer_result("Square Linf", f"torchattacks {torchattacks.__version__}{note}", cnt, clock, x_adv, xc,
+                       yc, model, "n_queries counts iterations (1 init query + up to 10,000: <= 10,001 per "
+                       "sample); one window and one sign draw shared by the whole batch", stopped)
+
+
+def art_hsja(args, model, xc, yc, eps, seed, label, uint8=False):
+    from art.attacks.evasion import HopSkipJump
+
+    cnt = Counting(model, xc, yc, eps, "current", stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap,
+                   uint8=uint8)
+    np.random.seed(seed)
+    atk = HopSkipJump(art_classifier(cnt, xc.device), norm=np.inf, max_iter=hsja_steps(), max_eval=10000,
+                      init_eval=100, init_size=100, verbose=False)
+    clock, stopped = Clock(), None
+    for i in range(len(yc)):  # ART attacks one sample at a time anyway; this makes attribution exact
+        cnt.current = i
+        try:
+            atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
+        except Stop as e:
+            if str(e) == "time cap":
+                stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
+                break
+    rule = "; hits must stay adversarial as uint8 images" if uint8 else ""
+    return peer_result("HSJA Linf", f"ART {art_version()}{label}", cnt, clock, None, xc, yc, model,
+                       f"max_iter {hsja_steps()}; each sample stopped at its first hit or 10,000 queries{rule}",
+                       stopped)
+
+
 # ------------------------------------------------------------------------------------------------ sections
 
 def section_square(args, ctx):
-    import torchattacks
     from art.attacks.evasion import SquareAttack
 
     model, device = ctx["m20"], ctx["device"]
@@ -263,21 +314,7 @@ def section_square(args, ctx):
                      f"uint8 outputs rounded towards the clean image (eps {EPS:.5g} -> {round(GRID_EPS * 255)}/255 = "
                      f"{GRID_EPS:.5f}); queries include the verification query of the returned image")]
 
-    def torchattacks_square(eps, note):
-        cnt = Counting(model, xc, yc, eps, "content", deadline=time.perf_counter() + args.peer_cap)
-        torch.manual_seed(args.seed)
-        atk = torchattacks.Square(cnt, norm="Linf", eps=eps, n_queries=BUDGET, n_restarts=1, p_init=0.05,
-                                  loss="margin", seed=args.seed)
-        clock, x_adv, stopped = Clock(), None, None
-        try:
-            x_adv = atk(xc, yc)
-        except Stop as e:
-            stopped = f"stopped by the {e} ({args.peer_cap:.0f} s)"
-        return peer_result("Square Linf", f"torchattacks {torchattacks.__version__}{note}", cnt, clock, x_adv, xc,
-                           yc, model, "n_queries counts iterations (1 init query + up to 10,000: <= 10,001 per "
-                           "sample); one window and one sign draw shared by the whole batch", stopped)
-
-    rows.append(torchattacks_square(EPS, ""))
+    rows.append(torchattacks_square(args, model, xc, yc, EPS, args.seed, ""))
 
     cnt = Counting(model, xc, yc, EPS, "content", deadline=time.perf_counter() + args.peer_cap)
     np.random.seed(args.seed)
@@ -292,7 +329,7 @@ def section_square(args, ctx):
                             model, "max_iter 10,000 (1 new image per iteration, but 3 forwards: it re-predicts "
                             "x_adv and its loss each iteration); window shared by the batch", stopped))
     if args.same_grid:
-        rows.append(torchattacks_square(GRID_EPS, GRID_LABEL))
+        rows.append(torchattacks_square(args, model, xc, yc, GRID_EPS, args.seed, GRID_LABEL))
     return rows
 
 
@@ -307,7 +344,6 @@ def hsja_steps():
 
 def section_hsja(args, ctx):
     import foolbox as fb
-    from art.attacks.evasion import HopSkipJump
 
     model, device = ctx["m20"], ctx["device"]
     x, y = ctx["data"].x[:args.n_hsja].to(device), ctx["data"].y[:args.n_hsja].to(device)
@@ -316,24 +352,6 @@ def section_hsja(args, ctx):
     rows = [ours_row("HSJA Linf", "hsja_linf", res, problem, wall, timed,
                      "stops at success (within_eps accept); uint8 outputs (eps 7/255 after rounding)")]
     steps = hsja_steps()
-
-    def art_hsja(eps, label):
-        cnt = Counting(model, xc, yc, eps, "current", stop_at_hit=True,
-                       deadline=time.perf_counter() + args.peer_cap)
-        np.random.seed(args.seed)
-        atk = HopSkipJump(art_classifier(cnt, device), norm=np.inf, max_iter=steps, max_eval=10000, init_eval=100,
-                          init_size=100, verbose=False)
-        clock, stopped = Clock(), None
-        for i in range(len(yc)):  # ART attacks one sample at a time anyway; this makes attribution exact
-            cnt.current = i
-            try:
-                atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
-            except Stop as e:
-                if str(e) == "time cap":
-                    stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
-                    break
-        return peer_result("HSJA Linf", f"ART {art_version()}{label}", cnt, clock, None, xc, yc, model,
-                           f"max_iter {steps}; each sample stopped at its first hit or 10,000 queries", stopped)
 
     def foolbox_hsja(eps, label):
         cnt = Counting(model, xc, yc, eps, "position", stop_at_hit=True,
@@ -351,10 +369,63 @@ def section_hsja(args, ctx):
         return peer_result("HSJA Linf", f"foolbox {fb.__version__}{label}", cnt, clock, None, xc, yc, model,
                            f"steps {steps}; whole batch queried every time (no per-sample stop)", stopped)
 
-    rows += [art_hsja(EPS, ""), foolbox_hsja(EPS, "")]
+    rows += [art_hsja(args, model, xc, yc, EPS, args.seed, ""), foolbox_hsja(EPS, "")]
     if args.same_grid:
-        rows += [art_hsja(GRID_EPS, GRID_LABEL), foolbox_hsja(GRID_EPS, GRID_LABEL)]
+        rows += [art_hsja(args, model, xc, yc, GRID_EPS, args.seed, GRID_LABEL), foolbox_hsja(GRID_EPS, GRID_LABEL)]
     return rows
+
+
+def section_seeds(args, ctx):
+    """Square (ours vs torchattacks, ``--n`` images) and HSJA (ours vs ART, ``--n-hsja`` images) over seeds
+    ``--seed`` .. ``--seed + --seeds - 1``, the two libraries in alternating order, at ``--eps``: one run is noisy
+    (the hardest image sets the length of the tail, and the CPU is shared), the mean over seeds is the comparison."""
+    model, device = ctx["m20"], ctx["device"]
+    rows = []
+    def art_uint8(args, model, x, y, eps, seed, label):
+        return art_hsja(args, model, x, y, eps, seed, " (uint8 hits)" + label, uint8=True)
+
+    for attack, name, n, peers in (("Square Linf", "square_linf", args.n, [torchattacks_square]),
+                                   ("HSJA Linf", "hsja_linf", args.n_hsja, [art_hsja, art_uint8])):
+        x, y = ctx["data"].x[:n].to(device), ctx["data"].y[:n].to(device)
+        for k, seed in enumerate(range(args.seed, args.seed + args.seeds)):
+            def ours():
+                res, problem, wall, timed = run_ours_query(name, model, x, y, device, seed)
+                mine = ours_row(attack, name, res, problem, wall, timed, "")
+                return dict(mine, lib=f"{mine['lib']} seed {seed}")
+
+            with torch.no_grad():
+                keep = model(x).argmax(1) == y
+            if k % 2 == 0:
+                mine = ours()
+            theirs = [peer(args, model, x[keep], y[keep], EPS, seed, f" seed {seed}") for peer in peers]
+            if k % 2 == 1:
+                mine = ours()
+            rows += [mine] + [dict(r, note="") for r in theirs]
+    return rows
+
+
+def seed_summary(rows):
+    """Mean over seeds per (attack, library): ASR, queries, CPU seconds; and the peer / ours CPU ratio."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["attack"], r["lib"].rsplit(" seed ", 1)[0]), []).append(r)
+    out = ["| attack | library | seeds | mean ASR | mean of mean q | mean CPU s | CPU s per seed |",
+           "|---|---|---|---|---|---|---|"]
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    cpu = {}
+    for (attack, lib), rs in groups.items():
+        cpu[(attack, lib)] = mean([r["cpu"] for r in rs])
+        per_seed = ", ".join(format(r["cpu"], ".1f") for r in rs)
+        out.append(f"| {attack} | {lib} | {len(rs)} | {mean([r['asr'] for r in rs]) * 100:.1f}% | "
+                   f"{mean([r['mean_q'] for r in rs]):.0f} | {cpu[(attack, lib)]:.2f} | "
+                   f"{per_seed} |")
+    out.append("")
+    for attack in dict.fromkeys(a for a, _ in groups):
+        libs = [lib for a, lib in groups if a == attack]
+        ours, peers = libs[0], libs[1:]
+        for lib in peers:
+            out.append(f"- {attack}: {lib} mean CPU {cpu[(attack, lib)] / cpu[(attack, ours)]:.2f}x ours")
+    return out
 
 
 def section_mifgsm(args, ctx):
@@ -476,6 +547,8 @@ def render(name, args, ctx, result, load):
                   f"- overhead (wall / bare replay wall): **{r['wall'] / r['bare']:.2f}x** (target <= 1.2x)",
                   f"- overhead (CPU / bare replay CPU): **{r['cpu'] / r['bare_cpu']:.2f}x**",
                   f"- overhead (wall / time inside the model during the run): {r['wall'] / r['inside']:.2f}x"]
+    elif name.startswith("seeds"):
+        lines += seed_summary(result) + ["", "Per run:", ""] + table(result)
     else:
         lines += table(result) + [""] + ratios(result)
     return lines + [f"<!-- /section:{name} -->"]
@@ -499,6 +572,7 @@ def main(argv=None):
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=5, help="seeds for the 'seeds' section")
     ap.add_argument("--peer-cap", type=float, default=900.0, help="seconds after which a peer run is stopped")
     ap.add_argument("--same-grid", action="store_true",
                     help="also run the query peers at eps 7/255, the radius our uint8 outputs actually reach")
@@ -520,7 +594,8 @@ def main(argv=None):
     root = resolve_data_root(args.data_root)
     ctx = {"device": device, "data": DATASET.get("cifar10")(root, n=300),
            "m20": build_model("cifar_resnet20", root, device), "m56": build_model("cifar_resnet56", root, device)}
-    runs = {"square": section_square, "hsja": section_hsja, "mifgsm": section_mifgsm, "overhead": section_overhead}
+    runs = {"square": section_square, "hsja": section_hsja, "mifgsm": section_mifgsm, "overhead": section_overhead,
+            "seeds": section_seeds}
     done = []
     for name in [args.only] if args.only else SECTIONS:
         l0, t0 = os.getloadavg()[0], time.perf_counter()

@@ -29,8 +29,8 @@ def per_sample(v, like):
 def project(x_adv, x, eps, norm):
     """Project onto the ``norm`` ball of radius ``eps`` around ``x``, then onto [0, 1].
 
-    A point already inside the ball comes back bit for bit (only clipped to [0, 1]), so projecting an image
-    on the uint8 grid keeps it there. For L2 the ball projection comes first; clipping to [0, 1] afterwards only
+    A point inside the ball (in float arithmetic) comes back bit for bit, only clipped to [0, 1]; a point on its
+    surface may move by a float rounding error. For L2 the ball projection comes first; clipping to [0, 1] afterwards only
     moves a coordinate towards ``x`` (``x`` itself lies in [0, 1]), so the result stays inside the ball.
     """
     if norm == "linf":

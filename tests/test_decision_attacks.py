@@ -72,6 +72,20 @@ def test_bisect_keeps_hi_adversarial_when_refused(toy):
         assert (model(blend(x, far, lo)).argmax(1) == 0).all()
 
 
+def test_bisect_stops_once_within_reach(toy):
+    model, x, y, dist = toy
+    problem = Problem(x=x, y=y, eps=0.03, norm="linf")
+    oracle = Oracle(model, n=4, max_queries=100, num_classes=2, feedback="label", input_shape=x.shape[1:])
+    far = (model.w > 0).float().view(1, *x.shape[1:]).expand_as(x)
+    ones = torch.ones(4)
+    full = bisect(problem, oracle, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-6, ones > 0)[1]
+    used = oracle.counts.clone()
+    enough = full.double() * 1.3  # the search may stop at any adversarial point below this
+    _, hi = bisect(problem, oracle, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-6, ones > 0, enough)
+    assert (hi <= enough).all() and (hi >= full).all()
+    assert ((oracle.counts - used) < used).all()  # fewer queries than the full search
+
+
 def test_refused_start_is_not_found(toy):
     model, x, y, _ = toy
     problem = Problem(x=x, y=y, eps=0.03, norm="linf")

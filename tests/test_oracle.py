@@ -66,3 +66,29 @@ def test_bad_shapes_are_one_line_errors():
         oracle(torch.rand(3, 1, 2, 2), torch.tensor([0, 1]))
     with pytest.raises(BenchError):
         Oracle(Counting(), n=2, max_queries=5, num_classes=3, feedback="logits")
+
+
+def test_confirm_reuses_the_last_answer_for_the_same_image_only():
+    model = Counting()
+    oracle = Oracle(model, n=3, max_queries=10, num_classes=3, feedback="score")
+    x = torch.rand(3, 1, 2, 2)
+    first, _ = oracle(x)
+    first[:] = 0.0  # a caller scribbling on its answer cannot change what the oracle remembers
+    again, ok = oracle.confirm(x.clone())
+    assert model.seen == 3 and oracle.counts.tolist() == [1, 1, 1] and ok.all()  # no forward, no count
+    with torch.no_grad():
+        assert torch.allclose(again, torch.log_softmax(model.lin(x.flatten(1)), 1))
+    changed = x.clone()
+    changed[1, 0, 0, 0] += 1 / 255
+    answer, ok = oracle.confirm(changed)  # only sample 1 differs: only it is forwarded and counted
+    assert model.seen == 4 and oracle.counts.tolist() == [1, 2, 1] and ok.all()
+    assert torch.allclose(answer[[0, 2]], again[[0, 2]])
+    oracle(x[:2], torch.tensor([0, 0]))  # a call with repeated samples is not remembered
+    oracle.confirm(x[:1], torch.tensor([0]))
+    assert model.seen == 7 and oracle.counts.tolist() == [4, 2, 1]
+
+
+def test_views_need_distinct_samples():
+    oracle = Oracle(Counting(), n=4, max_queries=10, num_classes=3)
+    with pytest.raises(BenchError, match="distinct"):
+        oracle.view(torch.tensor([1, 1]))

@@ -5,6 +5,7 @@ needed) checks that every recipe reaches a known boundary on 8x8 images and neve
 real pretrained CIFAR-10 ResNet-20 checks success at the paper's budget (Table VI), a targeted run and tiny
 budgets (skipped without the offline data).
 """
+import math
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,9 @@ from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.oracle import Oracle
-from blackboxbench.query.common import greedy_update, random_window, start_state, window_mask
+from blackboxbench.query.common import greedy_update, random_window, start_state, window_index, window_mask
 from blackboxbench.query.simba import basis_images, strided_band
-from blackboxbench.query.square import p_schedule, pseudo_gaussian_windows
+from blackboxbench.query.square import p_schedule, pseudo_gaussian_windows, side_schedule, square_side
 from blackboxbench.registry import INIT
 from blackboxbench.threat import Problem
 
@@ -40,6 +41,16 @@ def test_window_mask_matches_slicing():
     assert (mask.flatten(1).sum(1) == size ** 2).all()  # always fully inside the image
     part = window_mask(torch.tensor([6]), torch.tensor([-1]), 5, 3, (8, 8))  # clipped at the borders
     assert part.sum() == 2 * 2
+
+
+def test_window_index_matches_the_mask():
+    g = torch.Generator().manual_seed(3)
+    size = torch.randint(1, 6, (12,), generator=g)  # mixed sides in one call
+    mask, top, left = random_window(size, (7, 9), g)
+    idx = window_index(top, left, size, (2, 7, 9))
+    assert idx.shape == (12, 2, int(size.max()), int(size.max()))
+    hit = torch.zeros(12, 2 * 7 * 9, dtype=torch.bool).scatter_(1, idx.flatten(1), True).view(12, 2, 7, 9)
+    assert torch.equal(hit, mask.expand(-1, 2, -1, -1))  # exactly the window's pixels, in every channel
 
 
 def test_pseudo_gaussian_window():
@@ -68,6 +79,14 @@ def test_p_schedule_follows_the_paper():
     halvings = torch.tensor([0, 0, 1, 1, 2, 2, 3, 5, 8, 9, 9, 0])
     assert torch.allclose(p_schedule(0.05, it, 10_000), 0.05 / 2.0 ** halvings.double())
     assert torch.allclose(p_schedule(0.05, it * 10, 100_000), 0.05 / 2.0 ** halvings.double())
+
+
+@pytest.mark.parametrize("n_iters", [10_000, 1000, 37, 3])
+def test_side_schedule_is_the_p_schedule(n_iters):
+    it = torch.arange(0, 3 * n_iters + 20)
+    for lo, hi, pixels in [(1, 31, 1024), (3, 27, 784)]:
+        assert torch.equal(side_schedule(0.05, it, n_iters, pixels, lo, hi),
+                           square_side(p_schedule(0.05, it, n_iters), pixels, lo, hi))
 
 
 def test_simba_bases():
@@ -165,6 +184,28 @@ def test_toy_unreachable_is_never_claimed(toy, name, norm):
     problem, res = run_query(name, model, x, y, 0.9 * need[norm].min().item(), norm, budget=200, num_classes=5)
     assert not res.success.any() and (res.queries == 200).all() and not res.stalled
     check_outputs(problem, res, model, 200)
+
+
+class Calls(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.calls, self.images = model, 0, 0
+
+    def forward(self, x):
+        self.calls, self.images = self.calls + 1, self.images + x.shape[0]
+        return self.model(x)
+
+
+def test_square_linf_confirms_success_without_an_extra_forward(toy):
+    """Square Linf queries images on the uint8 grid, so the image it returns is one the oracle has answered: the
+    pipeline's confirmation reuses that answer (one forward per iteration plus the initial one, nothing else)."""
+    model, x, y, need = toy
+    eps = math.ceil(2 * need["linf"].max().item() * 255) / 255
+    calls = Calls(model)
+    problem, res = run_query("square_linf", calls, x, y, eps, "linf", budget=2000, num_classes=5)
+    assert res.success.all()
+    check_outputs(problem, res, model, 2000)
+    assert calls.calls == res.iterations + 1 and calls.images == int(res.queries.sum())
 
 
 # ---------------------------------------------------------------- real CIFAR-10 ResNet-20

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from blackboxbench.threat import Problem, dist, margin_loss, project, quantize
+from blackboxbench.threat import Problem, dist, margin_loss, project, quantize, quantize_outward
 
 
 @pytest.mark.parametrize("norm,eps", [("linf", 0.03), ("linf", 8 / 255), ("l2", 0.5), ("l2", 1.0)])
@@ -24,6 +24,30 @@ def test_project_matches_reference():
                           torch.tensor([0.55, 0.45, 0.51, 0.55]).view(1, 1, 2, 2))
     d = torch.tensor([0.3, 0.4, 0.0, 0.0]).view(1, 1, 2, 2)  # L2 norm 0.5 -> scaled to 0.25
     assert torch.allclose(project(x + d, x, 0.25, "l2"), x + d / 2)
+
+
+@pytest.mark.parametrize("norm,eps", [("linf", 0.03), ("l2", 0.5)])
+def test_project_keeps_points_inside_the_ball_bit_for_bit(norm, eps):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (16, 3, 8, 8), generator=g).float() / 255
+    inside = quantize(project(x + torch.randn(x.shape, generator=g) * 0.1, x, eps, norm), x)
+    assert torch.equal(project(inside, x, eps, norm), inside)
+
+
+def test_quantize_outward_grows_every_perturbation_within_the_grid_ball():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 256, (32, 3, 8, 8), generator=g).float() / 255
+    eps = 0.03  # 7.65 levels: the grid ball has radius 7/255
+    p = project(x + (torch.rand(x.shape, generator=g) - 0.5) * 0.08, x, eps, "linf")
+    q = quantize_outward(p, x, eps)
+    assert torch.equal(q * 255, torch.round(q * 255)) and q.min() >= 0 and q.max() <= 1
+    assert (dist(q, x, "linf") <= 7 / 255 + 1e-6).all()
+    d, e = (p - x) * 255, (q - x) * 255
+    assert ((d * e) >= 0).all()  # no coordinate changes sign
+    grid = torch.round(x * 255)
+    reach = torch.minimum(torch.full_like(d, 7.0), torch.where(d >= 0, 255 - grid, grid))  # levels available
+    assert torch.allclose(e.abs(), torch.minimum(torch.ceil(d.abs() - 1e-3), reach))
+    assert torch.equal(quantize_outward(q, x, eps), q)
 
 
 def test_quantize_keeps_grid_points_and_rounds_towards_clean():
