@@ -78,9 +78,9 @@ class QueryAttack:
             proposal = self.perturb(sub_p, sub_s, sub_o, gen)
             sub_s = self.accept(sub_p, sub_s, proposal, sub_o, gen)
             done = self._verify(sub_p, sub_o, sub_s, active, x_out, verified) | (sub_o.remaining() <= 0)
-            it += 1
-            stalled = oracle.forwarded == before and not done.any()  # nothing asked, nothing decided
-            if stalled or done.any() or it == self.max_iterations:
+            it, leaving = it + 1, bool(done.any())
+            stalled = oracle.forwarded == before and not leaving  # nothing asked, nothing decided
+            if stalled or leaving or it == self.max_iterations:
                 _scatter(state, active, sub_s, self.name)
                 if stalled:
                     break
@@ -95,8 +95,8 @@ class QueryAttack:
         """Confirm the claims of success in ``state`` (local to ``problem``/``oracle``, global indices ``active``)
         on the exact image to be returned; returns the (len(active),) mask of samples verified now.
 
-        The oracle answers each claim with one counted query, or without a forward when that image is the last
-        one it answered for the sample (a score attack whose accepted candidate is already on the uint8 grid).
+        The oracle answers each claim with one counted query, or without a forward when it answered that very
+        image in its most recent call (a score attack whose accepted candidate is already on the uint8 grid).
         """
         claim = state["success"].nonzero().squeeze(1)
         now = torch.zeros_like(state["success"])
