@@ -46,10 +46,10 @@ from blackboxbench.prep.data import resolve_data_root  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import DATASET  # noqa: E402
 from blackboxbench.runner import check_outputs, make_generator, resolve_device  # noqa: E402
-from blackboxbench.threat import Problem  # noqa: E402
+from blackboxbench.threat import Problem, grid_levels  # noqa: E402
 
 EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
-GRID_EPS = math.floor(EPS * 255 + 1e-6) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
+GRID_EPS = grid_levels(EPS) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
 GRID_LABEL = " at eps 7/255 (ours' grid eps)"
 SECTIONS = ("square", "hsja", "mifgsm", "overhead", "seeds")
 SRC = "benchmarks/compare_peers.py"
@@ -140,7 +140,7 @@ class Counting(nn.Module):
         hit = (out.argmax(1) != self.y[s]) & (d <= self.eps + TOL) & (self.hit_fwd[s] == 0)
         if self.uint8 and hit.any():
             j = hit.nonzero().squeeze(1)
-            levels = math.floor(self.eps * 255 + 1e-6) / 255
+            levels = grid_levels(self.eps) / 255
             clean = self.x[s[j]]
             saved = torch.minimum(torch.maximum(torch.round(rows[j] * 255) / 255, clean - levels), clean + levels)
             with torch.no_grad():
@@ -588,7 +588,7 @@ def main(argv=None):
     suffix = ""
     if args.eps is not None:
         EPS = float(parse_number(args.eps))
-        GRID_EPS = math.floor(EPS * 255 + 1e-6) / 255
+        GRID_EPS = grid_levels(EPS) / 255
         GRID_LABEL = f" at eps {round(GRID_EPS * 255)}/255 (ours' grid eps)"
         suffix = "@" + args.eps.replace("/", "_")
     if args.threads:

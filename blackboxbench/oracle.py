@@ -71,20 +71,18 @@ class Oracle:
         distinct)."""
         idx = torch.arange(self.n, device=self.device) if idx is None else idx.to(self.device)
         x = x.to(self.device)
-        if self._last is None:
+        new = torch.ones(x.shape[0], dtype=torch.bool, device=self.device)  # rows the model must answer
+        if self._last is not None:
+            last_x, last_idx, last_answer = self._last
+            row = torch.full((self.n,), -1, dtype=torch.long, device=self.device)
+            row[last_idx] = torch.arange(last_idx.numel(), device=self.device)
+            row = row[idx]  # each sample's row in the last call, -1 if it had none
+            had = (row >= 0).nonzero().squeeze(1)
+            new[had[(x[had] == last_x[row[had]]).flatten(1).all(1)]] = False
+        if bool(new.all()):
             return self._ask(x, idx, distinct=True)
-        last_x, last_idx, last_answer = self._last
-        row = torch.full((self.n,), -1, dtype=torch.long, device=self.device)
-        row[last_idx] = torch.arange(last_idx.numel(), device=self.device)
-        row = row[idx]  # each sample's row in the last call, -1 if it had none
-        seen = (row >= 0).nonzero().squeeze(1)
-        seen = seen[(x[seen] == last_x[row[seen]]).flatten(1).all(1)]
-        if seen.numel() == 0:
-            return self._ask(x, idx, distinct=True)
-        answer, ok = self._empty(x.shape[0]), torch.ones(x.shape[0], dtype=torch.bool, device=self.device)
-        answer[seen] = last_answer[row[seen]]
-        new = torch.ones_like(ok)
-        new[seen] = False
+        answer, ok = self._empty(x.shape[0]), torch.ones_like(new)
+        answer[~new] = last_answer[row[~new]]
         if bool(new.any()):
             answer[new], ok[new] = self._ask(x[new], idx[new], distinct=True)
         return answer, ok

@@ -2,6 +2,7 @@
 
 Images are NCHW float in [0, 1]; epsilon is in the same [0, 1] pixel units (a config may write ``8/255``).
 """
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -30,8 +31,8 @@ def project(x_adv, x, eps, norm):
     """Project onto the ``norm`` ball of radius ``eps`` around ``x``, then onto [0, 1].
 
     A point inside the ball (in float arithmetic) comes back bit for bit, only clipped to [0, 1]; a point on its
-    surface may move by a float rounding error. For L2 the ball projection comes first; clipping to [0, 1] afterwards only
-    moves a coordinate towards ``x`` (``x`` itself lies in [0, 1]), so the result stays inside the ball.
+    surface may move by a float rounding error. For L2 the ball projection comes first; clipping to [0, 1]
+    afterwards only moves a coordinate towards ``x`` (``x`` itself lies in [0, 1]), so the result stays inside.
     """
     if norm == "linf":
         e = per_sample(eps, x)
@@ -56,9 +57,15 @@ def quantize(x_adv, x):
     return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
 
 
+def grid_levels(eps):
+    """uint8 levels spanned by a Linf radius ``eps`` on the grid: floor(255 eps), tolerant of float noise (8/255
+    gives 8). ``grid_levels(eps) / 255`` is the largest radius a uint8 image within ``eps`` can reach."""
+    return math.floor(eps * 255 + 1e-6)
+
+
 def quantize_outward(x_adv, x, eps):
     """Round ``x_adv`` to the uint8 grid *away from* the clean image ``x``, then clip to the largest Linf ball of
-    radius <= ``eps`` on the grid (``floor(255 eps)`` levels) and to [0, 1].
+    radius <= ``eps`` on the grid (:func:`grid_levels`) and to [0, 1].
 
     Every perturbed coordinate keeps its sign and grows to the next grid level, so a point inside the Linf ball
     keeps its direction and leaves the rounding no room to pull it back across a decision boundary.
@@ -66,7 +73,7 @@ def quantize_outward(x_adv, x, eps):
     a, c = x_adv * 255.0, torch.round(x * 255.0)
     tol = 1e-3
     q = torch.where(a >= c, torch.ceil(a - tol), torch.floor(a + tol))
-    levels = per_sample(torch.floor(torch.as_tensor(eps, dtype=torch.float64) * 255.0 + 1e-6), x).to(x.dtype)
+    levels = grid_levels(eps)
     q = torch.minimum(torch.maximum(q, c - levels), c + levels)
     return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from blackboxbench.threat import Problem, dist, margin_loss, project, quantize, quantize_outward
+from blackboxbench.threat import Problem, dist, grid_levels, margin_loss, project, quantize, quantize_outward
 
 
 @pytest.mark.parametrize("norm,eps", [("linf", 0.03), ("linf", 8 / 255), ("l2", 0.5), ("l2", 1.0)])
@@ -38,6 +38,7 @@ def test_quantize_outward_grows_every_perturbation_within_the_grid_ball():
     g = torch.Generator().manual_seed(2)
     x = torch.randint(0, 256, (32, 3, 8, 8), generator=g).float() / 255
     eps = 0.03  # 7.65 levels: the grid ball has radius 7/255
+    assert grid_levels(eps) == 7 and grid_levels(8 / 255) == 8 and grid_levels(1.0) == 255
     p = project(x + (torch.rand(x.shape, generator=g) - 0.5) * 0.08, x, eps, "linf")
     q = quantize_outward(p, x, eps)
     assert torch.equal(q * 255, torch.round(q * 255)) and q.min() >= 0 and q.max() <= 1

@@ -16,12 +16,10 @@ back unverified and is claimed again only once its distance has dropped below th
 Every query goes through :func:`query_adv`: a refused row (past the sample's budget) is never adversarial, and
 the searches below freeze a sample at its first refused row instead of reading it as "not adversarial".
 """
-import math
-
 import torch
 
 from ..registry import ACCEPT
-from ..threat import quantize_outward
+from ..threat import grid_levels, quantize_outward
 from .common import per_sample, rows_where, uniform
 
 BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary search toward x (reference code)
@@ -148,9 +146,7 @@ def decision_state(problem, x_bd, dist, **extra):
 def claim_radius(problem):
     """The distance within which a point can be claimed: eps, or for Linf the largest radius on the uint8 grid,
     floor(255 eps) / 255, which is as far as a returned image can reach."""
-    if problem.norm == "linf":
-        return math.floor(problem.eps * 255 + 1e-6) / 255
-    return problem.eps
+    return grid_levels(problem.eps) / 255 if problem.norm == "linf" else problem.eps
 
 
 def stop_radius(problem, state):

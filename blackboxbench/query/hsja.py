@@ -31,9 +31,9 @@ def to_boundary(problem, oracle, x_far, theta, live, radius):
     Linf: the parameter is the radius of the Linf box around ``x`` that ``x_far`` is clipped to, searched down
     from ``dist(x_far)`` until the bracket is below ``min(dist * theta, theta)``. L2: the blend factor between
     ``x`` and ``x_far``, searched down from 1 to a bracket of ``theta``. Either search stops early once its
-    adversarial end lies within ``radius`` (n,) (:func:`~.decision.stop_radius`: the attack can then claim
-    success and needs no closer point). ``dist_far``
-    is the distance of ``x_far`` itself, which the reference code uses to size the next probes.
+    adversarial end lies within ``radius`` (a float or (n,), see :func:`~.decision.stop_radius`): the attack can
+    then claim success and needs no closer point. ``dist_far`` is the distance of ``x_far`` itself, which the
+    reference code uses to size the next probes.
     """
     x = problem.x
     d_far = problem.dist(x_far)
@@ -122,8 +122,7 @@ def hsja_init(problem, oracle, gen, *, gamma=1.0, init_tries=100):
     theta = torch.full((n,), gamma / (d ** 2 if problem.norm == "linf" else d ** 1.5), dtype=torch.float64,
                        device=dev)
     x_start, found = blended_start(problem, oracle, gen, tries=init_tries)
-    radius = torch.full((n,), claim_radius(problem), dtype=torch.float64, device=dev)
-    x_bd, d_far = to_boundary(problem, oracle, x_start, theta, found, radius)
+    x_bd, d_far = to_boundary(problem, oracle, x_start, theta, found, claim_radius(problem))
     dist = torch.where(found, problem.dist(x_bd), torch.full_like(d_far, float("inf")))
     return decision_state(problem, x_bd, dist, dist_post=d_far, it=torch.zeros(n, dtype=torch.long, device=dev),
                           theta=theta)

@@ -62,7 +62,7 @@ class QueryAttack:
         for key in ("x_adv", "success"):
             if key not in state:
                 raise BenchError(f"init block of '{self.name}' must return state['{key}']")
-        state = dict(state, success=state["success"].clone())
+        state = {k: v.clone() for k, v in state.items()}  # the pipeline's own copy: scattered into below
         x_out = problem.quantize(problem.project(state["x_adv"]))
         verified = torch.zeros_like(state["success"])
         everyone = torch.arange(problem.n, device=problem.x.device)
@@ -109,5 +109,5 @@ class QueryAttack:
         now[claim[good]] = True
         verified[active[claim[good]]] = True
         x_out[active[claim[good]]] = candidate[good]
-        state["success"][claim[~good]] = False
+        state["success"] = state["success"].index_put((claim[~good],), torch.tensor(False, device=claim.device))
         return now

@@ -73,12 +73,6 @@ def _budget(oracle, n_iters):
 
 
 # --------------------------------------------------------------------------- Linf
-def _vertex(state, sign):
-    """The Linf-ball vertex chosen by ``sign`` (> 0: ``x + eps``, else ``x - eps``), clipped to [0, 1] and on the
-    uint8 grid (state ``x_hi``/``x_lo``), broadcast over ``sign``'s shape."""
-    return torch.where(sign > 0, state["x_hi"], state["x_lo"])
-
-
 @INIT.register("square_init_linf", paper=PAPER, norms=("linf",))
 def square_init_linf(problem, oracle, gen):
     """Vertical stripes: every column of every channel gets +eps or -eps (the paper's Linf initialisation);
@@ -92,10 +86,10 @@ def square_init_linf(problem, oracle, gen):
     _check_norm(problem, "linf")
     x = problem.x
     n, c, _, w = x.shape
-    vertices = dict(x_hi=problem.quantize((x + problem.eps).clamp(0, 1)),
-                    x_lo=problem.quantize((x - problem.eps).clamp(0, 1)))
-    stripes = _vertex(vertices, random_signs((n, c, 1, w), gen, x.device))
-    return start_state(problem, oracle, stripes, it=torch.zeros(n, dtype=torch.long, device=x.device), **vertices)
+    x_hi, x_lo = (problem.quantize((x + sign * problem.eps).clamp(0, 1)) for sign in (1, -1))
+    stripes = torch.where(random_signs((n, c, 1, w), gen, x.device) > 0, x_hi, x_lo)
+    return start_state(problem, oracle, stripes, it=torch.zeros(n, dtype=torch.long, device=x.device),
+                       x_hi=x_hi, x_lo=x_lo)
 
 
 @PERTURB.register("square_linf", paper=PAPER, norms=("linf",))
