@@ -81,7 +81,7 @@ class Counting(nn.Module):
         z = lambda: torch.zeros(n, dtype=torch.long, device=x.device)  # noqa: E731
         self.forwards, self.distinct, self.hit_fwd, self.hit_distinct = z(), z(), z(), z()
         self.seen, self.clean_rows, self.unattributed, self.book, self.current = set(), 0, 0, 0.0, None
-        self.cast, self.book_cpu = 0, 0.0
+        self.cast, self.book_cpu, self.model_cpu = 0, 0.0, 0.0
         g = torch.Generator().manual_seed(0)
         self.probe = torch.randperm(x[0].numel(), generator=g)[:64].to(x.device)
         self.fp = torch.randn(x[0].numel(), generator=g, dtype=torch.float64).to(x.device)
@@ -103,6 +103,7 @@ class Counting(nn.Module):
         stop = self.stop_at_hit and self._decided()
         self.book += (t1 - t0) + (time.perf_counter() - t2)
         self.book_cpu += (c1 - c0) + (time.process_time() - c2)
+        self.model_cpu += c2 - c1  # the peer's own forwards; the uint8 check's forward is bookkeeping
         if stop:
             raise Stop("decided")
         return out
@@ -158,17 +159,18 @@ class Counting(nn.Module):
 
 
 class Timed(nn.Module):
-    """``model`` recording the batch size of every forward and the seconds spent inside it (for ``overhead``)."""
+    """``model`` recording the batch size of every forward and the wall and CPU seconds spent inside it."""
 
     def __init__(self, model):
         super().__init__()
-        self.model, self.sizes, self.seconds = model, [], 0.0
+        self.model, self.sizes, self.seconds, self.cpu = model, [], 0.0, 0.0
         self.eval()
 
     def forward(self, x):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = self.model(x)
         self.seconds += time.perf_counter() - t
+        self.cpu += time.process_time() - c
         self.sizes.append(x.shape[0])
         return out
 
@@ -194,9 +196,12 @@ def predict(model, x, bs=500):
         return torch.cat([model(x[i:i + bs]).argmax(1) for i in range(0, len(x), bs)])
 
 
-def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None, note=""):
+def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None, note="", model_cpu=None):
+    """One result row; ``model_cpu``: CPU seconds spent inside the model's forwards (the rest of ``clock``'s CPU
+    seconds is the attack loop: drawing candidates, bookkeeping, deciding)."""
     q = queries[success].double()
     return dict(attack=attack, lib=lib, n=n, images=images, asr=float(success.float().mean()) if n else float("nan"),
+                model=model_cpu,
                 mean_q=float(q.mean()) if q.numel() else float("nan"),
                 med_q=float(q.median()) if q.numel() else float("nan"),
                 mean_fwd=None if fwd is None or not q.numel() else float(fwd[success].double().mean()),
@@ -236,7 +241,7 @@ def run_ours_query(name, model, x, y, device, seed):
 
 def ours_row(attack, name, res, problem, wall, timed, note):
     return row(attack, f"ours ({name})", problem.n, res.success, res.queries, wall,
-               float(linf(res.x_adv, problem.x).max()), images=sum(timed.sizes), note=note)
+               float(linf(res.x_adv, problem.x).max()), images=sum(timed.sizes), note=note, model_cpu=timed.cpu)
 
 
 def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None):
@@ -257,7 +262,7 @@ def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None)
         notes.append(f"{cnt.unattributed} rows unattributed")
     images = int(cnt.forwards.sum()) + cnt.clean_rows + cnt.unattributed
     return row(attack, lib, len(y), success, cnt.hit_distinct, (wall - cnt.book, cpu - cnt.book_cpu), max_l,
-               images=images, fwd=cnt.hit_fwd, note="; ".join(notes))
+               images=images, fwd=cnt.hit_fwd, note="; ".join(notes), model_cpu=cnt.model_cpu)
 
 
 def torchattacks_square(args, model, xc, yc, eps, seed, note):
@@ -407,27 +412,49 @@ def section_seeds(args, ctx):
     return rows
 
 
+def paired_ratio(peer, ours):
+    """Per-seed CPU ratios ``peer[i] / ours[i]`` -> (geometric mean, 95% confidence interval low, high), the
+    interval from Student's t on the log ratios (None, None without at least two seeds)."""
+    from scipy import stats
+
+    logs = [math.log(p / o) for p, o in zip(peer, ours)]
+    k = len(logs)
+    mid = sum(logs) / k
+    if k < 2:
+        return math.exp(mid), None, None
+    half = stats.t.ppf(0.975, k - 1) * math.sqrt(sum((v - mid) ** 2 for v in logs) / (k - 1) / k)
+    return math.exp(mid), math.exp(mid - half), math.exp(mid + half)
+
+
 def seed_summary(rows):
-    """Mean over seeds per (attack, library): ASR, queries, CPU seconds; and the peer / ours CPU ratio."""
+    """Mean over seeds per (attack, library): ASR, queries, CPU seconds; the peer / ours CPU ratio of the means,
+    and the paired per-seed ratio with its 95% interval (seeds pair up: each seed runs ours and the peer)."""
     groups = {}
     for r in rows:
         groups.setdefault((r["attack"], r["lib"].rsplit(" seed ", 1)[0]), []).append(r)
-    out = ["| attack | library | seeds | mean ASR | mean of mean q | mean CPU s | CPU s per seed |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| attack | library | seeds | mean ASR | mean of mean q | mean images fwd | mean CPU s | mean model CPU s | "
+           "mean loop CPU s | CPU s per seed |", "|---|---|---|---|---|---|---|---|---|---|"]
     mean = lambda v: sum(v) / len(v)  # noqa: E731
-    cpu = {}
+    cpu, loop = {}, {}
     for (attack, lib), rs in groups.items():
         cpu[(attack, lib)] = mean([r["cpu"] for r in rs])
+        loop[(attack, lib)] = mean([loop_cpu(r) for r in rs])
         per_seed = ", ".join(format(r["cpu"], ".1f") for r in rs)
         out.append(f"| {attack} | {lib} | {len(rs)} | {mean([r['asr'] for r in rs]) * 100:.1f}% | "
-                   f"{mean([r['mean_q'] for r in rs]):.0f} | {cpu[(attack, lib)]:.2f} | "
+                   f"{mean([r['mean_q'] for r in rs]):.0f} | {mean([r['images'] for r in rs]):.0f} | "
+                   f"{cpu[(attack, lib)]:.2f} | {mean([r['model'] for r in rs]):.2f} | {loop[(attack, lib)]:.2f} | "
                    f"{per_seed} |")
     out.append("")
     for attack in dict.fromkeys(a for a, _ in groups):
         libs = [lib for a, lib in groups if a == attack]
         ours, peers = libs[0], libs[1:]
         for lib in peers:
-            out.append(f"- {attack}: {lib} mean CPU {cpu[(attack, lib)] / cpu[(attack, ours)]:.2f}x ours")
+            gm, lo, hi = paired_ratio([r["cpu"] for r in groups[(attack, lib)]],
+                                      [r["cpu"] for r in groups[(attack, ours)]])
+            ci = "" if lo is None else f" (95% interval {lo:.2f}-{hi:.2f})"
+            out.append(f"- {attack}: {lib} mean CPU {cpu[(attack, lib)] / cpu[(attack, ours)]:.2f}x ours; paired "
+                       f"per-seed ratio {gm:.2f}x{ci}; mean loop CPU (outside the model) "
+                       f"{loop[(attack, lib)] / loop[(attack, ours)]:.2f}x ours")
     return out
 
 
@@ -504,14 +531,20 @@ def fmt(v, spec):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def loop_cpu(r):
+    """CPU seconds outside the model's forwards (None when the model time was not measured)."""
+    return None if r.get("model") is None else r["cpu"] - r["model"]
+
+
 def table(rows):
     out = ["| attack | library | n | ASR | mean q | median q | mean fwd to success | images fwd | wall s | CPU s | "
-           "max Linf | notes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "model CPU s | loop CPU s | max Linf | notes |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['attack']} | {r['lib']} | {r['n']} | {fmt(r['asr'] * 100, '.1f')}% | "
                    f"{fmt(r['mean_q'], '.0f')} | {fmt(r['med_q'], '.0f')} | {fmt(r['mean_fwd'], '.0f')} | "
-                   f"{fmt(r['images'], 'd')} | "
-                   f"{fmt(r['wall'], '.1f')} | {fmt(r['cpu'], '.1f')} | {fmt(r['max_linf'], '.5f')} | {r['note']} |")
+                   f"{fmt(r['images'], 'd')} | {fmt(r['wall'], '.1f')} | {fmt(r['cpu'], '.1f')} | "
+                   f"{fmt(r.get('model'), '.1f')} | {fmt(loop_cpu(r), '.2f')} | {fmt(r['max_linf'], '.5f')} | "
+                   f"{r['note']} |")
     return out
 
 
@@ -519,9 +552,10 @@ def ratios(rows):
     ours = rows[0]
     out = []
     for r in rows[1:]:
+        loop = "" if loop_cpu(r) is None or loop_cpu(ours) is None else \
+            f", loop CPU (outside the model) {loop_cpu(r) / loop_cpu(ours):.2f}x ours"
         out.append(f"- {r['lib']}: wall {r['wall'] / ours['wall']:.2f}x ours, CPU {r['cpu'] / ours['cpu']:.2f}x "
-                   f"ours, ASR "
-                   f"{(r['asr'] - ours['asr']) * 100:+.1f} points vs ours")
+                   f"ours{loop}, ASR {(r['asr'] - ours['asr']) * 100:+.1f} points vs ours")
     return out
 
 

@@ -44,6 +44,7 @@ class Oracle:
         self.counts = torch.zeros(n, dtype=torch.long, device=self.device)
         self.forwarded = 0  # images actually forwarded, all samples together
         self._last = None  # (images, sample indices, answers) of the most recent call, for confirm()
+        self._one = torch.ones((), dtype=torch.long, device=self.device)
 
     def remaining(self):
         return self.max_queries - self.counts
@@ -94,13 +95,14 @@ class Oracle:
                              f"got shape {tuple(x.shape)}")
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
             raise BenchError(f"oracle: query images must have shape {self.input_shape}, got {tuple(x.shape[1:])}")
-        ok = self.counts[idx] + (0 if distinct else rank_within_group(idx)) < self.max_queries
+        used = self.counts[idx] if distinct else self.counts[idx] + rank_within_group(idx)
+        ok = used < self.max_queries
         if bool(ok.all()):  # the common case: nothing refused
-            xs, who = x.detach().to(self.device, copy=True), idx
+            xs, who = x.to(self.device, copy=True), idx  # under no_grad: a copy with no history
         else:
             rows = ok.nonzero().squeeze(1)
             xs, who = x.detach()[rows].to(self.device), idx[rows]
-        self.counts.index_add_(0, who, torch.ones_like(who))
+        self.counts.index_put_((who,), self._one, accumulate=True)
         self.forwarded += who.numel()
         if who.numel() == 0:
             out = self._empty(0)
@@ -144,6 +146,10 @@ class OracleView:
 
     def remaining(self):
         return self.oracle.max_queries - self.counts
+
+    def spent(self):
+        """(n,) bool: the samples whose budget is used up."""
+        return self.counts >= self.oracle.max_queries
 
     def view(self, idx):
         return self.oracle.view(self.idx[idx.to(self.idx.device)])

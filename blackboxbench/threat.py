@@ -83,9 +83,9 @@ def margin_loss(scores, y, target=None):
 
     Untargeted: s_y - max_{j != y} s_j. Targeted: max_{j != t} s_j - s_t. The sample is adversarial when < 0.
     """
-    label = y if target is None else target
-    own = scores.gather(1, label[:, None]).squeeze(1)
-    other = scores.scatter(1, label[:, None], float("-inf")).amax(1)
+    label = (y if target is None else target).unsqueeze(1)
+    own = scores.gather(1, label).squeeze(1)
+    other = scores.scatter(1, label, float("-inf")).amax(1)
     return own - other if target is None else other - own
 
 

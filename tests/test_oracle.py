@@ -41,7 +41,10 @@ def test_views_map_local_indices():
     view = oracle.view(torch.tensor([1, 3])).view(torch.tensor([1]))
     ans, ok = view(torch.rand(2, 1, 2, 2), torch.tensor([0, 0]))
     assert oracle.counts.tolist() == [0, 0, 0, 2] and ans.dtype == torch.long and ok.all()
-    assert view.remaining().tolist() == [8]
+    assert view.remaining().tolist() == [8] and view.spent().tolist() == [False]
+    view(torch.rand(8, 1, 2, 2), torch.zeros(8, dtype=torch.long))
+    outer = oracle.view(torch.tensor([1, 3]))
+    assert outer.remaining().tolist() == [10, 0] and outer.spent().tolist() == [False, True]
 
 
 def test_no_gradient_and_only_scores_or_labels():

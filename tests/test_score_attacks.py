@@ -14,7 +14,8 @@ from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.oracle import Oracle
-from blackboxbench.query.common import greedy_update, random_window, start_state, window_index, window_mask
+from blackboxbench.query.common import (greedy_update, randint_below, random_corner, random_window, start_state,
+                                        window_index, window_mask)
 from blackboxbench.query.simba import basis_images, strided_band
 from blackboxbench.query.square import p_schedule, pseudo_gaussian_windows, side_schedule, square_side
 from blackboxbench.registry import INIT
@@ -52,6 +53,20 @@ def test_window_index_matches_the_mask():
     hit = torch.zeros(12, 2 * 7 * 9, dtype=torch.bool).scatter_(1, idx.flatten(1), True).view(12, 2, 7, 9)
     assert torch.equal(hit, mask.expand(-1, 2, -1, -1))  # exactly the window's pixels, in every channel
 
+    same = torch.full((12,), 4)  # one side for the whole batch: the fast path, same indices
+    top, left = random_corner(same, (7, 9), g)
+    idx = window_index(top, left, same, (2, 7, 9))
+    hit = torch.zeros(12, 2 * 7 * 9, dtype=torch.bool).scatter_(1, idx.flatten(1), True).view(12, 2, 7, 9)
+    assert torch.equal(hit, window_mask(top, left, same, same, (7, 9)).expand(-1, 2, -1, -1))
+
+
+def test_randint_below_stays_below_high():
+    high = torch.tensor([1, 2, 3, 7, 31, 32, 1000, 2 ** 40 + 3])
+    u_max = torch.tensor(1.0, dtype=torch.float64).nextafter(torch.tensor(0.0, dtype=torch.float64))
+    assert ((u_max * high).long() == high - 1).all()  # the largest float64 below 1 never rounds up to high
+    draws = torch.stack([randint_below(high, torch.Generator().manual_seed(k)) for k in range(200)])
+    assert (draws >= 0).all() and (draws < high).all()
+    assert (draws[:, 2].bincount(minlength=3) > 0).all()  # every value of [0, 3) is drawn
 
 def test_pseudo_gaussian_window():
     n = 6

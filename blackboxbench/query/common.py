@@ -17,7 +17,7 @@ from ..threat import per_sample  # noqa: F401  (re-exported for the query famili
 # --------------------------------------------------------------------------- batched indexing / randomness
 def rows_where(mask, a, b):
     """Row ``i`` of ``a`` where ``mask[i]`` else row ``i`` of ``b`` (``mask`` (n,) bool, ``a``/``b`` (n, ...))."""
-    return torch.where(per_sample(mask, a).bool(), a, b)
+    return torch.where(mask.view(-1, *([1] * (a.dim() - 1))), a, b)
 
 
 def uniform(shape, gen, device, dtype=torch.float32):
@@ -36,9 +36,12 @@ def random_signs(shape, gen, device):
 
 
 def randint_below(high, gen):
-    """One uniform integer in ``[0, high[i])`` per sample (``high`` (n,) long tensor, every entry >= 1)."""
-    u = uniform(high.shape, gen, high.device, torch.float64)
-    return torch.minimum((u * high).long(), high - 1)
+    """One uniform integer in ``[0, high[i])`` per sample (``high`` (n,) long tensor, every entry in [1, 2^53)).
+
+    ``u * high`` stays below ``high`` for every float64 ``u`` < 1 (the largest, 1 - 2^-53, times an integer
+    rounds to at most ``high`` - ulp), so the floor never reaches ``high``.
+    """
+    return (uniform(high.shape, gen, high.device, torch.float64) * high).long()
 
 
 def random_permutations(n, d, gen, device, key=None):
@@ -74,7 +77,8 @@ def random_corner(size, size_hw, gen):
     """Top-left corners (top, left) of per-sample square windows of side ``size`` (n,) placed uniformly inside
     the image."""
     h, w = size_hw
-    return randint_below(h - size + 1, gen), randint_below(w - size + 1, gen)
+    span_h = (h + 1) - size
+    return randint_below(span_h, gen), randint_below(span_h if w == h else (w + 1) - size, gen)
 
 
 def random_window(size, size_hw, gen):
@@ -88,20 +92,22 @@ def window_index(top, left, size, shape):
     (n, C, S, S) long, S the largest side. A sample with a smaller side repeats its window's top-left pixel in the
     extra positions, so gathering or scattering through them only duplicates that pixel (same value, no race)."""
     c, h, w = shape
-    offsets, reach = _window_offsets(int(size.max()), c, h, w, top.device)
-    inside = reach < size.view(-1, 1, 1, 1)
-    return (top * w + left).view(-1, 1, 1, 1) + torch.where(inside, offsets, offsets[:, :, :1, :1])
+    smallest, side = torch.stack(torch.aminmax(size)).tolist()
+    offsets, reach, corner = _window_offsets(side, c, h, w, top.device)
+    if smallest < side:  # mixed sides: positions past a sample's side repeat its top-left pixel
+        offsets = torch.where(reach < size.view(-1, 1, 1, 1), offsets, corner)
+    return torch.add(left, top, alpha=w).view(-1, 1, 1, 1) + offsets
 
 
 @functools.lru_cache(maxsize=256)
 def _window_offsets(side, c, h, w, device):
-    """(1, C, S, S) flat offsets of a window's pixels from its top-left pixel, and (1, 1, S, S) the Chebyshev
-    distance of each position from the top-left (a position belongs to a window of side s when it is < s);
-    memoised per shape (constants)."""
+    """(1, C, S, S) flat offsets of a window's pixels from its top-left pixel, (1, 1, S, S) the Chebyshev
+    distance of each position from the top-left (a position belongs to a window of side s when it is < s), and
+    (1, C, 1, 1) the offsets of the top-left pixel in each channel; memoised per shape (constants)."""
     ar = torch.arange(side, device=device)
     rows, cols = ar.view(1, 1, side, 1), ar.view(1, 1, 1, side)
     offsets = (torch.arange(c, device=device) * (h * w)).view(1, c, 1, 1) + rows * w + cols
-    return offsets, torch.maximum(rows, cols)
+    return offsets, torch.maximum(rows, cols), offsets[:, :, :1, :1]
 
 
 # --------------------------------------------------------------------------- margin queries

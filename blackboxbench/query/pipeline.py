@@ -77,8 +77,14 @@ class QueryAttack:
             before = oracle.forwarded
             proposal = self.perturb(sub_p, sub_s, sub_o, gen)
             sub_s = self.accept(sub_p, sub_s, proposal, sub_o, gen)
-            done = self._verify(sub_p, sub_o, sub_s, active, x_out, verified) | (sub_o.remaining() <= 0)
-            it, leaving = it + 1, bool(done.any())
+            # One check (one sync) per iteration: did a sample claim success or use up its budget?
+            if bool((sub_s["success"] | sub_o.spent()).any()):
+                now = self._verify(sub_p, sub_o, sub_s, active, x_out, verified)
+                spent = sub_o.spent()  # after the confirmations, which may query
+                leaving = bool((spent if now is None else spent | now).any())
+            else:
+                leaving = False
+            it += 1
             stalled = oracle.forwarded == before and not leaving  # nothing asked, nothing decided
             if stalled or leaving or it == self.max_iterations:
                 _scatter(state, active, sub_s, self.name)
@@ -93,15 +99,16 @@ class QueryAttack:
     @staticmethod
     def _verify(problem, oracle, state, active, x_out, verified):
         """Confirm the claims of success in ``state`` (local to ``problem``/``oracle``, global indices ``active``)
-        on the exact image to be returned; returns the (len(active),) mask of samples verified now.
+        on the exact image to be returned; returns the (len(active),) mask of samples verified now, or None when
+        nothing was claimed.
 
         The oracle answers each claim with one counted query, or without a forward when it answered that very
         image in its most recent call (a score attack whose accepted candidate is already on the uint8 grid).
         """
         claim = state["success"].nonzero().squeeze(1)
-        now = torch.zeros_like(state["success"])
         if claim.numel() == 0:
-            return now
+            return None
+        now = torch.zeros_like(state["success"])
         p = problem.sub(claim)
         candidate = p.quantize(p.project(state["x_adv"][claim]))
         answer, ok = oracle.confirm(candidate, claim)

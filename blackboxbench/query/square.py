@@ -89,7 +89,7 @@ def square_init_linf(problem, oracle, gen):
     x_hi, x_lo = (problem.quantize((x + sign * problem.eps).clamp(0, 1)) for sign in (1, -1))
     stripes = torch.where(random_signs((n, c, 1, w), gen, x.device) > 0, x_hi, x_lo)
     return start_state(problem, oracle, stripes, it=torch.zeros(n, dtype=torch.long, device=x.device),
-                       x_hi=x_hi, x_lo=x_lo)
+                       x_hi=x_hi.view(n, -1), x_lo=x_lo.view(n, -1))  # flat (n, C*H*W), gathered by index
 
 
 @PERTURB.register("square_linf", paper=PAPER, norms=("linf",))
@@ -103,18 +103,18 @@ def square_linf(problem, state, oracle, gen, *, p_init=0.05, n_iters=None):
     x, x_adv, it = problem.x, state["x_adv"], state["it"]
     n, c, h, w = x.shape
     s = side_schedule(p_init, it, _budget(oracle, n_iters), h * w, 1, min(h, w) - 1)
-    idx = window_index(*random_corner(s, (h, w), gen), s, (c, h, w)).flatten(2)  # (n, C, S*S)
-    cur, hi, lo = (v.flatten(1).gather(1, idx.flatten(1)).view(idx.shape)
-                   for v in (x_adv, state["x_hi"], state["x_lo"]))
-    at_hi, at_lo = (cur == hi).all(2), (cur == lo).all(2)  # (n, C): the window already sits on that vertex
-    up = uniform((n, c), gen, x.device) < 0.5  # the vertex of each channel: x + eps where up, else x - eps
+    idx = window_index(*random_corner(s, (h, w), gen), s, (c, h, w)).view(n, -1)  # (n, C*S*S), channel-major
+    flat = x_adv.reshape(n, -1)
+    cur, hi, lo = (v.gather(1, idx).view(n, c, -1) for v in (flat, state["x_hi"], state["x_lo"]))
+    up = uniform((n, c, 1), gen, x.device) < 0.5  # the vertex of each channel: x + eps where up, else x - eps
+    new = torch.where(up, hi, lo)
     for _ in range(100):  # a window equal to the current one is redrawn (rare; bounded for eps == 0)
-        same = torch.where(up, at_hi, at_lo).all(1)
+        same = (new == cur).flatten(1).all(1)
         if not same.any():
             break
-        up = torch.where(same[:, None], uniform((n, c), gen, x.device) < 0.5, up)
-    new = torch.where(up[:, :, None], hi, lo)
-    cand = x_adv.flatten(1).clone().scatter_(1, idx.flatten(1), new.flatten(1)).view_as(x_adv)
+        up = torch.where(same.view(n, 1, 1), uniform((n, c, 1), gen, x.device) < 0.5, up)
+        new = torch.where(up, hi, lo)
+    cand = flat.scatter(1, idx, new.view(n, -1)).view_as(x_adv)
     return {"x_adv": cand, "it": it + 1}
 
 
