@@ -52,7 +52,14 @@ EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
 GRID_EPS = grid_levels(EPS) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
 GRID_LABEL = " at eps 7/255 (ours' grid eps)"
 SECTIONS = ("square", "hsja", "mifgsm", "overhead", "seeds")
+CLOCK = "cpu"  # the time compared: process CPU seconds on CPU; wall seconds on CUDA (set in main)
 SRC = "benchmarks/compare_peers.py"
+
+
+def settle(t):
+    """Wait for the GPU's queued work, so that a clock read next charges it to whoever queued it (no-op on CPU)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 class Stop(Exception):
@@ -81,13 +88,14 @@ class Counting(nn.Module):
         z = lambda: torch.zeros(n, dtype=torch.long, device=x.device)  # noqa: E731
         self.forwards, self.distinct, self.hit_fwd, self.hit_distinct = z(), z(), z(), z()
         self.seen, self.clean_rows, self.unattributed, self.book, self.current = set(), 0, 0, 0.0, None
-        self.cast, self.book_cpu, self.model_cpu = 0, 0.0, 0.0
+        self.cast, self.book_cpu, self.model_time = 0, 0.0, 0.0
         g = torch.Generator().manual_seed(0)
         self.probe = torch.randperm(x[0].numel(), generator=g)[:64].to(x.device)
         self.fp = torch.randn(x[0].numel(), generator=g, dtype=torch.float64).to(x.device)
         self.eval()
 
     def forward(self, inp):
+        settle(inp)  # the peer's queued work is the peer's time
         t0, c0 = time.perf_counter(), time.process_time()
         if self.deadline is not None and t0 > self.deadline:
             raise Stop("time cap")
@@ -96,14 +104,18 @@ class Counting(nn.Module):
             self.cast += 1
         rows = inp.detach()
         ids = self._attribute(rows)
+        settle(inp)
         t1, c1 = time.perf_counter(), time.process_time()
         out = self.model(inp)
+        settle(out)
         t2, c2 = time.perf_counter(), time.process_time()
         self._record(rows, out.detach(), ids)
         stop = self.stop_at_hit and self._decided()
+        settle(out)
         self.book += (t1 - t0) + (time.perf_counter() - t2)
         self.book_cpu += (c1 - c0) + (time.process_time() - c2)
-        self.model_cpu += c2 - c1  # the peer's own forwards; the uint8 check's forward is bookkeeping
+        # The peer's own forwards (the uint8 check's forward is bookkeeping), in the compared clock.
+        self.model_time += (c2 - c1) if CLOCK == "cpu" else (t2 - t1)
         if stop:
             raise Stop("decided")
         return out
@@ -167,8 +179,10 @@ class Timed(nn.Module):
         self.eval()
 
     def forward(self, x):
+        settle(x)
         t, c = time.perf_counter(), time.process_time()
         out = self.model(x)
+        settle(out)
         self.seconds += time.perf_counter() - t
         self.cpu += time.process_time() - c
         self.sizes.append(x.shape[0])
@@ -184,6 +198,8 @@ class Clock:
         self.t, self.c = time.perf_counter(), time.process_time()
 
     def read(self):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # queued GPU work belongs to the run being timed
         return time.perf_counter() - self.t, time.process_time() - self.c
 
 
@@ -196,12 +212,12 @@ def predict(model, x, bs=500):
         return torch.cat([model(x[i:i + bs]).argmax(1) for i in range(0, len(x), bs)])
 
 
-def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None, note="", model_cpu=None):
-    """One result row; ``model_cpu``: CPU seconds spent inside the model's forwards (the rest of ``clock``'s CPU
-    seconds is the attack loop: drawing candidates, bookkeeping, deciding)."""
+def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None, note="", model_time=None):
+    """One result row; ``model_time``: seconds spent inside the model's forwards, in the compared clock (``CLOCK``;
+    the rest of that clock's seconds is the attack loop: drawing candidates, bookkeeping, deciding)."""
     q = queries[success].double()
     return dict(attack=attack, lib=lib, n=n, images=images, asr=float(success.float().mean()) if n else float("nan"),
-                model=model_cpu,
+                model=model_time,
                 mean_q=float(q.mean()) if q.numel() else float("nan"),
                 med_q=float(q.median()) if q.numel() else float("nan"),
                 mean_fwd=None if fwd is None or not q.numel() else float(fwd[success].double().mean()),
@@ -241,7 +257,8 @@ def run_ours_query(name, model, x, y, device, seed):
 
 def ours_row(attack, name, res, problem, wall, timed, note):
     return row(attack, f"ours ({name})", problem.n, res.success, res.queries, wall,
-               float(linf(res.x_adv, problem.x).max()), images=sum(timed.sizes), note=note, model_cpu=timed.cpu)
+               float(linf(res.x_adv, problem.x).max()), images=sum(timed.sizes), note=note,
+               model_time=timed.cpu if CLOCK == "cpu" else timed.seconds)
 
 
 def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None):
@@ -262,7 +279,7 @@ def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None)
         notes.append(f"{cnt.unattributed} rows unattributed")
     images = int(cnt.forwards.sum()) + cnt.clean_rows + cnt.unattributed
     return row(attack, lib, len(y), success, cnt.hit_distinct, (wall - cnt.book, cpu - cnt.book_cpu), max_l,
-               images=images, fwd=cnt.hit_fwd, note="; ".join(notes), model_cpu=cnt.model_cpu)
+               images=images, fwd=cnt.hit_fwd, note="; ".join(notes), model_time=cnt.model_time)
 
 
 def torchattacks_square(args, model, xc, yc, eps, seed, note):
@@ -427,33 +444,35 @@ def paired_ratio(peer, ours):
 
 
 def seed_summary(rows):
-    """Mean over seeds per (attack, library): ASR, queries, CPU seconds; the peer / ours CPU ratio of the means,
-    and the paired per-seed ratio with its 95% interval (seeds pair up: each seed runs ours and the peer)."""
+    """Mean over seeds per (attack, library): ASR, queries, seconds of the compared clock (``CLOCK``); the peer /
+    ours ratio of the means, and the paired per-seed ratio with its 95% interval (each seed runs ours and the
+    peer)."""
     groups = {}
     for r in rows:
         groups.setdefault((r["attack"], r["lib"].rsplit(" seed ", 1)[0]), []).append(r)
-    out = ["| attack | library | seeds | mean ASR | mean of mean q | mean images fwd | mean CPU s | mean model CPU s | "
-           "mean loop CPU s | CPU s per seed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    unit = clock_label()
+    out = [f"| attack | library | seeds | mean ASR | mean of mean q | mean images fwd | mean {unit} s | "
+           f"mean model {unit} s | mean loop {unit} s | {unit} s per seed |", "|---" * 10 + "|"]
     mean = lambda v: sum(v) / len(v)  # noqa: E731
-    cpu, loop = {}, {}
+    took, loop = {}, {}
     for (attack, lib), rs in groups.items():
-        cpu[(attack, lib)] = mean([r["cpu"] for r in rs])
-        loop[(attack, lib)] = mean([loop_cpu(r) for r in rs])
-        per_seed = ", ".join(format(r["cpu"], ".1f") for r in rs)
+        took[(attack, lib)] = mean([r[CLOCK] for r in rs])
+        loop[(attack, lib)] = mean([loop_time(r) for r in rs])
+        per_seed = ", ".join(format(r[CLOCK], ".1f") for r in rs)
         out.append(f"| {attack} | {lib} | {len(rs)} | {mean([r['asr'] for r in rs]) * 100:.1f}% | "
                    f"{mean([r['mean_q'] for r in rs]):.0f} | {mean([r['images'] for r in rs]):.0f} | "
-                   f"{cpu[(attack, lib)]:.2f} | {mean([r['model'] for r in rs]):.2f} | {loop[(attack, lib)]:.2f} | "
+                   f"{took[(attack, lib)]:.2f} | {mean([r['model'] for r in rs]):.2f} | {loop[(attack, lib)]:.2f} | "
                    f"{per_seed} |")
     out.append("")
     for attack in dict.fromkeys(a for a, _ in groups):
         libs = [lib for a, lib in groups if a == attack]
         ours, peers = libs[0], libs[1:]
         for lib in peers:
-            gm, lo, hi = paired_ratio([r["cpu"] for r in groups[(attack, lib)]],
-                                      [r["cpu"] for r in groups[(attack, ours)]])
+            gm, lo, hi = paired_ratio([r[CLOCK] for r in groups[(attack, lib)]],
+                                      [r[CLOCK] for r in groups[(attack, ours)]])
             ci = "" if lo is None else f" (95% interval {lo:.2f}-{hi:.2f})"
-            out.append(f"- {attack}: {lib} mean CPU {cpu[(attack, lib)] / cpu[(attack, ours)]:.2f}x ours; paired "
-                       f"per-seed ratio {gm:.2f}x{ci}; mean loop CPU (outside the model) "
+            out.append(f"- {attack}: {lib} mean {unit} time {took[(attack, lib)] / took[(attack, ours)]:.2f}x ours; "
+                       f"paired per-seed ratio {gm:.2f}x{ci}; mean loop {unit} time (outside the model) "
                        f"{loop[(attack, lib)] / loop[(attack, ours)]:.2f}x ours")
     return out
 
@@ -531,19 +550,23 @@ def fmt(v, spec):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def loop_cpu(r):
-    """CPU seconds outside the model's forwards (None when the model time was not measured)."""
-    return None if r.get("model") is None else r["cpu"] - r["model"]
+def clock_label():
+    return "CPU" if CLOCK == "cpu" else "wall"
+
+
+def loop_time(r):
+    """Seconds of the compared clock outside the model's forwards (None when the model time was not measured)."""
+    return None if r.get("model") is None else r[CLOCK] - r["model"]
 
 
 def table(rows):
     out = ["| attack | library | n | ASR | mean q | median q | mean fwd to success | images fwd | wall s | CPU s | "
-           "model CPU s | loop CPU s | max Linf | notes |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"model {clock_label()} s | loop {clock_label()} s | max Linf | notes |", "|---" * 14 + "|"]
     for r in rows:
         out.append(f"| {r['attack']} | {r['lib']} | {r['n']} | {fmt(r['asr'] * 100, '.1f')}% | "
                    f"{fmt(r['mean_q'], '.0f')} | {fmt(r['med_q'], '.0f')} | {fmt(r['mean_fwd'], '.0f')} | "
                    f"{fmt(r['images'], 'd')} | {fmt(r['wall'], '.1f')} | {fmt(r['cpu'], '.1f')} | "
-                   f"{fmt(r.get('model'), '.1f')} | {fmt(loop_cpu(r), '.2f')} | {fmt(r['max_linf'], '.5f')} | "
+                   f"{fmt(r.get('model'), '.1f')} | {fmt(loop_time(r), '.2f')} | {fmt(r['max_linf'], '.5f')} | "
                    f"{r['note']} |")
     return out
 
@@ -552,8 +575,8 @@ def ratios(rows):
     ours = rows[0]
     out = []
     for r in rows[1:]:
-        loop = "" if loop_cpu(r) is None or loop_cpu(ours) is None else \
-            f", loop CPU (outside the model) {loop_cpu(r) / loop_cpu(ours):.2f}x ours"
+        loop = "" if loop_time(r) is None or loop_time(ours) is None else \
+            f", loop {clock_label()} time (outside the model) {loop_time(r) / loop_time(ours):.2f}x ours"
         out.append(f"- {r['lib']}: wall {r['wall'] / ours['wall']:.2f}x ours, CPU {r['cpu'] / ours['cpu']:.2f}x "
                    f"ours{loop}, ASR {(r['asr'] - ours['asr']) * 100:+.1f} points vs ours")
     return out
@@ -618,7 +641,7 @@ def main(argv=None):
     ap.add_argument("--eps", default=None, help="Linf eps for every attack, e.g. 8/255 (default 0.03, Tables V-VII); "
                     "results go to their own sections, suffixed with the eps")
     args = ap.parse_args(argv)
-    global EPS, GRID_EPS, GRID_LABEL
+    global EPS, GRID_EPS, GRID_LABEL, CLOCK
     suffix = ""
     if args.eps is not None:
         EPS = float(parse_number(args.eps))
@@ -628,6 +651,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    CLOCK = "wall" if device.type == "cuda" else "cpu"  # process CPU time says little about GPU work
     root = resolve_data_root(args.data_root)
     ctx = {"device": device, "data": DATASET.get("cifar10")(root, n=300),
            "m20": build_model("cifar_resnet20", root, device), "m56": build_model("cifar_resnet56", root, device)}
