@@ -101,7 +101,7 @@ class Oracle:
             xs, who = x.to(self.device, copy=True), idx  # under no_grad: a copy with no history
         else:
             rows = ok.nonzero().squeeze(1)
-            xs, who = x.detach()[rows].to(self.device), idx[rows]
+            xs, who = x[rows].to(self.device), idx[rows]
         self.counts.index_put_((who,), self._one, accumulate=True)
         self.forwarded += who.numel()
         if who.numel() == 0:

@@ -27,6 +27,11 @@ def per_sample(v, like):
     return v.view(-1, *([1] * (like.dim() - 1))) if v.dim() else v
 
 
+def rows_where(mask, a, b):
+    """Row ``i`` of ``a`` where ``mask[i]`` else row ``i`` of ``b`` (``mask`` (n,) bool, ``a``/``b`` (n, ...))."""
+    return torch.where(mask.view(-1, *([1] * (a.dim() - 1))), a, b)
+
+
 def project(x_adv, x, eps, norm):
     """Project onto the ``norm`` ball of radius ``eps`` around ``x``, then onto [0, 1].
 
@@ -41,7 +46,7 @@ def project(x_adv, x, eps, norm):
         delta = x_adv - x
         n = flat_norm(delta, "l2").clamp_min(1e-12)
         scale = torch.clamp(torch.as_tensor(eps, device=n.device, dtype=n.dtype) / n, max=1.0)
-        inside = torch.where(per_sample(scale < 1, delta).bool(), x + delta * per_sample(scale, delta), x_adv)
+        inside = rows_where(scale < 1, x + delta * per_sample(scale, delta), x_adv)
     return inside.clamp(0.0, 1.0)
 
 
@@ -51,10 +56,19 @@ def quantize(x_adv, x):
     Every coordinate of the perturbation shrinks in magnitude, so any Lp norm never grows and the image stays in
     [0, 1]: an output inside the eps ball stays inside it after quantization.
     """
-    a, c = x_adv * 255.0, torch.round(x * 255.0)
-    tol = 1e-3  # values within 1e-3 of a grid level belong to it (float noise of 255 * k/255)
-    q = torch.where(a >= c, torch.floor(a + tol), torch.ceil(a - tol))
+    q, _ = _grid_round(x_adv, x, outward=False)
     return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
+
+
+def _grid_round(x_adv, x, outward):
+    """``x_adv`` in uint8 levels (255 x), each coordinate rounded towards (or away from) the clean image's level;
+    returns (rounded levels, clean levels). Values within 1e-3 of a level belong to it (float noise of 255 k/255).
+    """
+    a, c = x_adv * 255.0, torch.round(x * 255.0)
+    tol = 1e-3
+    if outward:
+        return torch.where(a >= c, torch.ceil(a - tol), torch.floor(a + tol)), c
+    return torch.where(a >= c, torch.floor(a + tol), torch.ceil(a - tol)), c
 
 
 def grid_levels(eps):
@@ -70,9 +84,7 @@ def quantize_outward(x_adv, x, eps):
     Every perturbed coordinate keeps its sign and grows to the next grid level, so a point inside the Linf ball
     keeps its direction and leaves the rounding no room to pull it back across a decision boundary.
     """
-    a, c = x_adv * 255.0, torch.round(x * 255.0)
-    tol = 1e-3
-    q = torch.where(a >= c, torch.ceil(a - tol), torch.floor(a + tol))
+    q, c = _grid_round(x_adv, x, outward=True)
     levels = grid_levels(eps)
     q = torch.minimum(torch.maximum(q, c - levels), c + levels)
     return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)

@@ -11,15 +11,10 @@ import functools
 import torch
 
 from ..registry import ACCEPT, INIT
-from ..threat import per_sample  # noqa: F401  (re-exported for the query families)
+from ..threat import per_sample, rows_where  # noqa: F401  (re-exported for the query families)
 
 
-# --------------------------------------------------------------------------- batched indexing / randomness
-def rows_where(mask, a, b):
-    """Row ``i`` of ``a`` where ``mask[i]`` else row ``i`` of ``b`` (``mask`` (n,) bool, ``a``/``b`` (n, ...))."""
-    return torch.where(mask.view(-1, *([1] * (a.dim() - 1))), a, b)
-
-
+# --------------------------------------------------------------------------- randomness
 def uniform(shape, gen, device, dtype=torch.float32):
     """Uniform [0, 1) draws from ``gen`` (which may live on another device), returned on ``device``."""
     return torch.rand(shape, generator=gen, device=gen.device, dtype=dtype).to(device)
