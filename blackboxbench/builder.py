@@ -1,7 +1,9 @@
-"""The builder: the only place that turns config mappings into objects (attacks, models, datasets).
+"""The builder: the only place that turns recipe mappings into attacks.
 
-Blocks get their parameters bound here with ``functools.partial`` after the parameters are checked against the
-block's signature, so a wrong key fails before anything runs.
+A recipe names its family (registry ``FAMILY``); the family declares which block kinds its recipes are made of
+and its hyper-parameters (see :mod:`blackboxbench.family`). Blocks get their parameters bound here with
+``functools.partial`` after the parameters are checked against the block's signature, so a wrong key fails
+before anything runs; the builder never names a family.
 """
 import copy
 from functools import partial
@@ -9,17 +11,9 @@ from functools import partial
 from . import catalog
 from .config import ConfigError, check_keys, deep_merge, load_yaml, parse_number
 from .errors import BenchError
-from .query.pipeline import QueryAttack
-from .registry import (ACCEPT, DIRECTION, GRADIENT, INIT, LOSS, PERTURB, REFINE, TRANSFORM, UPDATE,
-                       check_params)
-from .transfer.pipeline import TransferAttack
+from .registry import FAMILY, check_params
 
-FAMILIES = ("score", "decision", "transfer")
 RECIPE_KEYS = {"name", "family", "paper", "defaults", "norms", "targeted", "blocks", "hyper", "notes"}
-QUERY_BLOCKS = {"init": INIT, "perturb": PERTURB, "accept": ACCEPT}
-TRANSFER_SINGLE = {"loss": LOSS, "update": UPDATE}
-TRANSFER_LISTS = {"refine": REFINE, "transform": TRANSFORM, "gradient": GRADIENT, "direction": DIRECTION}
-TRANSFER_HYPER = {"iterations": 1, "alpha": "eps/10", "random_start": 0}
 SETTING_KEYS = {"linf", "l2", "targeted", "untargeted"}
 
 
@@ -74,20 +68,31 @@ def _merge_recipe(base, over):
     return out
 
 
+def recipe_family(recipe, source):
+    """The :class:`~blackboxbench.family.Family` a recipe names (a one-line error when unknown)."""
+    if not isinstance(recipe.get("family"), str):
+        raise ConfigError("missing required key" if "family" not in recipe else "must be a family name", source,
+                          "attack.family")
+    try:
+        return FAMILY.get(recipe["family"])
+    except BenchError as e:
+        raise ConfigError(f"{e}; families: {', '.join(FAMILY.names())}", source, "attack.family") from None
+
+
 def validate_recipe(recipe, source):
     check_keys(recipe, RECIPE_KEYS, source, "attack.")
     for key in ("name", "family", "norms", "targeted", "blocks"):
         if key not in recipe:
             raise ConfigError("missing required key", source, f"attack.{key}")
-    if recipe["family"] not in FAMILIES:
-        raise ConfigError(f"must be one of {', '.join(FAMILIES)}", source, "attack.family")
+    family = recipe_family(recipe, source)
     if not isinstance(recipe["norms"], list) or not recipe["norms"]:
         raise ConfigError("must be a non-empty list", source, "attack.norms")
     if not isinstance(recipe["blocks"], dict):
         raise ConfigError("must be a mapping", source, "attack.blocks")
+    return family
 
 
-def _bind(registry, spec, threat, eps, source, key):
+def _bind(registry, spec, threat, source, key):
     if isinstance(spec, str):
         spec = {"name": spec}
     if not isinstance(spec, dict) or "name" not in spec:
@@ -97,7 +102,7 @@ def _bind(registry, spec, threat, eps, source, key):
         fn = registry.get(spec["name"])
         for k, v in params.items():
             v = resolve_setting(v, threat)
-            params[k] = parse_number(v, {"eps": eps}) if isinstance(v, str) and _is_arith(v) else v
+            params[k] = parse_number(v, {"eps": threat["eps"]}) if isinstance(v, str) and _is_arith(v) else v
         check_params(fn, params)
     except (BenchError, ValueError) as e:
         raise ConfigError(str(e), source, key) from None
@@ -109,45 +114,34 @@ def _is_arith(s):
 
 
 def build_attack(recipe, threat, source):
-    """Build a :class:`QueryAttack` or :class:`TransferAttack` from a validated recipe and the threat model."""
-    validate_recipe(recipe, source)
-    blocks, eps, name = recipe["blocks"], threat["eps"], recipe["name"]
-    meta = {k: recipe.get(k) for k in ("name", "family", "paper", "defaults")}
-    if recipe["family"] in ("score", "decision"):
-        check_keys(blocks, QUERY_BLOCKS, source, "attack.blocks.")
-        for kind in QUERY_BLOCKS:
-            if kind not in blocks:
-                raise ConfigError("missing required block", source, f"attack.blocks.{kind}")
-        bound = {k: _bind(reg, blocks[k], threat, eps, source, f"attack.blocks.{k}")
-                 for k, reg in QUERY_BLOCKS.items()}
-        if recipe.get("hyper"):
-            raise ConfigError("query recipes take parameters in their blocks", source, "attack.hyper")
-        return QueryAttack(name, recipe["family"], bound["init"], bound["perturb"], bound["accept"], meta=meta)
-
-    check_keys(blocks, {**TRANSFER_SINGLE, **TRANSFER_LISTS}, source, "attack.blocks.")
+    """Build the attack of a validated recipe for the threat model, with the blocks its family declares."""
+    family = validate_recipe(recipe, source)
+    blocks = recipe["blocks"]
+    check_keys(blocks, family.blocks, source, "attack.blocks.")
     bound = {}
-    for kind, reg in TRANSFER_SINGLE.items():
-        bound[kind] = _bind(reg, blocks.get(kind, {"loss": "ce", "update": "step"}[kind]), threat, eps, source,
-                            f"attack.blocks.{kind}")
-    for kind, reg in TRANSFER_LISTS.items():
-        specs = blocks.get(kind) or []
-        if not isinstance(specs, list):
-            raise ConfigError("must be a list of blocks", source, f"attack.blocks.{kind}")
-        bound[kind] = [_bind(reg, s, threat, eps, source, f"attack.blocks.{kind}[{i}]")
-                       for i, s in enumerate(specs)]
-    hyper = dict(TRANSFER_HYPER)
-    check_keys(recipe.get("hyper") or {}, TRANSFER_HYPER, source, "attack.hyper.")
-    hyper.update(recipe.get("hyper") or {})
+    for kind, bk in family.blocks.items():
+        key = f"attack.blocks.{kind}"
+        if bk.many:
+            specs = blocks.get(kind) or []
+            if not isinstance(specs, list):
+                raise ConfigError("must be a list of blocks", source, key)
+            bound[kind] = [_bind(bk.registry, s, threat, source, f"{key}[{i}]") for i, s in enumerate(specs)]
+        elif kind in blocks or bk.default is not None:
+            bound[kind] = _bind(bk.registry, blocks.get(kind, bk.default), threat, source, key)
+        else:
+            raise ConfigError("missing required block", source, key)
+    given = recipe.get("hyper") or {}
+    if not isinstance(given, dict):
+        raise ConfigError("must be a mapping", source, "attack.hyper")
+    if given and not family.hyper:
+        raise ConfigError(f"{family.name} recipes take parameters in their blocks", source, "attack.hyper")
+    check_keys(given, family.hyper, source, "attack.hyper.")
+    hyper = {**family.hyper, **given}
     for k, v in hyper.items():
         try:
-            hyper[k] = parse_number(resolve_setting(v, threat), {"eps": eps})
+            hyper[k] = parse_number(resolve_setting(v, threat), {"eps": threat["eps"]})
         except ValueError as e:
             raise ConfigError(str(e), source, f"attack.hyper.{k}") from None
-    if int(hyper["iterations"]) != hyper["iterations"] or hyper["iterations"] < 1:
-        raise ConfigError("must be a positive integer", source, "attack.hyper.iterations")
-    if hyper["alpha"] <= 0 or hyper["random_start"] < 0:
-        raise ConfigError("alpha must be > 0 and random_start >= 0", source, "attack.hyper")
-    return TransferAttack(name, int(hyper["iterations"]), float(hyper["alpha"]), bound["loss"], bound["update"],
-                          transforms=bound["transform"], gradients=bound["gradient"],
-                          directions=bound["direction"], refiners=bound["refine"],
-                          random_start=float(hyper["random_start"]), meta=meta)
+    meta = {k: recipe.get(k) for k in ("name", "family", "paper", "defaults")}
+    meta["source"] = source
+    return family.build(recipe["name"], bound, hyper, meta)

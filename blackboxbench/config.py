@@ -18,9 +18,8 @@ from .errors import BenchError, ConfigError
 from .registry import close_matches
 from .threat import NORMS
 
-# Threat-model defaults: Tables V-VII of the paper, CIFAR-10 columns (eps) and general hyper-parameters (budget).
+# Threat-model defaults: Tables V-VII of the paper, CIFAR-10 columns (eps); each family adds its own (budget).
 DEFAULT_EPS = {"linf": 0.03, "l2": 1.0}
-DEFAULT_MAX_QUERIES = {False: 10_000, True: 100_000}
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -118,15 +117,54 @@ def check_keys(mapping, allowed, source, prefix):
 
 
 SPEC = (str, dict)  # a name, or {name: ..., params}
-TOP_KEYS = {
+COMMON_KEYS = {
     "name": (str,), "plugins": (list,), "data_root": (str, type(None)), "output_dir": (str,), "seed": (int,),
-    "device": (str,), "batch_size": (int,), "dataset": SPEC, "model": SPEC, "surrogates": (list,),
-    "targets": (list,), "attack": SPEC, "threat": (dict,), "save_adv": (bool,),
+    "device": (str,), "batch_size": (int,), "dataset": SPEC, "attack": SPEC, "threat": (dict,),
+    "save_adv": (bool,), "assets": (dict,),
 }
-THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC,
-               "max_queries": (int,), "feedback": (str,)}
+COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
 FILE_KEYS = {"runs": (list,), "leaderboard": (str,)}
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def _families():
+    from .registry import FAMILY
+
+    return [FAMILY.get(n) for n in FAMILY.names()]
+
+
+def top_keys():
+    """Every top-level key: the common ones and the model keys of every registered family."""
+    keys = dict(COMMON_KEYS)
+    for fam in _families():
+        keys.update({k: (list,) if mk.many else SPEC for k, mk in fam.model_keys.items()})
+    return keys
+
+
+def threat_keys():
+    keys = dict(COMMON_THREAT_KEYS)
+    for fam in _families():
+        keys.update(fam.threat_keys)
+    return keys
+
+
+def _owners(key, attr):
+    return [f.name for f in _families() if key in getattr(f, attr)]
+
+
+def check_family_keys(exp, family, source):
+    """Model and threat keys must be the family's own; the family's required model keys must be present."""
+    for key, mk in family.model_keys.items():
+        if mk.required and not exp.get(key):
+            raise ConfigError(f"a {family.name} attack needs '{key}'" + (" (a non-empty list)" if mk.many else ""),
+                              source, key)
+    for key in exp:
+        if key not in COMMON_KEYS and not key.startswith("_") and key not in family.model_keys:
+            raise ConfigError(f"not used by {family.name} attacks (only by {', '.join(_owners(key, 'model_keys'))})",
+                              source, key)
+    for key in exp["threat"]:
+        if key not in COMMON_THREAT_KEYS and key not in family.threat_keys:
+            raise ConfigError(f"only for {', '.join(_owners(key, 'threat_keys'))} attacks", source, f"threat.{key}")
 
 
 def spec_to_dict(spec, source, key):
@@ -170,11 +208,12 @@ def import_plugins(plugins, source, base_dir):
 
 def validate_experiment(cfg, source):
     """Check types and ranges of one experiment; returns a normalized copy (defaults filled in)."""
-    check_keys(cfg, TOP_KEYS, source, "")
+    keys = top_keys()
+    check_keys(cfg, keys, source, "")
     for k, v in cfg.items():
-        _check_type(v, TOP_KEYS[k], source, k)
+        _check_type(v, keys[k], source, k)
     out = {"name": None, "plugins": [], "data_root": None, "output_dir": "results", "seed": 0, "device": "auto",
-           "batch_size": 100, "save_adv": False, "surrogates": [], "targets": []}
+           "batch_size": 100, "save_adv": False, "assets": {}}
     out.update(copy.deepcopy(cfg))
     for key in ("dataset", "attack"):
         if key not in out:
@@ -191,21 +230,23 @@ def validate_experiment(cfg, source):
     n = out["dataset"].get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError("must be a positive integer", source, "dataset.n")
-    if "model" in out:
-        out["model"] = spec_to_dict(out["model"], source, "model")
-    for key in ("surrogates", "targets"):
-        out[key] = [spec_to_dict(s, source, f"{key}[{i}]") for i, s in enumerate(out[key])]
+    for key, kinds in keys.items():
+        if key in out and key not in COMMON_KEYS:  # model keys
+            out[key] = [spec_to_dict(s, source, f"{key}[{i}]") for i, s in enumerate(out[key])] \
+                if kinds == (list,) else spec_to_dict(out[key], source, key)
+    out["assets"] = {k: spec_to_dict(v, source, f"assets.{k}") for k, v in out["assets"].items()}
 
     threat = dict(out.get("threat") or {})
-    check_keys(threat, THREAT_KEYS, source, "threat.")
+    tk = threat_keys()
+    check_keys(threat, tk, source, "threat.")
     for k, v in threat.items():
-        _check_type(v, THREAT_KEYS[k], source, f"threat.{k}")
+        _check_type(v, tk[k], source, f"threat.{k}")
     out["threat"] = threat
     return out
 
 
-def finish_threat(threat, recipe, source):
-    """Fill threat defaults (paper tables) given the recipe; check ranges and compatibility."""
+def finish_threat(threat, recipe, family, source):
+    """Fill threat defaults (paper tables) given the recipe and its family; check ranges and compatibility."""
     t = dict(threat)
     t.setdefault("norm", recipe["norms"][0])
     if t["norm"] not in NORMS:
@@ -228,23 +269,7 @@ def finish_threat(threat, recipe, source):
     # Supp. D-B: targeted runs pick the target from the model's logits; "median" is the paper's default.
     t["target_label"] = spec_to_dict(t.get("target_label", "median"), source, "threat.target_label") \
         if t["targeted"] else None
-    query = recipe["family"] in ("score", "decision")
-    if query:
-        t.setdefault("max_queries", DEFAULT_MAX_QUERIES[t["targeted"]])
-        if t["max_queries"] < 1:
-            raise ConfigError("must be >= 1", source, "threat.max_queries")
-        needed = "score" if recipe["family"] == "score" else "label"
-        t.setdefault("feedback", needed)
-        if t["feedback"] not in ("score", "label"):
-            raise ConfigError("must be 'score' or 'label'", source, "threat.feedback")
-        if needed == "score" and t["feedback"] == "label":
-            raise ConfigError(f"score-based attack '{recipe['name']}' needs feedback 'score'", source,
-                              "threat.feedback")
-    else:
-        for k in ("max_queries", "feedback"):
-            if k in threat:
-                raise ConfigError("only for query attacks (score/decision)", source, f"threat.{k}")
-    return t
+    return family.finish_threat(t, recipe, source)
 
 
 def config_hash(obj):
@@ -266,7 +291,7 @@ def load_config(path, overrides=()):
     for i, run in enumerate(runs):
         if not isinstance(run, dict):
             raise ConfigError("each run must be a mapping", source, f"runs[{i}]")
-        check_keys(run, TOP_KEYS, source, f"runs[{i}].")
+        check_keys(run, top_keys(), source, f"runs[{i}].")
         merged = apply_set(deep_merge(raw, run), overrides, source)
         exp = validate_experiment(merged, source)
         exp["_source"] = source

@@ -36,14 +36,19 @@ def _ratio(a, b):
 
 
 def summarize_query(records):
-    """Clean accuracy, ASR over attacked samples, AQN/MQN over successes, distortion over successes."""
+    """Clean accuracy, ASR over attacked samples (success = the oracle's confirmation), AQN/MQN over successes,
+    distortion over successes; the audit's disagreements (its own forward of the returned image says otherwise)
+    and stalled samples are counted, never folded into the success rate."""
     n = len(records)
     attacked = [r for r in records if r["attacked"]]
     wins = [r for r in attacked if r["success"]]
     q = [r["queries"] for r in wins]
+    rules = sorted({r["success_rule"] for r in attacked})
     return {
         "n": n, "clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
         "n_attacked": len(attacked), "n_success": len(wins), "asr": _ratio(len(wins), len(attacked)),
+        "n_audit_disagree": sum(r["audit_adv"] != r["success"] for r in attacked),
+        "n_stalled": sum(r["stalled"] for r in attacked), "success_rule": ", ".join(rules) or None,
         "aqn": _mean(q), "mqn": _median(q),
         "mean_queries_all": _mean([r["queries"] for r in attacked]),
         "mean_l2": _mean([r["l2"] for r in wins]), "median_l2": _median([r["l2"] for r in wins]),

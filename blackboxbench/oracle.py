@@ -7,18 +7,9 @@ detached, computed under ``no_grad``: a block cannot obtain a gradient through i
 import torch
 
 from .errors import BenchError
+from .rng import rank_within_group  # noqa: F401  (re-exported)
 
 FEEDBACKS = ("score", "label")
-
-
-def rank_within_group(idx):
-    """For each position i, how many earlier positions share ``idx[i]`` (vectorized, stable)."""
-    order = torch.sort(idx, stable=True).indices
-    sorted_idx = idx[order]
-    first = torch.searchsorted(sorted_idx, sorted_idx, right=False)
-    rank = torch.empty_like(idx)
-    rank[order] = torch.arange(idx.numel(), device=idx.device) - first
-    return rank
 
 
 class Oracle:
@@ -28,10 +19,11 @@ class Oracle:
     :meth:`confirm` of one of those images again needs no forward (and, as no image is forwarded, costs no query).
     """
 
-    def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=None):
+    def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=None,
+                 name="model"):
         if feedback not in FEEDBACKS:
             raise BenchError(f"feedback must be one of {FEEDBACKS}, got '{feedback}'")
-        self._forward = model
+        self._forward, self.name = model, name
         self.n, self.max_queries, self.feedback = n, int(max_queries), feedback
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape) if input_shape is not None else None
@@ -66,12 +58,21 @@ class Oracle:
             return self._ask(x, torch.arange(self.n, device=self.device), distinct=True)
         return self._ask(x, idx.to(self.device), distinct=False)
 
-    def confirm(self, x, idx=None):
+    def confirm(self, x, idx=None, draws=1):
         """As ``__call__``, but a row equal (bit for bit) to the image its sample had in the oracle's most recent
         call gets that answer again, without a forward or a count. Rows are one image per sample (``idx``
-        distinct)."""
+        distinct).
+
+        ``draws`` > 1 (the ``majority`` success rule, for randomized targets) asks every image ``draws`` times,
+        each a counted query, and returns ``(adv_votes, answered)``: how many answers were adversarial is for the
+        caller to judge, so this form returns the raw answers ``(m, draws, ...)`` and ``ok`` ``(m, draws)``.
+        """
         idx = torch.arange(self.n, device=self.device) if idx is None else idx.to(self.device)
         x = x.to(self.device)
+        if draws > 1:
+            m = x.shape[0]
+            answer, ok = self._ask(x.repeat(draws, 1, 1, 1), idx.repeat(draws), distinct=False)
+            return answer.view(draws, m, *answer.shape[1:]).transpose(0, 1), ok.view(draws, m).T
         new = torch.ones(x.shape[0], dtype=torch.bool, device=self.device)  # rows the model must answer
         if self._last is not None:
             last_x, last_idx, last_answer = self._last
@@ -125,6 +126,10 @@ class Oracle:
 
     def _answer(self, x):
         logits = self._forward(x).float()
+        bad = ~torch.isfinite(logits).all(1)
+        if bool(bad.any()):
+            raise BenchError(f"{self.name} returned non-finite logits (NaN or inf) for {int(bad.sum())} of "
+                             f"{len(bad)} images; a NaN is never read as a class")
         return torch.log_softmax(logits, 1) if self.feedback == "score" else logits.argmax(1)
 
 
@@ -159,5 +164,5 @@ class OracleView:
             return self.oracle._ask(x, self.idx, distinct=True)
         return self.oracle._ask(x, self.idx[idx.to(self.idx.device)], distinct=False)
 
-    def confirm(self, x, idx=None):
-        return self.oracle.confirm(x, self.idx if idx is None else self.idx[idx.to(self.idx.device)])
+    def confirm(self, x, idx=None, draws=1):
+        return self.oracle.confirm(x, self.idx if idx is None else self.idx[idx.to(self.idx.device)], draws)

@@ -61,8 +61,8 @@ class Registry:
 def block_params(fn):
     """Tunable parameters of a block: its keyword-only parameters (after ``*``), with their defaults.
 
-    The positional parameters are what the pipeline passes (problem, state, oracle, gen, ...); a config can
-    only set keyword-only ones.
+    The positional parameters are what the pipeline passes (the block context, state, ...); a config can only set
+    keyword-only ones.
     """
     sig = inspect.signature(fn)
     return {n: p.default for n, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
@@ -81,6 +81,7 @@ def check_params(fn, params, where=""):
         raise BenchError(f"{where}{missing[0]}: missing parameter of block '{name}'")
 
 
+FAMILY = Registry("family")          # attack families (score, decision, transfer): see family.py
 INIT = Registry("init")              # query: adversarial-example initialization
 PERTURB = Registry("perturb")        # query: perturbation generation
 ACCEPT = Registry("accept")          # query: acceptance check
@@ -94,3 +95,4 @@ DATASET = Registry("dataset")
 MODEL = Registry("model")
 TARGET_LABEL = Registry("target_label")
 METRIC = Registry("metric")
+ASSET = Registry("asset")            # named trained artifacts a config declares under ``assets:``

@@ -1,31 +1,43 @@
-"""Run one experiment: prepare data and models, attack batch by batch, write records incrementally, resume.
+"""Run one experiment: validate and prepare, then stream the dataset's samples through the family's worker,
+write each sample's record as it finishes, and resume after a crash.
 
-A run directory holds ``config.yaml`` (the resolved config), ``records.jsonl`` (one line per sample, written a
-whole batch at a time and fsync'ed) and ``summary.json``. Batches are fixed slices of the dataset and each has
-its own generator seeded from (seed, batch index), so re-running an interrupted run skips the finished batches,
-redoes the unfinished one, and ends with exactly the records of an uninterrupted run.
+The runner keeps persistence, resume, scheduling and progress; it never names a family (see
+:mod:`blackboxbench.family`). A run directory holds
+
+* ``config.yaml``: the resolved config;
+* ``records.jsonl``: one line per sample, appended (and flushed) as samples finish, in the order they finish;
+* ``adv/<index>.png``: with ``save_adv: true``, each attacked sample's returned image (uint8, lossless), written
+  before its record;
+* ``progress.json``: the run's cumulative wall time, updated as records are written;
+* ``summary.json``: the family's summary of all records, written when every sample has one.
+
+A sample's random numbers come from its own stream (seed, index), so its result does not depend on the batch
+size, its neighbours or when it entered a slot; re-running an interrupted run keeps every complete record, redoes
+the samples without one, and ends with the records of an uninterrupted run. A lock file makes a second process
+on the same run directory fail with a one-line error naming the holder.
 """
+import fcntl
 import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
 from . import __version__
-from .builder import build_attack, load_recipe
-from .config import ConfigError, config_hash, finish_threat, import_plugins
+from .builder import build_attack, load_recipe, validate_recipe
+from .config import ConfigError, check_family_keys, config_hash, finish_threat, import_plugins
 from .errors import BenchError
-from .evaluation import sample_metrics, summarize_query, summarize_transfer
-from .oracle import Oracle
+from .family import RunInputs
 from .prep.data import resolve_data_root
 from .prep.models import build_model
-from .registry import DATASET, MODEL, TARGET_LABEL, check_params
-from .threat import Problem
+from .registry import ASSET, DATASET, MODEL, TARGET_LABEL, check_params
+from .rng import Streams
 
-SEED_STRIDE = 1_000_003
+FSYNC_EVERY_S = 1.0  # records are flushed at once (a killed process loses nothing) and fsync'ed at most this often
 
 
 def resolve_device(name):
@@ -34,12 +46,6 @@ def resolve_device(name):
     if name == "cuda" and not torch.cuda.is_available():
         raise BenchError("device: 'cuda' requested but no CUDA device is available (use auto or cpu)")
     return torch.device(name)
-
-
-def make_generator(device, seed):
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed))
-    return g
 
 
 class Session:
@@ -62,64 +68,83 @@ def spec_label(spec):
     return spec["name"] + (f":{spec['arch']}" if spec.get("arch") else "")
 
 
+def _same_model(a, b):
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@dataclass
+class Plan:
+    """A validated experiment: everything that can fail before a run starts has been checked."""
+
+    exp: dict
+    recipe: dict
+    family: object
+    threat: dict
+    attack: object
+    resolved: dict
+
+
 def prepare(exp):
-    """Resolve everything that can fail before running (plugins, recipe, threat, names, data root)."""
+    """Resolve everything that can fail before running (plugins, recipe, family keys, threat, names)."""
     source = exp["_source"]
     import_plugins(exp["plugins"], source, exp["_base_dir"])
     recipe, recipe_source = load_recipe(exp["attack"], source)
-    threat = finish_threat(exp["threat"], recipe, source)
+    family = validate_recipe(recipe, recipe_source)
+    check_family_keys(exp, family, source)
+    threat = finish_threat(exp["threat"], recipe, family, source)
     attack = build_attack(recipe, threat, recipe_source)
-    query = recipe["family"] != "transfer"
-    if query and "model" not in exp:
-        raise ConfigError("a query attack needs the target 'model'", source, "model")
-    if not query and (not exp["surrogates"] or not exp["targets"]):
-        raise ConfigError("a transfer attack needs 'surrogates' and 'targets' lists", source,
-                          "surrogates" if not exp["surrogates"] else "targets")
     specs = [("dataset", DATASET, exp["dataset"])]
     if threat["targeted"]:
         specs.append(("threat.target_label", TARGET_LABEL, threat["target_label"]))
-    models = [("model", exp["model"])] if query else \
-        [(f"{k}[{i}]", s) for k in ("surrogates", "targets") for i, s in enumerate(exp[k])]
-    specs += [(key, MODEL, spec) for key, spec in models]
+    roles = family.roles(exp)
+    specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL, spec) for key, i, spec in roles]
+    specs += [(f"assets.{k}", ASSET, spec) for k, spec in exp["assets"].items()]
     for key, registry, spec in specs:
         params = {k: v for k, v in spec.items() if k != "name"}
         try:
             check_params(registry.get(spec["name"]), params)
         except BenchError as e:
             raise ConfigError(str(e), source, key) from None
+    if not family.surrogate_may_be_target:  # a white-box surrogate is never the black-box target
+        targets = [s for key, _, s in roles if family.model_keys[key].role == "target"]
+        for key, i, spec in roles:
+            if family.model_keys[key].role == "surrogate" and any(_same_model(spec, t) for t in targets):
+                raise ConfigError(f"the surrogate {spec_label(spec)} is the target model: a white-box surrogate "
+                                  "must be another model", source, f"{key}[{i}]")
     resolved = {k: v for k, v in exp.items() if not k.startswith("_") and k not in ("attack", "threat")}
     resolved.update(attack=recipe, threat=threat, version=__version__)
-    if query:
-        resolved.pop("surrogates"), resolved.pop("targets")
-    return recipe, threat, attack, resolved
+    return Plan(exp, recipe, family, threat, attack, resolved)
 
 
-def run_dir_for(exp, recipe, threat, resolved, device):
-    h = config_hash({k: v for k, v in resolved.items() if k not in ("output_dir", "name")} | {"device": device.type})
-    model = spec_label(exp["model"]) if recipe["family"] != "transfer" else \
-        "+".join(spec_label(s) for s in exp["surrogates"])
-    parts = [exp["name"] or recipe["name"], exp["dataset"]["name"], model.replace(":", "-"), threat["norm"],
-             "targeted" if threat["targeted"] else "untargeted", h]
+def run_dir_for(plan, device):
+    exp, recipe, threat = plan.exp, plan.recipe, plan.threat
+    h = config_hash({k: v for k, v in plan.resolved.items() if k not in ("output_dir", "name")}
+                    | {"device": device.type})
+    models = [s for _, _, s in plan.family.roles(exp)]
+    parts = [exp["name"] or recipe["name"], exp["dataset"]["name"], spec_label(models[0]).replace(":", "-"),
+             threat["norm"], "targeted" if threat["targeted"] else "untargeted", h]
     return Path(exp["output_dir"]) / "_".join(parts), h
 
 
-def read_records(path, batch_size, n):
-    """Records of complete batches only (a crash may leave a partial batch or a torn last line)."""
+def read_records(path, schema):
+    """The valid records of a (possibly interrupted) run: a torn or unparsable line is dropped (its sample is
+    redone); a record that breaks the schema, or two different records of one sample, are errors."""
     if not path.exists():
         return {}
     records = {}
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         try:
             r = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not isinstance(r, dict) or not all(k in r and isinstance(r[k], types) and not
+                                              (isinstance(r[k], bool) and bool not in types)
+                                              for k, types in schema.items()):
+            raise BenchError(f"{path}:{n}: not a record of this run (expected the fields {', '.join(schema)})")
+        if r["index"] in records and records[r["index"]] != r:
+            raise BenchError(f"{path}:{n}: a second, different record of sample {r['index']}")
         records[r["index"]] = r
-    complete = {}
-    for start in range(0, n, batch_size):
-        idx = range(start, min(start + batch_size, n))
-        if all(i in records for i in idx):
-            complete.update({i: records[i] for i in idx})
-    return complete
+    return records
 
 
 def atomic_write(path, text):
@@ -128,44 +153,90 @@ def atomic_write(path, text):
     os.replace(tmp, path)
 
 
-def append_batch(path, records):
-    with open(path, "a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())
+class RunLock:
+    """An exclusive lock on a run directory (held by one process; released when it exits, even by kill -9)."""
+
+    def __init__(self, run_dir):
+        self.path = run_dir / ".lock"
+        self.file = None
+
+    def __enter__(self):
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise BenchError(f"run directory {self.path.parent} is in use by {holder}; wait for it or use another "
+                             "output_dir") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {os.uname().nodename}")
+        self.file.flush()
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
 
 
-def check_outputs(x_adv, x, eps, norm, name):
-    """Guard the threat model on what an attack returns: in [0, 1], on the uint8 grid, inside the eps ball."""
-    bad = None
-    if x_adv.shape != x.shape:
-        bad = f"shape {tuple(x_adv.shape)} != {tuple(x.shape)}"
-    elif x_adv.min() < 0 or x_adv.max() > 1:
-        bad = "values outside [0, 1]"
-    elif (x_adv * 255 - torch.round(x_adv * 255)).abs().max() > 1e-3:
-        bad = "values off the uint8 grid"
-    else:
-        d = (x_adv - x).flatten(1)
-        d = d.abs().amax(1) if norm == "linf" else d.norm(dim=1)
-        if (d > eps + 1e-5).any():
-            bad = f"a perturbation of {norm} norm {d.max().item():.6f} > eps {eps}"
-    if bad:
-        raise BenchError(f"attack '{name}' returned invalid images: {bad}")
+class RecordWriter:
+    """Appends records as samples finish: images first (``save_adv``), then the lines, flushed at once and
+    fsync'ed at most every ``FSYNC_EVERY_S``; the run's cumulative wall time goes to ``progress.json``."""
+
+    def __init__(self, run_dir, elapsed):
+        self.run_dir, self.elapsed, self.t0 = run_dir, elapsed, time.perf_counter()
+        self.file = open(run_dir / "records.jsonl", "a")
+        self.synced = time.perf_counter()
+
+    def wall(self):
+        return self.elapsed + time.perf_counter() - self.t0
+
+    def write(self, records):
+        if not records:
+            return
+        for r in records:
+            image = r.pop("_image", None)
+            if image is not None:
+                save_png(self.run_dir / "adv" / f"{r['index']:06d}.png", image)
+        self.file.write("".join(json.dumps(r) + "\n" for r in records))
+        self.file.flush()
+        if time.perf_counter() - self.synced > FSYNC_EVERY_S:
+            self.sync()
+
+    def sync(self):
+        os.fsync(self.file.fileno())
+        atomic_write(self.run_dir / "progress.json", json.dumps({"wall_time": self.wall()}))
+        self.synced = time.perf_counter()
+
+    def close(self):
+        self.sync()
+        self.file.close()
 
 
-def _targets_for(threat, logits, y, gen, given):
-    if not threat["targeted"]:
-        return None
-    tl = dict(threat["target_label"])
-    fn = TARGET_LABEL.get(tl.pop("name"))
-    return fn(logits, y, gen, given, **tl).to(y.device)
+def save_png(path, image):
+    """A uint8 (C, H, W) tensor as a lossless PNG (grayscale or RGB)."""
+    from PIL import Image
+
+    path.parent.mkdir(exist_ok=True)
+    arr = image.permute(1, 2, 0).numpy()
+    Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr).save(path)
 
 
-def _base_records(start, y, target, clean_correct):
-    y, ok = y.tolist(), clean_correct.tolist()  # one device sync per batch, not per sample
-    target = [None] * len(y) if target is None else target.tolist()
-    return [{"index": start + i, "label": y[i], "target": target[i], "clean_correct": bool(ok[i])}
-            for i in range(len(y))]
+def schedule(worker, pending, write, on_progress):
+    """Continuous batching: fill the worker's free slots from ``pending`` and step it until every sample has a
+    record; every finished record goes to ``write`` at once."""
+    feed = iter(pending)
+    while True:
+        done = worker.fill(feed)
+        write(done)
+        on_progress(done)
+        if not worker.busy:
+            break
+        done = worker.step()
+        write(done)
+        on_progress(done)
 
 
 class Runner:
@@ -173,17 +244,14 @@ class Runner:
 
     def __init__(self, exp, session=None, fresh=False, progress=True):
         self.exp, self.session, self.progress = exp, session or Session(), progress
-        self.recipe, self.threat, self.attack, self.resolved = prepare(exp)
+        self.plan = prepare(exp)
+        self.recipe, self.threat, self.attack = self.plan.recipe, self.plan.threat, self.plan.attack
+        self.family = self.plan.family
         self.device = resolve_device(exp["device"])
-        self.run_dir, self.hash = run_dir_for(exp, self.recipe, self.threat, self.resolved, self.device)
-        if fresh and self.run_dir.exists():
-            shutil.rmtree(self.run_dir)
+        self.run_dir, self.hash = run_dir_for(self.plan, self.device)
+        self.fresh = fresh
 
-    @property
-    def query(self):
-        return self.recipe["family"] != "transfer"
-
-    def run(self):
+    def _data(self):
         exp, source = self.exp, self.exp["_source"]
         try:
             data_root = resolve_data_root(exp["data_root"]) if exp["data_root"] or os.environ.get(
@@ -195,112 +263,112 @@ class Runner:
             data = DATASET.get(ds_cfg.pop("name"))(data_root, **ds_cfg)
         except BenchError as e:
             raise ConfigError(str(e), source, "dataset") from None
+        return data_root, data
+
+    def _inputs(self, data_root, data):
+        exp, source, fam = self.exp, self.exp["_source"], self.family
+        models, names = {}, {}
+        for key, i, spec in fam.roles(exp):
+            label = f"{key}[{i}]" if fam.model_keys[key].many else key
+            models.setdefault(key, []).append(self.session.model(spec, data_root, self.device, source, label))
+            names.setdefault(key, []).append(spec_label(spec))
+        assets = {}
+        for k, spec in exp["assets"].items():
+            params = {p: v for p, v in spec.items() if p != "name"}
+            try:
+                assets[k] = ASSET.get(spec["name"])(data_root, self.device, **params)
+            except BenchError as e:
+                raise ConfigError(str(e), source, f"assets.{k}") from None
+        probe = data.x[:8].to(self.device)
+        self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
+                                  if is_randomized(m, probe)})
+        return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
+                         streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
+                         slots=exp["batch_size"], assets=assets, save_adv=exp["save_adv"])
+
+    def run(self):
+        data_root, data = self._data()
+        if self.fresh and self.run_dir.exists():
+            shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(self.resolved, sort_keys=False))
+        with RunLock(self.run_dir):
+            return self._run_locked(data_root, data)
+
+    def _run_locked(self, data_root, data):
+        n = len(data.y)
+        atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(self.plan.resolved, sort_keys=False))
         rec_path = self.run_dir / "records.jsonl"
-        bs, n = exp["batch_size"], len(data.y)
-        done = read_records(rec_path, bs, n)
+        done = {i: r for i, r in read_records(rec_path, self.family.schema()).items() if i < n}
         atomic_write(rec_path, "".join(json.dumps(done[i]) + "\n" for i in sorted(done)))
-        if self.query:
-            models = {"model": self.session.model(exp["model"], data_root, self.device, source, "model")}
-        else:
-            models = {spec_label(t): self.session.model(t, data_root, self.device, source, f"targets[{i}]")
-                      for i, t in enumerate(exp["targets"])}
-            surrogates = [self.session.model(s, data_root, self.device, source, f"surrogates[{i}]")
-                          for i, s in enumerate(exp["surrogates"])]
-            models["_surrogate"] = self.attack.refine(surrogates, make_generator(self.device, exp["seed"]))
+        progress = self.run_dir / "progress.json"
+        elapsed = json.loads(progress.read_text()).get("wall_time", 0.0) if progress.exists() else 0.0
+        writer = RecordWriter(self.run_dir, elapsed if done else 0.0)
+        pending = [i for i in range(n) if i not in done]
         bar = _progress(n, len(done), self.progress, self.recipe["name"])
-        t0 = time.time()
-        for b, start in enumerate(range(0, n, bs)):
-            if start in done:
-                continue
-            end = min(start + bs, n)
-            gen = make_generator(self.device, exp["seed"] * SEED_STRIDE + b)
-            x, y = data.x[start:end].to(self.device), data.y[start:end].to(self.device)
-            given = None if data.given_target is None else data.given_target[start:end].to(self.device)
-            step = self._query_batch if self.query else self._transfer_batch
-            records = step(models, x, y, given, gen, start, data.num_classes)
-            append_batch(rec_path, records)
-            done.update({r["index"]: r for r in records})
-            bar.update(len(records))
-            s = (summarize_query if self.query else summarize_transfer)([done[i] for i in sorted(done)])
-            bar.set_postfix(asr=_fmt(s["asr"]), aqn=_fmt(s["aqn"]))
-        bar.close()
-        summary = self.summary([done[i] for i in range(n)], time.time() - t0)
+        inputs = self._inputs(data_root, data)
+        try:
+            if pending:
+                worker = self.family.worker(inputs)
+
+                def on_progress(records):
+                    done.update({r["index"]: r for r in records})
+                    bar.update(len(records))
+
+                schedule(worker, pending, writer.write, on_progress)
+        finally:
+            writer.close()
+            bar.close()
+        summary = self.summary([done[i] for i in range(n)], writer.wall())
         atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
 
     def summary(self, records, wall):
-        s = (summarize_query if self.query else summarize_transfer)(records)
-        exp, t = self.exp, self.threat
-        s.update(run=self.run_dir.name, attack=self.recipe["name"], family=self.recipe["family"],
+        s = self.family.summarize(records)
+        exp, t, fam = self.exp, self.threat, self.family
+        by_role = {}
+        for key, _, spec in fam.roles(exp):
+            by_role.setdefault(fam.model_keys[key].role, []).append(spec_label(spec))
+        s.update(run=self.run_dir.name, attack=self.recipe["name"], family=fam.name,
                  paper=self.recipe.get("paper"), dataset=exp["dataset"]["name"],
-                 target_model=spec_label(exp["model"]) if self.query else "+".join(
-                     spec_label(m) for m in exp["targets"]),
-                 surrogates=None if self.query else "+".join(spec_label(m) for m in exp["surrogates"]),
+                 target_model="+".join(by_role.get("target", [])) or None,
+                 surrogates="+".join(by_role.get("surrogate", [])) or None,
                  norm=t["norm"], eps=t["eps"], targeted=t["targeted"], budget=t.get("max_queries"),
-                 feedback=t.get("feedback"), seed=exp["seed"], config_hash=self.hash, version=__version__,
-                 device=self.device.type, wall_time=wall)
+                 feedback=t.get("feedback"), seed=exp["seed"], batch_size=exp["batch_size"],
+                 config_hash=self.hash, version=__version__, device=self.device.type, wall_time=wall,
+                 randomized_models=", ".join(self.randomized) or None)
         return s
 
-    def _query_batch(self, models, x, y, given, gen, start, num_classes):
-        model, t = models["model"], self.threat
-        t0 = time.time()
-        with torch.no_grad():
-            logits = model(x)
-        correct = logits.argmax(1) == y
-        target = _targets_for(t, logits, y, gen, given)
-        attack_mask = correct if target is None else correct & (target != y)
-        records = _base_records(start, y, target, correct)
-        idx = attack_mask.nonzero().squeeze(1)
-        for r in records:
-            r.update(attacked=False, success=False, queries=0, l2=0.0, linf=0.0, time=0.0)
-        if idx.numel():
-            problem = Problem(x[idx], y[idx], t["eps"], t["norm"], None if target is None else target[idx],
-                              num_classes)
-            oracle = Oracle(model, len(idx), t["max_queries"], num_classes, t["feedback"], x.shape[1:])
-            res = self.attack.run(problem, oracle, gen)
-            check_outputs(res.x_adv, problem.x, t["eps"], t["norm"], self.recipe["name"])
-            with torch.no_grad():
-                success = problem.is_adv_label(model(res.x_adv).argmax(1))
-            metrics = sample_metrics(res.x_adv, problem.x)
-            per = (time.time() - t0) / idx.numel()
-            success, queries = success.tolist(), res.queries.tolist()
-            for j, i in enumerate(idx.tolist()):
-                records[i].update(attacked=True, success=bool(success[j]), queries=int(queries[j]),
-                                  time=per, **{m: v[j] for m, v in metrics.items()})
-        return records
 
-    def _transfer_batch(self, models, x, y, given, gen, start, num_classes):
-        t, surrogate = self.threat, models["_surrogate"]
-        t0 = time.time()
-        with torch.no_grad():
-            logits = surrogate(x)
-        correct = logits.argmax(1) == y
-        target = _targets_for(t, logits, y, gen, given)
-        problem = Problem(x, y, t["eps"], t["norm"], target, num_classes)
-        x_adv = self.attack.run(surrogate, problem, gen)
-        check_outputs(x_adv, x, t["eps"], t["norm"], self.recipe["name"])
-        per = (time.time() - t0) / len(y)
-        metrics = sample_metrics(x_adv, x)
-        records = _base_records(start, y, target, correct)
-        valid = (torch.ones_like(y, dtype=torch.bool) if target is None else target != y).tolist()
-        results = {}
-        with torch.no_grad():
-            for name, m in models.items():
-                if name == "_surrogate":
-                    continue
-                clean_ok = m(x).argmax(1) == y
-                results[name] = (clean_ok.tolist(), problem.is_adv_label(m(x_adv).argmax(1)).tolist())
-        for i, r in enumerate(records):
-            r.update(attacked=bool(valid[i]), time=per, **{k: v[i] for k, v in metrics.items()},
-                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i])}
-                              for n, (c, s) in results.items()})
-        return records
+def is_randomized(model, x):
+    """Whether two forwards of the same batch differ (a randomized model or defense; AutoAttack's check): its
+    success rule then matters (``threat.success_rule``), and the summary says so."""
+    with torch.no_grad():
+        return not torch.equal(model(x), model(x))
 
 
-def _fmt(v):
-    return "-" if v is None else f"{v:.3g}"
+def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_target=None, num_classes=10,
+                device=None, assets=None, names=None):
+    """Run a built attack on in-memory images ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (no files): the
+    worker and scheduler of a run, without its persistence. ``models`` maps the family's model keys to lists of
+    models (``{"model": [m]}``; ``{"surrogates": [...], "targets": [...]}``). Returns the records sorted by
+    index, each attacked one with ``x_adv`` (its returned image, float in [0, 1])."""
+    from .prep.data import Dataset
+    from .registry import FAMILY
+
+    device = torch.device(device or x.device)
+    data = Dataset("tensors", x.cpu(), y.cpu(), num_classes, None if given_target is None else given_target.cpu())
+    family = FAMILY.get(attack.meta["family"])
+    names = names or {k: [f"{k}[{i}]" for i in range(len(v))] for k, v in models.items()}
+    run = RunInputs(attack=attack, threat=threat, data=data, models=models, model_names=names,
+                    streams=Streams(seed, len(y), device), device=device, slots=slots or len(y),
+                    assets=assets or {}, save_adv=True)
+    records = []
+    schedule(family.worker(run), range(len(y)), records.extend, lambda _: None)
+    for r in records:
+        image = r.pop("_image", None)
+        if image is not None:
+            r["x_adv"] = image.float().div(255).to(device)
+    return sorted(records, key=lambda r: r["index"])
 
 
 def _progress(total, initial, enabled, desc):

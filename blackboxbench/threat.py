@@ -140,9 +140,10 @@ class Problem:
         return margin_loss(scores, self.y, self.target)
 
     def is_adv_label(self, labels):
-        """Success from predicted labels (refused queries, label -1, never count as success)."""
+        """Success from predicted labels (n,) or (n, k) (refused queries, label -1, never count as success)."""
+        shape = (-1, *([1] * (labels.dim() - 1)))
         ok = labels >= 0
-        hit = labels == self.target if self.targeted else labels != self.y
+        hit = labels == self.target.view(shape) if self.targeted else labels != self.y.view(shape)
         return ok & hit
 
     def is_adv(self, answer):

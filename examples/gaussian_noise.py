@@ -1,15 +1,11 @@
-"""Example plugin: a new input-transformation block, registered without editing the package.
-
-Use it from a config with ``plugins: [../examples/gaussian_noise.py]`` (paths are relative to the config file)
-and name it in a recipe's ``transform`` list (see configs/plugin_example.yaml).
-"""
-import torch
-
+"""An example plugin: a new transfer input-transformation block, registered by a decorator and named in YAML
+(see configs/plugin_example.yaml)."""
 from blackboxbench.registry import TRANSFORM
 
 
 @TRANSFORM.register("gaussian_noise", paper="example plugin")
-def gaussian_noise(x, gen, *, std=0.05):
-    """Add Gaussian noise (drawn from the run's generator) before the surrogate sees the image."""
-    noise = torch.randn(x.shape, generator=gen, device=gen.device).to(x.device)
+def gaussian_noise(ctx, x, *, std=0.05):
+    """Add Gaussian noise before the surrogate sees the image; each sample draws from its own stream
+    (``ctx.rng``), one row per stacked copy."""
+    noise = ctx.rng.normal(x.shape[1:], rows=ctx.rows(x.shape[0])).to(x)
     return (x + std * noise).clamp(0, 1)

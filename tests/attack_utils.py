@@ -1,29 +1,52 @@
-"""Helpers shared by the attack test files: build a recipe with the real builder, run a query attack through
-an oracle, and check the threat model on what an attack returns."""
+"""Helpers shared by the attack test files: build a recipe with the real builder, run a query attack through the
+real worker (oracle, continuous batching, verification), and check the threat model on what it returns."""
+from dataclasses import dataclass
+
 import torch
 
-from blackboxbench.builder import build_attack, load_recipe
-from blackboxbench.oracle import Oracle
+from blackboxbench.builder import build_attack, load_recipe, recipe_family
+from blackboxbench.config import finish_threat
 from blackboxbench.registry import DATASET
+from blackboxbench.runner import run_tensors
 from blackboxbench.threat import Problem, dist
 
-FEEDBACK = {"score": "score", "decision": "label"}
 
-
-def build(name, norm="linf", targeted=False, eps=1.0, iterations=None):
-    """The recipe ``name`` built by the library's builder for this setting (transfer: optional iterations)."""
+def build(name, norm="linf", targeted=False, eps=1.0, iterations=None, **threat):
+    """The recipe ``name`` built by the library's builder for this setting (transfer: optional iterations).
+    Returns ``(attack, threat)``."""
     recipe, source = load_recipe({"recipe": name, "hyper": {"iterations": iterations}} if iterations else name,
                                  "tests")
-    return build_attack(recipe, {"norm": norm, "targeted": targeted, "eps": eps}, source)
+    t = {"norm": norm, "targeted": targeted, "eps": eps, **threat}
+    if targeted:
+        t["target_label"] = "specified"
+    t = finish_threat(t, recipe, recipe_family(recipe, source), source)
+    return build_attack(recipe, t, source), t
 
 
-def run_query(name, model, x, y, eps, norm, budget, target=None, seed=0, num_classes=10):
-    """Run a query recipe through a fresh oracle; returns ``(problem, result)``."""
-    attack = build(name, norm, target is not None, eps)
+@dataclass
+class Result:
+    x_adv: torch.Tensor      # (n, C, H, W): the returned images (the clean image where not attacked)
+    success: torch.Tensor    # (n,) bool: the oracle confirmed the returned image
+    queries: torch.Tensor    # (n,) long
+    attacked: torch.Tensor   # (n,) bool
+    stalled: torch.Tensor    # (n,) bool
+    records: list
+
+
+def run_query(name, model, x, y, eps, norm, budget, target=None, seed=0, num_classes=10, slots=None, **threat):
+    """Run a query recipe on ``x`` through the real worker; returns ``(problem, result)``."""
+    attack, t = build(name, norm, target is not None, eps, max_queries=max(budget, 1), **threat)
+    t["max_queries"] = budget  # a budget of 0 (configs need >= 1) checks that nothing is asked at all
+    records = run_tensors(attack, t, x, y, {"model": [model]}, seed=seed, slots=slots, given_target=target,
+                          num_classes=num_classes)
     problem = Problem(x=x, y=y, eps=eps, norm=norm, target=target, num_classes=num_classes)
-    oracle = Oracle(model, n=len(x), max_queries=budget, num_classes=num_classes,
-                    feedback=FEEDBACK[attack.family], input_shape=x.shape[1:])
-    return problem, attack.run(problem, oracle, torch.Generator().manual_seed(seed))
+    return problem, to_result(records, x)
+
+
+def to_result(records, x):
+    col = lambda k: torch.tensor([bool(r[k]) if isinstance(r[k], bool) else r[k] for r in records])  # noqa: E731
+    x_adv = torch.stack([r.get("x_adv", x[r["index"]]) for r in records])
+    return Result(x_adv, col("success"), col("queries").long(), col("attacked"), col("stalled"), records)
 
 
 def check_output(x_adv, x, eps, norm):
@@ -36,11 +59,12 @@ def check_output(x_adv, x, eps, norm):
 
 
 def check_outputs(problem, res, model, budget):
-    """Threat model of a query result, within budget, and every claimed success really adversarial."""
+    """Threat model of a query result, within budget, and every recorded success really adversarial, each image
+    checked alone (an independent forward at batch size 1)."""
     check_output(res.x_adv, problem.x, problem.eps, problem.norm)
     assert (res.queries <= budget).all()
     with torch.no_grad():
-        pred = model(res.x_adv).argmax(1)
+        pred = torch.cat([model(res.x_adv[i:i + 1]).argmax(1) for i in range(len(res.x_adv))])
     assert problem.is_adv_label(pred)[res.success].all()
 
 
@@ -51,3 +75,37 @@ def correctly_classified(models, data_root, n, pool):
         ok = torch.stack([m(ds.x).argmax(1) == ds.y for m in models]).all(0)
     idx = ok.nonzero().squeeze(1)[:n]
     return ds.x[idx], ds.y[idx]
+
+
+def make_ctx(model, x, y, eps, norm, budget, feedback="score", target=None, seed=0, num_classes=10, pool=None):
+    """A block context over ``x`` (samples 0..n-1) with a fresh oracle and fresh random streams, for calling
+    blocks and helpers directly."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.oracle import Oracle
+    from blackboxbench.rng import Streams
+
+    n = len(x)
+    everyone = torch.arange(n)
+    oracle = Oracle(model, n=n, max_queries=budget, num_classes=num_classes, feedback=feedback,
+                    input_shape=x.shape[1:])
+    problem = Problem(x=x, y=y, eps=eps, norm=norm, target=target, num_classes=num_classes)
+    return BlockContext(problem=problem, rng=Streams(seed, n, x.device).view(everyone), oracle=oracle.view(everyone),
+                        pool=pool)
+
+
+def transfer_ctx(x, y, eps=1.0, norm="linf", target=None, model=None, alpha=0.0, seed=0, iterations=0):
+    """A transfer-block context over ``x`` (samples 0..n-1) with fresh random streams."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.rng import Streams
+
+    problem = Problem(x=x, y=y, eps=eps, norm=norm, target=target, num_classes=10)
+    return BlockContext(problem=problem, rng=Streams(seed, len(x), x.device).view(torch.arange(len(x))), model=model,
+                        alpha=alpha, iterations=iterations)
+
+
+def refine_ctx(seed=0):
+    """The run-level context the refine blocks get."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.rng import run_stream
+
+    return BlockContext(problem=None, rng=run_stream(seed, "cpu", 1))

@@ -11,11 +11,9 @@ import torch
 from torch import nn
 
 from blackboxbench.errors import BenchError
-from blackboxbench.oracle import Oracle
 from blackboxbench.query.decision import bisect, blend, find_start
-from blackboxbench.threat import Problem
 
-from attack_utils import check_outputs, correctly_classified, run_query
+from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "decision"
 SETTINGS = [("hsja_linf", "linf"), ("hsja_l2", "l2"), ("rays", "linf")]
@@ -59,14 +57,13 @@ def test_toy_linear_boundary_is_reached(toy, name, norm):
 
 def test_bisect_keeps_hi_adversarial_when_refused(toy):
     model, x, y, dist = toy
-    problem = Problem(x=x, y=y, eps=0.03, norm="linf")
-    oracle = Oracle(model, n=4, max_queries=5, num_classes=2, feedback="label", input_shape=x.shape[1:])
+    ctx = make_ctx(model, x, y, 0.03, "linf", 5, "label", num_classes=2)
     far = (model.w > 0).float().view(1, *x.shape[1:]).expand_as(x)  # the corner deepest in class 1
     with torch.no_grad():
         assert (model(far).argmax(1) == 1).all()
     ones = torch.ones(4)
-    lo, hi = bisect(problem, oracle, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-9, ones > 0)
-    assert (oracle.counts == 5).all() and (hi - lo > 1e-3).all()  # stopped by the budget, not the tolerance
+    lo, hi = bisect(ctx, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-9, ones > 0)
+    assert (ctx.oracle.counts == 5).all() and (hi - lo > 1e-3).all()  # stopped by the budget, not the tolerance
     with torch.no_grad():
         assert (model(blend(x, far, hi)).argmax(1) == 1).all()
         assert (model(blend(x, far, lo)).argmax(1) == 0).all()
@@ -74,23 +71,21 @@ def test_bisect_keeps_hi_adversarial_when_refused(toy):
 
 def test_bisect_stops_once_within_reach(toy):
     model, x, y, dist = toy
-    problem = Problem(x=x, y=y, eps=0.03, norm="linf")
-    oracle = Oracle(model, n=4, max_queries=100, num_classes=2, feedback="label", input_shape=x.shape[1:])
+    ctx = make_ctx(model, x, y, 0.03, "linf", 100, "label", num_classes=2)
     far = (model.w > 0).float().view(1, *x.shape[1:]).expand_as(x)
     ones = torch.ones(4)
-    full = bisect(problem, oracle, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-6, ones > 0)[1]
-    used = oracle.counts.clone()
+    full = bisect(ctx, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-6, ones > 0)[1]
+    used = ctx.oracle.counts.clone()
     enough = full.double() * 1.3  # the search may stop at any adversarial point below this
-    _, hi = bisect(problem, oracle, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-6, ones > 0, enough)
+    _, hi = bisect(ctx, lambda t, i: blend(x[i], far[i], t), 0 * ones, ones, 1e-6, ones > 0, enough)
     assert (hi <= enough).all() and (hi >= full).all()
-    assert ((oracle.counts - used) < used).all()  # fewer queries than the full search
+    assert ((ctx.oracle.counts - used) < used).all()  # fewer queries than the full search
 
 
 def test_refused_start_is_not_found(toy):
     model, x, y, _ = toy
-    problem = Problem(x=x, y=y, eps=0.03, norm="linf")
-    oracle = Oracle(model, n=4, max_queries=0, num_classes=2, feedback="label", input_shape=x.shape[1:])
-    x0, found = find_start(problem, oracle, torch.Generator().manual_seed(0), tries=10)
+    ctx = make_ctx(model, x, y, 0.03, "linf", 0, "label", num_classes=2)
+    x0, found = find_start(ctx, tries=10)
     assert not found.any() and torch.equal(x0, x)
     for name, norm in SETTINGS:
         _, res = run_query(name, model, x, y, 0.5, norm, budget=0)
@@ -127,15 +122,15 @@ def test_untargeted_table_v_budget(cifar, name, norm):
 
 @pytest.mark.parametrize("name,norm", SETTINGS)
 def test_targeted_smoke(cifar, name, norm):
-    """Three images of different classes, each targeted at another's class, 1,000 queries, three times the
-    Table V eps: measured successes (seed 0) hsja_linf 1/3, hsja_l2 1/3, rays 2/3 (at eps itself and 3,000
-    queries: 1/3, 2/3, 3/3)."""
+    """Three images of different classes, each targeted at another's class, 2,000 queries, three times the
+    Table V eps: measured successes (seeds 0 / 1) hsja_linf 3/3, 3/3; hsja_l2 1/3, 3/3; rays 2/3, 2/3 (at 1,000
+    queries hsja_l2 fooled 0-2 of 3 over seeds 0-3)."""
     model, x, y = cifar
     first = torch.tensor([int((y == c).nonzero()[0]) for c in y.unique()])[:3]  # three different classes
     x, y = x[first], y[first]
     target = y.roll(1)  # each target class has an image in the batch: a natural targeted start
-    problem, res = run_query(name, model, x, y, 3 * EPS[norm], norm, budget=1000, target=target)
-    check_outputs(problem, res, model, 1000)
+    problem, res = run_query(name, model, x, y, 3 * EPS[norm], norm, budget=2000, target=target)
+    check_outputs(problem, res, model, 2000)
     assert res.success.any(), res.queries
 
 
@@ -144,5 +139,5 @@ def test_tiny_budget_ends_without_false_success(cifar, name, norm):
     model, x, y = cifar
     problem, res = run_query(name, model, x[:4], y[:4], EPS[norm], norm, budget=20)
     check_outputs(problem, res, model, 20)  # any success is real (checked by a fresh forward)
-    assert (res.queries[~res.success] == 20).all() and not res.stalled  # the others spend the whole budget
+    assert (res.queries[~res.success] == 20).all() and not res.stalled.any()  # the others spend the budget
     assert (~res.success).sum() >= 3  # 20 queries are too few for most images (init + binary search)

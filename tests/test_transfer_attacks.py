@@ -23,7 +23,7 @@ from blackboxbench.registry import DIRECTION, GRADIENT, LOSS, REFINE, TRANSFORM,
 from blackboxbench.threat import Problem
 
 from attack_utils import build as build_recipe
-from attack_utils import check_output, correctly_classified
+from attack_utils import check_output, correctly_classified, refine_ctx, transfer_ctx
 from blackboxbench.transfer.gradients import gaussian_kernel
 from blackboxbench.transfer.transforms import apply_di, draw_di
 
@@ -40,7 +40,16 @@ def gen(seed=0):
 
 
 def build(name, norm="linf", targeted=False, iterations=None):
-    return build_recipe(name, norm, targeted, EPS[norm], iterations)
+    return build_recipe(name, norm, targeted, EPS[norm], iterations)[0]
+
+
+def step(x_adv, d, problem, alpha):
+    return UPDATE.get("step")(transfer_ctx(problem.x, problem.y, problem.eps, problem.norm, alpha=alpha), x_adv, d)
+
+
+def ti(g, **params):
+    x = torch.zeros(len(g), 1, 1, 1)
+    return GRADIENT.get("ti")(transfer_ctx(x, torch.zeros(len(g), dtype=torch.long)), lambda x: g, x, {}, **params)
 
 
 # ---------------------------------------------------------------------------------------------- update ----
@@ -49,12 +58,12 @@ def test_step_linf_is_sign_step_then_clip():
     x = torch.rand(4, 3, 8, 8, generator=gen(1)) * 0.5 + 0.25
     d = torch.randn(4, 3, 8, 8, generator=gen(2))
     p = Problem(x=x, y=torch.zeros(4, dtype=torch.long), eps=1.0, norm="linf")
-    out = UPDATE.get("step")(x, d, problem=p, alpha=0.01)
+    out = step(x, d, p, alpha=0.01)
     assert torch.allclose(out, x + 0.01 * d.sign())
     p = Problem(x=x, y=p.y, eps=0.03, norm="linf")
     x_adv = x
     for _ in range(20):
-        x_adv = UPDATE.get("step")(x_adv, torch.randn(x.shape, generator=gen(3)), problem=p, alpha=0.01)
+        x_adv = step(x_adv, torch.randn(x.shape, generator=gen(3)), p, alpha=0.01)
         assert (x_adv - x).abs().max() <= 0.03 + 1e-6 and 0 <= x_adv.min() and x_adv.max() <= 1
 
 
@@ -62,22 +71,21 @@ def test_step_l2_moves_alpha_per_sample_and_stays_in_ball():
     x = torch.full((3, 3, 8, 8), 0.5)
     d = torch.randn(3, 3, 8, 8, generator=gen(4)) * torch.tensor([1e-3, 1.0, 1e3]).view(3, 1, 1, 1)
     p = Problem(x=x, y=torch.zeros(3, dtype=torch.long), eps=10.0, norm="l2")
-    out = UPDATE.get("step")(x, d, problem=p, alpha=0.1)
+    out = step(x, d, p, alpha=0.1)
     assert torch.allclose((out - x).flatten(1).norm(dim=1), torch.full((3,), 0.1), atol=1e-5)
     assert torch.allclose(out - x, 0.1 * d / d.flatten(1).norm(dim=1).view(3, 1, 1, 1), atol=1e-6)
-    assert torch.equal(UPDATE.get("step")(x, torch.zeros_like(x), problem=p, alpha=0.1), x)  # zero direction
+    assert torch.equal(step(x, torch.zeros_like(x), p, alpha=0.1), x)  # zero direction
     p = Problem(x=x, y=p.y, eps=1.0, norm="l2")
     x_adv = x
     for i in range(30):
-        x_adv = UPDATE.get("step")(x_adv, torch.randn(x.shape, generator=gen(i)), problem=p, alpha=0.3)
+        x_adv = step(x_adv, torch.randn(x.shape, generator=gen(i)), p, alpha=0.3)
         assert ((x_adv - x).flatten(1).norm(dim=1) <= 1.0 + 1e-5).all()
 
 
 def test_step_unknown_norm_is_a_bench_error():
     x = torch.rand(1, 3, 4, 4)
     with pytest.raises(BenchError, match="unsupported norm"):
-        UPDATE.get("step")(x, x, problem=Problem(x=x, y=torch.zeros(1, dtype=torch.long), eps=1, norm="l1"),
-                           alpha=0.1)
+        step(x, x, Problem(x=x, y=torch.zeros(1, dtype=torch.long), eps=1, norm="l1"), alpha=0.1)
 
 
 # ----------------------------------------------------------------------------------------------- losses ----
@@ -88,7 +96,11 @@ def test_losses_match_hand_formulas():
     logp = z - z.exp().sum(1, keepdim=True).log()
     own = z[torch.arange(6), lab]
     other = torch.stack([torch.cat([z[i, :lab[i]], z[i, lab[i] + 1:]]).max() for i in range(6)])
-    ce, cw, logit = LOSS.get("ce"), LOSS.get("cw"), LOSS.get("logit")
+    x = torch.zeros(6, 1, 1, 1)
+    untargeted, targeted_ctx = transfer_ctx(x, lab), transfer_ctx(x, lab, target=lab)
+    ctxs = {False: untargeted, True: targeted_ctx}
+    ce, cw, logit = (functools.partial(lambda f, z, lab, t: f(ctxs[t], z, lab), LOSS.get(n)) for n in
+                     ("ce", "cw", "logit"))
     assert torch.allclose(ce(z, lab, False), -logp[torch.arange(6), lab], atol=1e-6)
     assert torch.allclose(ce(z, lab, True), logp[torch.arange(6), lab], atol=1e-6)
     assert torch.allclose(cw(z, lab, False), other - own)
@@ -107,11 +119,11 @@ def test_momentum_matches_hand_formula():
     grads = [torch.randn(2, 3, 4, 4, generator=gen(10 + t)) * (t + 1) for t in range(4)]
     state, acc = {}, np.zeros((2, 3, 4, 4))
     for g in grads:
-        out = DIRECTION.get("momentum")(g, state, decay=0.7)
+        out = DIRECTION.get("momentum")(None, g, state, decay=0.7)
         gn = g.numpy().astype(np.float64)
         acc = 0.7 * acc + gn / np.abs(gn).reshape(2, -1).mean(1).reshape(2, 1, 1, 1)
         np.testing.assert_allclose(out.numpy(), acc, rtol=1e-5, atol=1e-5)
-    assert torch.isfinite(DIRECTION.get("momentum")(torch.zeros(1, 3, 4, 4), {})).all()
+    assert torch.isfinite(DIRECTION.get("momentum")(None, torch.zeros(1, 3, 4, 4), {})).all()
 
 
 # ------------------------------------------------------------------------------------------------- TI ----
@@ -122,7 +134,7 @@ def test_ti_equals_scipy_gaussian_filter(kernel_size, nsig):
     assert k.shape == (kernel_size, kernel_size) and abs(float(k.sum()) - 1) < 1e-12
     assert torch.equal(k, k.flip(0)) and torch.equal(k, k.T)
     g = torch.randn(2, 3, 9, 11, generator=gen(6), dtype=torch.float64)
-    out = GRADIENT.get("ti")(lambda x: g, None, {}, None, kernel_size=kernel_size, nsig=nsig)
+    out = ti(g, kernel_size=kernel_size, nsig=nsig)
     sigma = (kernel_size - 1) / (2 * nsig)  # radius = nsig standard deviations
     ref = np.stack([np.stack([ndimage.gaussian_filter(g[n, c].numpy(), sigma, mode="constant", truncate=nsig)
                               for c in range(3)]) for n in range(2)])
@@ -131,9 +143,9 @@ def test_ti_equals_scipy_gaussian_filter(kernel_size, nsig):
 
 def test_ti_kernel_size_one_is_identity_and_even_size_is_an_error():
     g = torch.randn(1, 3, 5, 5, generator=gen(7))
-    assert torch.allclose(GRADIENT.get("ti")(lambda x: g, None, {}, None, kernel_size=1), g)
+    assert torch.allclose(ti(g, kernel_size=1), g)
     with pytest.raises(BenchError, match="odd"):
-        GRADIENT.get("ti")(lambda x: g, None, {}, None, kernel_size=4)
+        ti(g, kernel_size=4)
 
 
 # ------------------------------------------------------------------------------------------------- DI ----
@@ -141,11 +153,12 @@ def test_ti_kernel_size_one_is_identity_and_even_size_is_an_error():
 def _di_loop(x, p):
     """Independent per-sample reference: resize, pad, resize back with F.interpolate / F.pad."""
     out = []
-    (sh, sw), (oh, ow) = p["size"], p["out"]
+    oh, ow = p["out"]
     for i in range(len(x)):
         if not p["apply"][i]:
             out.append(x[i])
             continue
+        sh, sw = int(p["size"][0][i]), int(p["size"][1][i])
         small = F.interpolate(x[i:i + 1], size=(sh, sw), mode="nearest")
         t, l_ = int(p["top"][i]), int(p["left"][i])
         padded = F.pad(small, (l_, ow - sw - l_, t, oh - sh - t))
@@ -155,24 +168,39 @@ def _di_loop(x, p):
 
 def test_di_matches_per_sample_reference_and_replays():
     x = torch.rand(8, 3, 32, 32, generator=gen(8))
+    y = torch.zeros(8, dtype=torch.long)
     sizes = set()
     for seed in range(20):
-        p = draw_di(x.shape, gen(seed), resize_rate=1.25, prob=0.5)
-        sizes.add(p["size"][0])
-        assert p["out"] == (40, 40) and 32 <= p["size"][0] < 40 and p["size"][0] == p["size"][1]
+        p = draw_di(transfer_ctx(x, y, seed=seed), x.shape, resize_rate=1.25, prob=0.5)
+        sizes.update(p["size"][0].tolist())
+        assert p["out"] == (40, 40) and ((32 <= p["size"][0]) & (p["size"][0] < 40)).all()
+        assert torch.equal(p["size"][0], p["size"][1])
         assert ((p["top"] >= 0) & (p["top"] <= 40 - p["size"][0])).all()
         assert torch.equal(apply_di(x, p), _di_loop(x, p))
         assert torch.equal(apply_di(x, p), apply_di(x, p))                    # replay
-        assert torch.equal(TRANSFORM.get("di")(x, gen(seed)), apply_di(x, p))  # the block = draw + apply
-    assert len(sizes) > 3
-    p = draw_di(x.shape, gen(0), prob=1.0)
-    assert p["apply"].all() and len(set(p["top"].tolist())) > 1  # per-sample padding positions
-    assert torch.equal(TRANSFORM.get("di")(x, gen(0), prob=0.0), x)
+        assert torch.equal(TRANSFORM.get("di")(transfer_ctx(x, y, seed=seed), x), apply_di(x, p))  # draw + apply
+    assert len(sizes) == 8  # every size of [32, 40)
+    p = draw_di(transfer_ctx(x, y), x.shape, prob=1.0)
+    assert p["apply"].all() and len(set(p["top"].tolist())) > 1 and len(set(p["size"][0].tolist())) > 1
+    assert torch.equal(TRANSFORM.get("di")(transfer_ctx(x, y), x, prob=0.0), x)
     xx = x.clone().requires_grad_(True)
-    g, = torch.autograd.grad(TRANSFORM.get("di")(xx, gen(0), prob=1.0).sum(), xx)
+    g, = torch.autograd.grad(TRANSFORM.get("di")(transfer_ctx(x, y), xx, prob=1.0).sum(), xx)
     assert g.abs().sum() > 0
     with pytest.raises(BenchError):
-        draw_di(x.shape, gen(0), resize_rate=1.0)
+        draw_di(transfer_ctx(x, y), x.shape, resize_rate=1.0)
+
+
+def test_di_draws_per_sample():
+    """A sample's DI parameters depend on its own stream only: the same whatever batch it is in."""
+    x = torch.rand(6, 3, 32, 32, generator=gen(9))
+    y = torch.zeros(6, dtype=torch.long)
+    whole = draw_di(transfer_ctx(x, y), x.shape, prob=0.5)
+    part = draw_di(transfer_ctx(x, y).sub(torch.tensor([4, 1])), (2, 3, 32, 32), prob=0.5)
+    for key in ("top", "left", "apply"):
+        assert torch.equal(whole[key][[4, 1]], part[key])
+    twice = draw_di(transfer_ctx(x, y), (12, 3, 32, 32), prob=0.5)  # two stacked copies: rows 0-5, 6-11
+    assert not torch.equal(twice["top"][:6], twice["top"][6:]) or not torch.equal(twice["size"][0][:6],
+                                                                                    twice["size"][0][6:])
 
 
 # --------------------------------------------------------------------------------------------- ensemble ----
@@ -181,17 +209,17 @@ def test_logit_ensemble_averages_logits():
     torch.manual_seed(0)
     a, b = nn.Linear(12, 10), nn.Linear(12, 10)
     x = torch.randn(5, 12, generator=gen(9))
-    out = REFINE.get("logit_ensemble")([a, b], gen())
+    out = REFINE.get("logit_ensemble")(refine_ctx(), [a, b])
     assert isinstance(out, list) and len(out) == 1
     assert torch.allclose(out[0](x), (a(x) + b(x)) / 2, atol=1e-6)
-    w = REFINE.get("logit_ensemble")([a, b], gen(), weights=[1, 3])[0]
+    w = REFINE.get("logit_ensemble")(refine_ctx(), [a, b], weights=[1, 3])[0]
     assert torch.allclose(w(x), 0.25 * a(x) + 0.75 * b(x), atol=1e-6)
     for bad in ([1], [-1, 2], [0, 0]):
         with pytest.raises(BenchError):
-            REFINE.get("logit_ensemble")([a, b], gen(), weights=bad)
+            REFINE.get("logit_ensemble")(refine_ctx(), [a, b], weights=bad)
     with pytest.raises(BenchError, match="fuses"):
-        build("i_fgsm").refine([a, b], gen())
-    assert build("ens_logit").refine([a, b], gen())(x).shape == (5, 10)
+        build("i_fgsm").refine(refine_ctx(), [a, b])
+    assert build("ens_logit").refine(refine_ctx(), [a, b])(x).shape == (5, 10)
 
 
 # -------------------------------------------------------------------------------- recipes (no data) ----
@@ -227,13 +255,17 @@ def test_recipe_runs_deterministically_inside_the_ball(name, norm, targeted):
     net = TinyNet().eval()
     x = torch.rand(4, 3, 16, 16, generator=gen(11))
     y = torch.tensor([0, 1, 2, 3])
-    problem = Problem(x=x, y=y, eps=EPS[norm], norm=norm, target=(y + 1) % 10 if targeted else None)
     atk = build(name, norm, targeted, iterations=3)
-    model = atk.refine([net, TinyNet().eval()] if atk.refiners else [net], gen())
-    out = atk.run(model, problem, gen(1))
+    model = atk.refine(refine_ctx(), [net, TinyNet().eval()] if atk.refiners else [net])
+
+    def ctx(seed):
+        return transfer_ctx(x, y, EPS[norm], norm, (y + 1) % 10 if targeted else None, model, atk.alpha, seed, 3)
+
+    out = atk.run(ctx(1))
     check_output(out, x, EPS[norm], norm)
     assert not torch.equal(out, x)
-    assert torch.equal(out, atk.run(model, problem, gen(1)))  # randomness only from the generator
+    assert torch.equal(out, atk.run(ctx(1)))  # randomness only from the samples' streams
+    assert torch.equal(out[2:], atk.run(ctx(1).sub(torch.tensor([2, 3]))))  # and per sample
 
 
 # --------------------------------------------------------------------------- recipes on real models ----
@@ -259,9 +291,10 @@ def attack_run(zoo, batch):
     def run(name, norm="linf", targeted=False, iterations=None):
         x, y = batch
         atk = build(name, norm, targeted, iterations)
-        model = atk.refine([zoo[20], zoo[32]] if atk.refiners else [zoo[20]], gen())
-        problem = Problem(x=x, y=y, eps=EPS[norm], norm=norm, target=(y + 1) % 10 if targeted else None)
-        return atk.run(model, problem, gen(0)), model, problem
+        model = atk.refine(refine_ctx(), [zoo[20], zoo[32]] if atk.refiners else [zoo[20]])
+        ctx = transfer_ctx(x, y, EPS[norm], norm, (y + 1) % 10 if targeted else None, model, atk.alpha, 0,
+                           atk.iterations)
+        return atk.run(ctx), model, ctx.problem
 
     return run
 

@@ -1,9 +1,10 @@
 """Target labels for targeted attacks (registry ``TARGET_LABEL``), after Supp. D-B of the paper.
 
 Supp. D-B offers five target types, "random", "least likely", "most likely", "median" and "specified label",
-and uses "median" for its evaluation. Each mode is ``fn(logits, y, gen, given, *, ...) -> LongTensor (N,)``:
-``logits`` (N, K) from the target model (log-probabilities rank the same), ``y`` the true labels, ``gen`` a
-torch.Generator, ``given`` the dataset's own targets or None. Every mode except ``specified`` excludes ``y``.
+and uses "median" for its evaluation. Each mode is ``fn(logits, y, rng, given, *, ...) -> LongTensor (N,)``:
+``logits`` (N, K) from the target model (log-probabilities rank the same), ``y`` the true labels, ``rng`` the
+samples' random streams (:class:`~blackboxbench.rng.StreamView`), ``given`` the dataset's own targets or None.
+Every mode except ``specified`` excludes ``y``.
 """
 import torch
 
@@ -17,27 +18,34 @@ def _rank_without_y(logits, y):
     return order[order != y[:, None]].view(len(y), -1)
 
 
+def choose_targets(spec, logits, y, rng, given):
+    """The targets of mode ``spec`` ({name: mode, **params}) for a batch."""
+    params = dict(spec)
+    return TARGET_LABEL.get(params.pop("name"))(logits, y, rng, given, **params)
+
+
 @TARGET_LABEL.register("random", paper="Supp. D-B")
-def random(logits, y, gen, given):
-    """Uniform over the K-1 classes other than ``y`` (from ``gen``)."""
-    r = torch.randint(0, logits.shape[1] - 1, y.shape, generator=gen, device=gen.device).to(y.device)
+def random(logits, y, rng, given):
+    """Uniform over the K-1 classes other than ``y`` (from each sample's own stream)."""
+    high = torch.full_like(y, logits.shape[1] - 1)
+    r = rng.randint_below(high).to(y.device)
     return r + (r >= y).long()
 
 
 @TARGET_LABEL.register("least_likely", paper="Supp. D-B")
-def least_likely(logits, y, gen, given):
+def least_likely(logits, y, rng, given):
     """The class with the lowest logit (the next lowest when that is ``y``)."""
     return _rank_without_y(logits, y)[:, -1]
 
 
 @TARGET_LABEL.register("most_likely", paper="Supp. D-B")
-def most_likely(logits, y, gen, given):
+def most_likely(logits, y, rng, given):
     """The class with the highest logit among those other than ``y``."""
     return _rank_without_y(logits, y)[:, 0]
 
 
 @TARGET_LABEL.register("median", paper="Supp. D-B (the paper's default)")
-def median(logits, y, gen, given):
+def median(logits, y, rng, given):
     """The class at the median rank of the K-1 classes other than ``y`` (rank (K-2)//2 from the top; for
     CIFAR-10 the 5th of 9). The reference code takes the 5th-ranked class of all K: for a correctly classified
     CIFAR-10 sample that is one rank above this median, and for K = 1000 far from any median."""
@@ -45,7 +53,7 @@ def median(logits, y, gen, given):
 
 
 @TARGET_LABEL.register("specified", paper="Supp. D-B")
-def specified(logits, y, gen, given, *, label=None):
+def specified(logits, y, rng, given, *, label=None):
     """One fixed ``label`` for every sample, or with ``label=None`` the dataset's targets ``given`` (e.g. the
     NIPS-2017 targets). Samples whose ``y`` equals their target are returned as they are: the runner skips
     them (they are already "adversarial")."""

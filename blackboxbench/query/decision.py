@@ -20,26 +20,26 @@ import torch
 
 from ..registry import ACCEPT
 from ..threat import grid_levels, quantize_outward
-from .common import per_sample, rows_where, uniform
+from .common import per_sample, rows_where
 
 BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary search toward x (reference code)
 
 
-def query_adv(problem, oracle, images, idx=None):
+def query_adv(ctx, images, idx=None):
     """Query ``images`` for local samples ``idx`` (default one each) -> ``(adv, ok)``, both (m,) bool.
 
     ``adv`` is False on refused rows (``ok`` False).
     """
-    answer, ok = oracle(images, idx)
-    sub = problem if idx is None else problem.sub(idx)
+    answer, ok = ctx.oracle(images, idx)
+    sub = ctx.problem if idx is None else ctx.problem.sub(idx)
     return sub.is_adv(answer) & ok, ok
 
 
-def has_budget(oracle):
-    return oracle.remaining() > 0
+def has_budget(ctx):
+    return ctx.oracle.remaining() > 0
 
 
-def bisect(problem, oracle, point, lo, hi, tol, live, enough=None):
+def bisect(ctx, point, lo, hi, tol, live, enough=None):
     """Batched binary search of a scalar parameter per sample, in label space.
 
     ``point(t, idx)`` builds the images of samples ``idx`` at parameters ``t`` (float64, (m,)); ``point(hi)`` must
@@ -51,12 +51,12 @@ def bisect(problem, oracle, point, lo, hi, tol, live, enough=None):
     lo, hi = lo.double().clone(), hi.double().clone()
     tol = torch.as_tensor(tol, dtype=torch.float64, device=lo.device).expand_as(lo)
     enough = torch.as_tensor(-1.0 if enough is None else enough, dtype=torch.float64, device=lo.device)
-    live = live & has_budget(oracle) & (hi - lo > tol) & (hi > enough)
+    live = live & has_budget(ctx) & (hi - lo > tol) & (hi > enough)
     while live.any():
         idx = live.nonzero().squeeze(1)
         mid = (lo[idx] + hi[idx]) / 2
         stuck = (mid <= lo[idx]) | (mid >= hi[idx])  # float64 resolution reached
-        adv, ok = query_adv(problem, oracle, point(mid, idx), idx)
+        adv, ok = query_adv(ctx, point(mid, idx), idx)
         hi[idx[adv]] = mid[adv]
         lo[idx[ok & ~adv]] = mid[ok & ~adv]
         live[idx[~ok | stuck]] = False
@@ -70,68 +70,71 @@ def blend(x, x_far, t):
     return (1 - t) * x + t * x_far
 
 
-def _natural_candidates(problem):
-    """(n, n) bool: image j of the batch may start sample i (the attacker's own natural images, labels known).
-
-    Targeted: the true label of j is i's target; untargeted: it differs from i's label.
-    """
-    y = problem.y
-    return y[None, :] == problem.target[:, None] if problem.targeted else y[None, :] != y[:, None]
-
-
-def _search_images(problem, oracle, x0, found):
-    """Query, round by round, each unfound sample's next candidate image of the batch (one call per round)."""
-    cand = _natural_candidates(problem)
+def _search_images(ctx, x0, found):
+    """Query, round by round, each unfound sample's next natural image of the attacker's pool (one call per
+    round): untargeted, an image whose true label differs from the sample's; targeted, one of the target class.
+    A sample tries the pool in dataset order starting after its own index, so its start does not depend on the
+    other samples being attacked with it."""
+    pool, problem = ctx.pool, ctx.problem
+    if pool is None or pool.y.numel() < 2:
+        return
+    dev, m = problem.x.device, pool.y.numel()
+    order = (ctx.index[:, None] + 1 + torch.arange(m - 1, device=dev)[None]) % m  # every pool image but itself
+    labels = pool.y.to(dev)[order]
+    cand = labels == problem.target[:, None] if problem.targeted else labels != problem.y[:, None]
     rank = cand.long().cumsum(1) - 1
-    for r in range(int(cand.sum(1).max().item()) if cand.numel() else 0):
-        pick = cand & (rank == r)
-        live = ~found & pick.any(1) & has_budget(oracle)
+    for r in range(m - 1):
+        live = ~found & has_budget(ctx) & (rank[:, -1] >= r)
         if not live.any():  # later rounds need even more candidates
             break
         idx = live.nonzero().squeeze(1)
-        images = problem.x[pick[idx].float().argmax(1)]
-        adv, _ = query_adv(problem, oracle, images, idx)
+        pick = order[idx, (cand[idx] & (rank[idx] == r)).float().argmax(1)]
+        images = pool.x[pick.cpu()].to(dev)
+        adv, _ = query_adv(ctx, images, idx)
         x0[idx[adv]] = images[adv]
         found[idx[adv]] = True
 
 
-def _search_noise(problem, oracle, gen, x0, found, tries):
+def _search_noise(ctx, x0, found, tries):
     """Up to ``tries`` rounds of uniform noise in [0, 1] for the unfound samples (one call per round)."""
+    x = ctx.problem.x
     for _ in range(tries):
-        live = ~found & has_budget(oracle)
+        live = ~found & has_budget(ctx)
         if not live.any():
             break
         idx = live.nonzero().squeeze(1)
-        noise = uniform((idx.numel(), *problem.x.shape[1:]), gen, problem.x.device, problem.x.dtype)
-        adv, _ = query_adv(problem, oracle, noise, idx)
+        noise = ctx.rng.uniform(x.shape[1:], rows=idx).to(x.dtype)
+        adv, _ = query_adv(ctx, noise, idx)
         x0[idx[adv]] = noise[adv]
         found[idx[adv]] = True
 
 
-def find_start(problem, oracle, gen, *, tries):
+def find_start(ctx, *, tries):
     """An adversarial starting point per sample -> ``(x0, found)``; every try is a counted query.
 
     Untargeted: uniform random noise (HSJA's BlendedUniformNoise initialization), up to ``tries`` draws, then
-    the other images of the batch with a different true label. Targeted: the images of the batch whose true
-    label is the target (queried to check), then random noise. ``x0`` is ``x`` where nothing was found.
+    the pool's natural images with a different true label. Targeted: the pool's images whose true label is the
+    target (queried to check), then random noise. ``x0`` is ``x`` where nothing was found.
     """
+    problem = ctx.problem
     x0, found = problem.x.clone(), torch.zeros(problem.n, dtype=torch.bool, device=problem.x.device)
     if problem.targeted:
-        _search_images(problem, oracle, x0, found)
-        _search_noise(problem, oracle, gen, x0, found, tries)
+        _search_images(ctx, x0, found)
+        _search_noise(ctx, x0, found, tries)
     else:
-        _search_noise(problem, oracle, gen, x0, found, tries)
-        _search_images(problem, oracle, x0, found)
+        _search_noise(ctx, x0, found, tries)
+        _search_images(ctx, x0, found)
     return x0, found
 
 
-def blended_start(problem, oracle, gen, *, tries, tol=BLEND_TOL):
+def blended_start(ctx, *, tries, tol=BLEND_TOL):
     """:func:`find_start`, then a binary search of the blend factor toward ``x`` -> ``(x_start, found)``."""
-    x0, found = find_start(problem, oracle, gen, tries=tries)
+    x0, found = find_start(ctx, tries=tries)
+    problem = ctx.problem
     x = problem.x
     zeros, ones = torch.zeros(problem.n, device=x.device), torch.ones(problem.n, device=x.device)
     enough = claim_radius(problem) / problem.dist(x0).double().clamp_min(1e-12)  # blend factor within reach
-    _, t = bisect(problem, oracle, lambda t, i: blend(x[i], x0[i], t), zeros, ones, tol, found, enough)
+    _, t = bisect(ctx, lambda t, i: blend(x[i], x0[i], t), zeros, ones, tol, found, enough)
     return blend(x, x0, t), found
 
 
@@ -181,9 +184,9 @@ def claim(problem, state):
 
 @ACCEPT.register("within_eps", paper="Supp. F-A, Alg. 1: stop once the adversarial point is within eps",
                  norms=("linf", "l2"))
-def within_eps(problem, state, proposal, oracle, gen):
+def within_eps(ctx, state, proposal):
     """Take the perturb block's updated search state (a dict of per-sample tensors), then :func:`claim`.
 
     Makes no query: decision attacks only ever move ``x_bd`` to points the oracle has seen adversarial.
     """
-    return claim(problem, {**state, **proposal})
+    return claim(ctx.problem, {**state, **proposal})

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
-from .common import gaussian, per_sample, rows_where, uniform
+from .common import per_sample, rows_where
 from .decision import (bisect, blend, blended_start, claim_radius, decision_state, has_budget, query_adv,
                        stop_radius)
 
@@ -25,7 +25,7 @@ def _dim(problem):
     return problem.x[0].numel()
 
 
-def to_boundary(problem, oracle, x_far, theta, live, radius):
+def to_boundary(ctx, x_far, theta, live, radius):
     """HSJA's binary search from ``x_far`` (adversarial) toward ``x`` -> ``(x_bd, dist_far)``; ``theta`` (n,).
 
     Linf: the parameter is the radius of the Linf box around ``x`` that ``x_far`` is clipped to, searched down
@@ -35,6 +35,7 @@ def to_boundary(problem, oracle, x_far, theta, live, radius):
     then claim success and needs no closer point. ``dist_far`` is the distance of ``x_far`` itself, which the
     reference code uses to size the next probes.
     """
+    problem = ctx.problem
     x = problem.x
     d_far = problem.dist(x_far)
     zeros = torch.zeros_like(d_far)
@@ -51,32 +52,32 @@ def to_boundary(problem, oracle, x_far, theta, live, radius):
 
         hi, tol = torch.ones_like(d_far), theta
         enough = radius / d_far.double().clamp_min(1e-12)
-    _, hi = bisect(problem, oracle, point, zeros, hi, tol, live, enough)
+    _, hi = bisect(ctx, point, zeros, hi, tol, live, enough)
     return point(hi, torch.arange(problem.n, device=x.device)), d_far
 
 
-def estimate_direction(problem, oracle, x_bd, num, delta, gen):
+def estimate_direction(ctx, x_bd, num, delta):
     """HSJA's Monte-Carlo estimate of the boundary normal at ``x_bd``, with ``num[i]`` probes for sample i.
 
     All probes of all samples go in one oracle call. Directions are uniform in [-1, 1]^d (Linf) or Gaussian
     (L2), normalized, clipped to [0, 1]; the +1/-1 decisions get the mean baseline subtracted unless they are
     all equal. Refused probes are left out of every sum. Returns unit-L2 directions (zero where none answered).
     """
+    problem = ctx.problem
     n = problem.n
     owner = torch.repeat_interleave(torch.arange(n, device=x_bd.device), num)
     if owner.numel() == 0:
         return torch.zeros_like(x_bd)
-    shape = (owner.numel(), *x_bd.shape[1:])
     if problem.norm == "linf":
-        rv = uniform(shape, gen, x_bd.device) * 2 - 1
+        rv = ctx.rng.uniform(x_bd.shape[1:], rows=owner) * 2 - 1
     else:
-        rv = gaussian(shape, gen, x_bd.device)
+        rv = ctx.rng.normal(x_bd.shape[1:], rows=owner)
     rv = rv.to(x_bd.dtype)
     rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)
     base, step = x_bd[owner], per_sample(delta[owner], rv)
     probes = (base + step * rv).clamp(0.0, 1.0)
     rv = (probes - base) / step
-    adv, ok = query_adv(problem, oracle, probes, owner)
+    adv, ok = query_adv(ctx, probes, owner)
     okf = ok.to(x_bd.dtype)
     fval = (2 * adv.to(x_bd.dtype) - 1) * okf
     count = torch.zeros(n, device=x_bd.device).index_add_(0, owner, okf)
@@ -87,19 +88,19 @@ def estimate_direction(problem, oracle, x_bd, num, delta, gen):
     return grad / per_sample(grad.flatten(1).norm(dim=1).clamp_min(1e-20), grad)
 
 
-def geometric_step(problem, oracle, x_bd, update, size, live):
+def geometric_step(ctx, x_bd, update, size, live):
     """Halve each sample's step size until ``x_bd + size * update`` is adversarial (one call per halving).
 
     Returns ``(x_step, found)``; a sample whose query was refused is not ``found``.
     """
     size, found = size.clone(), torch.zeros_like(live)
-    live = live & has_budget(oracle)
+    live = live & has_budget(ctx)
     for _ in range(MAX_HALVINGS):
         if not live.any():
             break
         idx = live.nonzero().squeeze(1)
         cand = (x_bd[idx] + per_sample(size[idx], x_bd) * update[idx]).clamp(0.0, 1.0)
-        adv, ok = query_adv(problem, oracle, cand, idx)
+        adv, ok = query_adv(ctx, cand, idx)
         found[idx[adv]] = True
         live[idx[adv | ~ok]] = False
         size[idx[ok & ~adv]] /= 2
@@ -107,7 +108,7 @@ def geometric_step(problem, oracle, x_bd, update, size, live):
 
 
 @INIT.register("hsja_init", paper=PAPER, norms=("linf", "l2"))
-def hsja_init(problem, oracle, gen, *, gamma=1.0, init_tries=100):
+def hsja_init(ctx, *, gamma=1.0, init_tries=100):
     """Blended-uniform-noise start (targeted: the batch's images of the target class first), then the binary
     search to the boundary.
 
@@ -116,21 +117,21 @@ def hsja_init(problem, oracle, gen, *, gamma=1.0, init_tries=100):
     allows up to 1e4; with a query budget a bound keeps a hopeless search from eating it all); untargeted
     samples with no hit fall back to the batch's images of other classes (see ``decision.find_start``).
     """
+    problem = ctx.problem
     if problem.norm not in ("linf", "l2"):
         raise BenchError(f"hsja supports norms linf and l2, got '{problem.norm}'")
     d, n, dev = _dim(problem), problem.n, problem.x.device
     theta = torch.full((n,), gamma / (d ** 2 if problem.norm == "linf" else d ** 1.5), dtype=torch.float64,
                        device=dev)
-    x_start, found = blended_start(problem, oracle, gen, tries=init_tries)
-    x_bd, d_far = to_boundary(problem, oracle, x_start, theta, found, claim_radius(problem))
+    x_start, found = blended_start(ctx, tries=init_tries)
+    x_bd, d_far = to_boundary(ctx, x_start, theta, found, claim_radius(problem))
     dist = torch.where(found, problem.dist(x_bd), torch.full_like(d_far, float("inf")))
     return decision_state(problem, x_bd, dist, dist_post=d_far, it=torch.zeros(n, dtype=torch.long, device=dev),
                           theta=theta)
 
 
 @PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"))
-def hsja(problem, state, oracle, gen, *, init_num_evals=100, max_num_evals=10000,
-         stepsize_search="geometric_progression"):
+def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search="geometric_progression"):
     """One HopSkipJumpAttack iteration for every sample that has an adversarial point.
 
     Iteration t (1-based, per sample) uses ``min(init_num_evals * sqrt(t), max_num_evals)`` probes (Table V:
@@ -141,19 +142,20 @@ def hsja(problem, state, oracle, gen, *, init_num_evals=100, max_num_evals=10000
     """
     if stepsize_search != "geometric_progression":
         raise BenchError(f"hsja: stepsize_search '{stepsize_search}' is not supported (geometric_progression)")
-    go = torch.isfinite(state["dist"]) & has_budget(oracle)
+    problem = ctx.problem
+    go = torch.isfinite(state["dist"]) & has_budget(ctx)
     it = state["it"] + go.long()
     t = it.clamp_min(1).to(torch.float64)
     theta, x_bd, dist = state["theta"], state["x_bd"], state["dist"]
     scale = _dim(problem) if problem.norm == "linf" else math.sqrt(_dim(problem))
     delta = torch.where(it == 1, FIRST_DELTA, scale * theta * state["dist_post"].double()).to(x_bd.dtype)
     num = torch.clamp((init_num_evals * t.sqrt()).long(), max=max_num_evals)
-    num = torch.where(go, torch.minimum(num, oracle.remaining()), torch.zeros_like(num))
-    grad = estimate_direction(problem, oracle, x_bd, num, delta, gen)
+    num = torch.where(go, torch.minimum(num, ctx.oracle.remaining()), torch.zeros_like(num))
+    grad = estimate_direction(ctx, x_bd, num, delta)
     update = grad.sign() if problem.norm == "linf" else grad
     size = torch.where(go, dist, torch.zeros_like(dist)) / t.sqrt().to(dist.dtype)
-    x_step, stepped = geometric_step(problem, oracle, x_bd, update, size, go)
-    x_new, d_post = to_boundary(problem, oracle, x_step, theta, stepped, stop_radius(problem, state))
+    x_step, stepped = geometric_step(ctx, x_bd, update, size, go)
+    x_new, d_post = to_boundary(ctx, x_step, theta, stepped, stop_radius(problem, state))
     return dict(x_bd=rows_where(stepped, x_new, x_bd),
                 dist=torch.where(stepped, problem.dist(x_new), dist),
                 dist_post=torch.where(stepped, d_post, state["dist_post"]), it=it)

@@ -16,35 +16,35 @@ BlackboxBench's NES (from the SignHunter code) has no momentum or learning-rate 
 import torch
 
 from ..registry import PERTURB
-from .common import gaussian, per_sample, query_margin
+from .common import per_sample, query_margin
 
 PAPER = "Ilyas et al., Black-box Adversarial Attacks with Limited Queries and Information, ICML 2018"
 
 
-def nes_gradient(problem, x_cur, oracle, gen, q, fd_eta):
+def nes_gradient(ctx, x_cur, q, fd_eta):
     """Antithetic NES estimate of the margin-loss gradient at ``x_cur`` (n, C, H, W); 2q queries per sample in
     one oracle call. Probes are projected onto the eps ball and [0, 1]; pairs with a refused probe contribute
     nothing."""
     n = x_cur.shape[0]
-    u = gaussian((n, q, *x_cur.shape[1:]), gen, x_cur.device)
+    u = ctx.rng.normal((q, *x_cur.shape[1:])).to(x_cur.dtype)
     probes = torch.cat([x_cur[:, None] + fd_eta * u, x_cur[:, None] - fd_eta * u], 1).flatten(0, 1)
     idx = torch.arange(n, device=x_cur.device).repeat_interleave(2 * q)
-    probes = problem.sub(idx).project(probes)  # valid images, as BlackboxBench's loss_fct projects its queries
-    margin, _, ok = query_margin(problem, oracle, probes, idx)
+    probes = ctx.problem.sub(idx).project(probes)  # valid images, as BlackboxBench's loss_fct projects its queries
+    margin, _, ok = query_margin(ctx, probes, idx)
     margin, ok = margin.view(n, 2, q), ok.view(n, 2, q)
     diff = torch.where(ok.all(1), margin[:, 0] - margin[:, 1], torch.zeros_like(margin[:, 0]))
     return (diff.view(n, q, *([1] * (u.dim() - 2))) * u).sum(1) / (2 * q * fd_eta)
 
 
 @PERTURB.register("nes", paper=PAPER, norms=("linf", "l2"))
-def nes(problem, state, oracle, gen, *, q=15, fd_eta=0.01, lr=0.01):
+def nes(ctx, state, *, q=15, fd_eta=0.01, lr=0.01):
     """One NES step from ``state['x_adv']``, projected onto the eps ball and [0, 1].
 
     ``q`` 15 antithetic pairs, ``fd_eta`` (sigma) 0.01 and ``lr`` 0.01 in [0, 1] pixel units (Table VI's 2.55 on
     the [0, 255] scale, see the module docstring).
     """
-    x_cur = state["x_adv"]
-    g = nes_gradient(problem, x_cur, oracle, gen, q, fd_eta)
+    x_cur, problem = state["x_adv"], ctx.problem
+    g = nes_gradient(ctx, x_cur, q, fd_eta)
     if problem.norm == "linf":
         step = g.sign()
     else:

@@ -1,48 +1,53 @@
-"""The unified query-attack loop (Alg. 1 and Alg. 2 of the BlackboxBench paper, Supp. F-A/F-B), batched.
+"""The query families ``score`` and ``decision``: the unified query loop (Alg. 1 and 2 of the BlackboxBench paper,
+Supp. F-A/F-B), batched over slots with continuous batching.
 
 An attack is three blocks: ``init`` -> repeat (``perturb`` -> ``accept``) until each sample succeeds or exhausts
-its budget. Block contracts (all tensors carry the batch on dim 0, blocks use local indices 0..n-1):
+its budget. Block contracts (``ctx`` is the :class:`~blackboxbench.context.BlockContext` of the samples being
+attacked; every tensor carries them on dim 0, and blocks use local indices 0..n-1):
 
-* ``init(problem, oracle, gen, **params) -> state``: a dict of tensors with leading dim n; it must hold
-  ``x_adv`` (n, C, H, W) and ``success`` (n,) bool. It may query (e.g. to find a starting adversarial point).
-* ``perturb(problem, state, oracle, gen, **params) -> proposal``: any object (typically candidate images);
-  it may query (e.g. gradient estimation from label feedback).
-* ``accept(problem, state, proposal, oracle, gen, **params) -> state``: queries the proposal if needed, keeps what
-  improves, and sets ``success`` where the oracle has seen ``x_adv`` adversarial (score attacks) or where the
-  adversarial ``x_adv`` lies inside the eps ball (decision attacks).
+* ``init(ctx, **params) -> state``: a dict of per-sample tensors; it must hold ``x_adv`` (n, C, H, W) and
+  ``success`` (n,) bool. It may query (e.g. to find a starting adversarial point). Every init of a recipe returns
+  the same keys, shapes and dtypes (a sample's state lives in a slot of fixed shape).
+* ``perturb(ctx, state, **params) -> proposal``: any object (typically candidate images); it may query.
+* ``accept(ctx, state, proposal, **params) -> state``: queries the proposal if needed, keeps what improves, and
+  sets ``success`` where the oracle has seen ``x_adv`` adversarial (score attacks) or where the adversarial
+  ``x_adv`` lies inside the eps ball (decision attacks).
 
-Only samples still being attacked are passed to ``perturb``/``accept``: the pipeline keeps them as a compact
-working set (their problem, oracle view and a private copy of their state), rebuilt only when a sample leaves it,
-so blocks may update the state dict they receive in place. A claimed success is confirmed by the oracle on the
-exact uint8 image the attack will return (projected to the eps ball and [0, 1], quantized towards the clean
-image): one counted query, or none when that image is the last one the oracle answered for the sample (see
-:meth:`blackboxbench.oracle.Oracle.confirm`). If the oracle does not confirm it, the sample keeps being attacked.
+**Continuous batching.** ``batch_size`` is the number of slots. A sample enters a slot (clean check, target
+label, ``init``), is attacked one iteration per ``step`` together with every other sample in a slot, and leaves
+when it succeeds, exhausts its budget, or stalls (an iteration that asks nothing for it: it cannot progress).
+The next unstarted sample takes its slot at the next ``fill``, so the model sees full batches until the dataset
+drains. Blocks receive the samples in slots as a compact working set (their context and a private copy of their
+state), rebuilt only when a sample enters or leaves, so they may update the state dict they receive in place.
+
+**Verified success is the record.** A claimed success is confirmed by the oracle on the exact uint8 image the
+attack will return (projected to the eps ball and [0, 1], quantized towards the clean image): one counted query,
+or none when that image is the one the oracle answered for the sample in its most recent call (see
+:meth:`blackboxbench.oracle.Oracle.confirm`). The success rule ``majority`` (for randomized targets) instead asks
+the image ``draws`` times, each a counted query, and needs a strict majority. If the claim is not confirmed, the
+sample keeps being attacked. A sample's record holds that confirmation and the query count at which it was made;
+the worker's own forward of the returned image is an audit: a disagreement is flagged on the record
+(``audit_adv``) and counted in the summary, never turned into a failure.
 """
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from ..errors import BenchError
+from ..config import check_keys
+from ..context import BlockContext, Pool
+from ..errors import BenchError, ConfigError
+from ..evaluation import sample_metrics, summarize_query
+from ..family import (BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets,
+                      to_uint8)
+from ..oracle import Oracle
+from ..registry import ACCEPT, FAMILY, INIT, PERTURB
+from ..threat import Problem
 
-
-def _gather(state, idx):
-    return {k: v[idx] for k, v in state.items()}
-
-
-def _scatter(state, idx, sub, block):
-    for k, v in sub.items():
-        if k not in state:
-            raise BenchError(f"block '{block}' added state key '{k}' that init did not create")
-        state[k][idx] = v
-
-
-@dataclass
-class QueryResult:
-    x_adv: torch.Tensor      # (n, C, H, W) quantized, inside the eps ball and [0, 1]
-    success: torch.Tensor    # (n,) bool: the oracle saw x_adv adversarial
-    queries: torch.Tensor    # (n,) long: images the oracle forwarded for each sample
-    iterations: int = 0
-    stalled: bool = False
+# Tables V-VI: 10,000 queries untargeted, 100,000 targeted.
+DEFAULT_MAX_QUERIES = {False: 10_000, True: 100_000}
+SUCCESS_RULES = ("single", "majority")
 
 
 @dataclass
@@ -51,70 +56,267 @@ class QueryAttack:
 
     name: str
     family: str
-    init: object
-    perturb: object
-    accept: object
-    max_iterations: int = 10**7
+    init: Callable
+    perturb: Callable
+    accept: Callable
     meta: dict = field(default_factory=dict)
 
-    def run(self, problem, oracle, gen):
-        state = self.init(problem, oracle, gen)
+
+def _gather(state, idx):
+    return {k: v[idx] for k, v in state.items()}
+
+
+def rule_label(rule):
+    return "single" if rule["name"] == "single" else f"majority of {rule['draws']}"
+
+
+def verify(ctx, state, draws=1):
+    """Confirm the claims of success in ``state`` on the exact images to be returned.
+
+    Returns ``(now, rows, images)``: ``now`` (n,) bool, the samples confirmed now (None when nothing was claimed),
+    and the confirmed images with their local rows. Unconfirmed claims are withdrawn from ``state['success']``.
+    """
+    claim = state["success"].nonzero().squeeze(1)
+    if claim.numel() == 0:
+        return None, claim, None
+    p = ctx.problem.sub(claim)
+    candidate = p.quantize(p.project(state["x_adv"][claim]))
+    if draws == 1:
+        answer, ok = ctx.oracle.confirm(candidate, claim)
+        good = p.is_adv(answer) & ok
+    else:
+        answer, ok = ctx.oracle.confirm(candidate, claim, draws)
+        labels = answer.argmax(-1) if answer.dtype.is_floating_point else answer
+        votes = (p.is_adv_label(torch.where(ok, labels, -1))).sum(1)
+        good = 2 * votes > draws
+    now = torch.zeros_like(state["success"])
+    now[claim[good]] = True
+    state["success"] = state["success"].index_put((claim[~good],), torch.tensor(False, device=claim.device))
+    return now, claim[good], candidate[good]
+
+
+class QueryWorker:
+    """Continuous batching of a query attack over ``run.slots`` slots (see the module docstring)."""
+
+    def __init__(self, family, run):
+        t, data = run.threat, run.data
+        self.family, self.run, self.attack, self.threat = family, run, run.attack, t
+        self.model, self.model_name = run.models["model"][0], run.model_names["model"][0]
+        self.device, self.slots = run.device, run.slots
+        self.draws = t["success_rule"].get("draws", 1)
+        self.oracle = Oracle(self.model, len(data.y), t["max_queries"], data.num_classes, t["feedback"],
+                             data.x.shape[1:], name=self.model_name)
+        self.surrogates = tuple(run.models.get("surrogates", ()))
+        self.pool = Pool(data.x, data.y)
+        s, dev = self.slots, self.device
+        self.gid = torch.full((s,), -1, dtype=torch.long, device=dev)
+        self.sx = torch.zeros((s, *data.x.shape[1:]), dtype=data.x.dtype, device=dev)
+        self.sy = torch.zeros(s, dtype=torch.long, device=dev)
+        self.starget = torch.zeros(s, dtype=torch.long, device=dev)
+        self.state = None
+        self.started = {}   # dataset index -> (perf_counter at admission, its record so far)
+        self.ready = []     # clean-checked samples waiting for a slot: (index, target)
+        self.ws = None      # working set: (slots, ctx, state), rebuilt when a sample enters or leaves
+
+    # ------------------------------------------------------------------------------------------ admission
+    @property
+    def busy(self):
+        return bool((self.gid >= 0).any())
+
+    def fill(self, feed):
+        done = []
+        while True:
+            free = (self.gid < 0).nonzero().squeeze(1)
+            if free.numel() == 0:
+                break
+            if not self.ready:
+                chunk = [i for _, i in zip(range(self.slots), feed)]
+                if not chunk:
+                    break
+                done += self._screen(chunk)
+                continue
+            take, self.ready = self.ready[:free.numel()], self.ready[free.numel():]
+            done += self._start(take, free[:len(take)])
+        return done
+
+    def _screen(self, index):
+        """Clean check and target labels of new samples (model forwards not counted as attacker queries); the
+        samples not to attack are finished at once."""
+        data, t = self.run.data, self.threat
+        idx = torch.tensor(index, dtype=torch.long)
+        x, y = data.x[idx].to(self.device), data.y[idx].to(self.device)
+        logits = forward_logits(self.model, x, self.model_name)
+        correct = logits.argmax(1) == y
+        given = None if data.given_target is None else data.given_target[idx].to(self.device)
+        target = pick_targets(t, logits, y, self.run.streams.view(idx), given)
+        attack = correct if target is None else correct & (target != y)
+        records = base_records(index, y, target, correct)
+        targets = [None] * len(index) if target is None else target.tolist()
+        done = []
+        for r, a, tg in zip(records, attack.tolist(), targets):
+            if a:
+                self.ready.append((r, tg))
+            else:
+                r.update(attacked=False, success=False, queries=0, l2=0.0, linf=0.0, time=0.0, audit_adv=None,
+                         stalled=False, success_rule=rule_label(t["success_rule"]))
+                done.append(r)
+        return done
+
+    def _context(self, gids, x, y, target):
+        t = self.threat
+        problem = Problem(x, y, t["eps"], t["norm"], target, self.run.data.num_classes)
+        return BlockContext(problem=problem, rng=self.run.streams.view(gids), oracle=self.oracle.view(gids),
+                            surrogates=self.surrogates, assets=self.run.assets, pool=self.pool)
+
+    def _start(self, ready, slots):
+        """``init`` for ready samples entering ``slots``; the ones decided at once finish here."""
+        now = time.perf_counter()
+        index = [r["index"] for r, _ in ready]
+        gids = torch.tensor(index, dtype=torch.long, device=self.device)
+        x, y = self.run.data.x[gids.cpu()].to(self.device), self.run.data.y[gids.cpu()].to(self.device)
+        target = None if not self.threat["targeted"] else torch.tensor([t for _, t in ready], device=self.device)
+        ctx = self._context(gids, x, y, target)
+        state = self.attack.init(ctx)
         for key in ("x_adv", "success"):
             if key not in state:
-                raise BenchError(f"init block of '{self.name}' must return state['{key}']")
-        state = {k: v.clone() for k, v in state.items()}  # the pipeline's own copy: scattered into below
-        x_out = problem.quantize(problem.project(state["x_adv"]))
-        verified = torch.zeros_like(state["success"])
-        everyone = torch.arange(problem.n, device=problem.x.device)
-        self._verify(problem, oracle.view(everyone), state, everyone, x_out, verified)
-        it, stalled, active = 0, False, None
-        while it < self.max_iterations:
-            if active is None:  # (re)build the working set: only samples still being attacked
-                active = (~verified & (oracle.remaining() > 0)).nonzero().squeeze(1)
-                if active.numel() == 0:
-                    break
-                sub_p, sub_o, sub_s = problem.sub(active), oracle.view(active), _gather(state, active)
-            before = oracle.forwarded
-            proposal = self.perturb(sub_p, sub_s, sub_o, gen)
-            sub_s = self.accept(sub_p, sub_s, proposal, sub_o, gen)
-            # One check (one sync) per iteration: did a sample claim success or use up its budget?
-            if bool((sub_s["success"] | sub_o.spent()).any()):
-                now = self._verify(sub_p, sub_o, sub_s, active, x_out, verified)
-                spent = sub_o.spent()  # after the confirmations, which may query
-                leaving = bool((spent if now is None else spent | now).any())
-            else:
-                leaving = False
-            it += 1
-            stalled = oracle.forwarded == before and not leaving  # nothing asked, nothing decided
-            if stalled or leaving or it == self.max_iterations:
-                _scatter(state, active, sub_s, self.name)
-                if stalled:
-                    break
-                active = None  # shrink the working set only when a sample leaves it
-        pending = (~verified).nonzero().squeeze(1)
-        p = problem.sub(pending)
-        x_out[pending] = p.quantize(p.project(state["x_adv"][pending]))
-        return QueryResult(x_out, verified, oracle.counts.clone(), it, stalled)
+                raise BenchError(f"init block of '{self.attack.name}' must return state['{key}']")
+        state = {k: v.clone() for k, v in state.items()}  # the worker's own copy
+        for r, _ in ready:
+            self.started[r["index"]] = (now, r)
+        ok, rows, images = verify(ctx, state, self.draws)
+        leaving = ctx.oracle.spent() if ok is None else ok | ctx.oracle.spent()
+        self._place(state, slots, x, y, target, gids)
+        self.ws = None
+        if not bool(leaving.any()):
+            return []
+        return self._finish(slots, leaving, state, ctx, rows, images, torch.zeros_like(leaving))
 
-    @staticmethod
-    def _verify(problem, oracle, state, active, x_out, verified):
-        """Confirm the claims of success in ``state`` (local to ``problem``/``oracle``, global indices ``active``)
-        on the exact image to be returned; returns the (len(active),) mask of samples verified now, or None when
-        nothing was claimed.
+    def _place(self, state, slots, x, y, target, gids):
+        if self.state is None:
+            self.state = {k: torch.zeros((self.slots, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                          for k, v in state.items()}
+        if set(state) != set(self.state):
+            raise BenchError(f"init block of '{self.attack.name}' returned state keys {sorted(state)}, earlier "
+                             f"{sorted(self.state)}")
+        for k, v in state.items():
+            self.state[k][slots] = v
+        self.sx[slots], self.sy[slots], self.gid[slots] = x, y, gids
+        if target is not None:
+            self.starget[slots] = target
 
-        The oracle answers each claim with one counted query, or without a forward when it answered that very
-        image in its most recent call (a score attack whose accepted candidate is already on the uint8 grid).
-        """
-        claim = state["success"].nonzero().squeeze(1)
-        if claim.numel() == 0:
-            return None
-        now = torch.zeros_like(state["success"])
-        p = problem.sub(claim)
-        candidate = p.quantize(p.project(state["x_adv"][claim]))
-        answer, ok = oracle.confirm(candidate, claim)
-        good = p.is_adv(answer) & ok
-        now[claim[good]] = True
-        verified[active[claim[good]]] = True
-        x_out[active[claim[good]]] = candidate[good]
-        state["success"] = state["success"].index_put((claim[~good],), torch.tensor(False, device=claim.device))
-        return now
+    # ------------------------------------------------------------------------------------------ iteration
+    def step(self):
+        if self.ws is None:
+            slots = (self.gid >= 0).nonzero().squeeze(1)
+            if slots.numel() == 0:
+                return []
+            target = self.starget[slots] if self.threat["targeted"] else None
+            ctx = self._context(self.gid[slots], self.sx[slots], self.sy[slots], target)
+            self.ws = (slots, ctx, _gather(self.state, slots))
+        slots, ctx, state = self.ws
+        before = ctx.oracle.counts
+        proposal = self.attack.perturb(ctx, state)
+        state = self.attack.accept(ctx, state, proposal)
+        self.ws = (slots, ctx, state)
+        stalled = ctx.oracle.counts == before  # nothing was asked for these samples: they cannot progress
+        # One check (one sync) per iteration: did a sample claim success, use up its budget or stall?
+        if not bool((state["success"] | ctx.oracle.spent() | stalled).any()):
+            return []
+        ok, rows, images = verify(ctx, state, self.draws)
+        leaving = ctx.oracle.spent() | stalled if ok is None else ok | ctx.oracle.spent() | stalled
+        if not bool(leaving.any()):
+            return []
+        for k, v in state.items():
+            self.state[k][slots] = v
+        self.ws = None
+        return self._finish(slots, leaving, state, ctx, rows, images, stalled)
+
+    def _finish(self, slots, leaving, state, ctx, rows, images, stalled):
+        """Records of the local samples ``leaving`` (verified ones return their confirmed image); frees their
+        slots."""
+        t, p = self.threat, ctx.problem
+        out = p.quantize(p.project(state["x_adv"]))
+        success = torch.zeros_like(leaving)
+        if rows is not None and rows.numel():
+            out[rows] = images
+            success[rows] = True
+        go = leaving.nonzero().squeeze(1)
+        x_out, sub = out[go], p.sub(go)
+        check_outputs(x_out, sub.x, t["eps"], t["norm"], self.attack.name)
+        audit = sub.is_adv_label(forward_logits(self.model, x_out, self.model_name).argmax(1))
+        metrics = sample_metrics(x_out, sub.x)
+        queries = ctx.oracle.counts[go].tolist()
+        success, audit, stalled = success[go].tolist(), audit.tolist(), stalled[go].tolist()
+        images_u8 = to_uint8(x_out) if self.run.save_adv else None
+        now, rule = time.perf_counter(), rule_label(t["success_rule"])
+        records = []
+        for j, g in enumerate(self.gid[slots[go]].tolist()):
+            start, r = self.started.pop(g)
+            r.update(attacked=True, success=bool(success[j]), queries=int(queries[j]), time=now - start,
+                     audit_adv=bool(audit[j]), stalled=bool(stalled[j] and not success[j]), success_rule=rule,
+                     **{m: v[j] for m, v in metrics.items()})
+            if images_u8 is not None:
+                r["_image"] = images_u8[j]
+            records.append(r)
+        self.gid[slots[go]] = -1
+        return records
+
+
+class QueryFamily(Family):
+    """``score`` (log-probability feedback) and ``decision`` (label feedback) attacks."""
+
+    blocks = {"init": BlockKind(INIT), "perturb": BlockKind(PERTURB), "accept": BlockKind(ACCEPT)}
+    model_keys = {"model": ModelKey("target", True, False), "surrogates": ModelKey("surrogate", False, True)}
+    threat_keys = {"max_queries": (int,), "feedback": (str,), "success_rule": (str, dict)}
+    record_fields = {"success": (bool,), "queries": (int,), "audit_adv": (bool, type(None)), "stalled": (bool,),
+                     "success_rule": (str,)}
+    columns = (("budget", None), ("feedback", None), ("success_rule", None), ("asr", "higher"), ("aqn", "lower"),
+               ("mqn", "lower"), ("mean_l2", "lower"), ("median_l2", "lower"), ("mean_linf", "lower"),
+               ("median_linf", "lower"), ("n_audit_disagree", "lower"), ("n_stalled", None))
+
+    def __init__(self, name, feedback):
+        self.name, self.feedback = name, feedback
+
+    def finish_threat(self, threat, recipe, source):
+        t = threat
+        t.setdefault("max_queries", DEFAULT_MAX_QUERIES[t["targeted"]])
+        if t["max_queries"] < 1:
+            raise ConfigError("must be >= 1", source, "threat.max_queries")
+        t.setdefault("feedback", self.feedback)
+        if t["feedback"] not in ("score", "label"):
+            raise ConfigError("must be 'score' or 'label'", source, "threat.feedback")
+        if self.feedback == "score" and t["feedback"] == "label":
+            raise ConfigError(f"score-based attack '{recipe['name']}' needs feedback 'score'", source,
+                              "threat.feedback")
+        t["success_rule"] = parse_success_rule(t.get("success_rule", "single"), source)
+        return t
+
+    def build(self, name, blocks, hyper, meta):
+        return QueryAttack(name, self.name, blocks["init"], blocks["perturb"], blocks["accept"], meta=meta)
+
+    def worker(self, run):
+        return QueryWorker(self, run)
+
+    def summarize(self, records):
+        return summarize_query(records)
+
+
+def parse_success_rule(value, source):
+    """``single`` (default: the one confirming draw) or ``{name: majority, draws: k}`` (k odd >= 3: k counted
+    draws of the returned image, a strict majority adversarial)."""
+    rule = {"name": value} if isinstance(value, str) else dict(value)
+    check_keys(rule, {"name", "draws"}, source, "threat.success_rule.")
+    if rule.get("name") not in SUCCESS_RULES:
+        raise ConfigError(f"must be one of {', '.join(SUCCESS_RULES)}", source, "threat.success_rule")
+    if rule["name"] == "single":
+        if "draws" in rule:
+            raise ConfigError("'single' takes no draws", source, "threat.success_rule.draws")
+        return {"name": "single"}
+    draws = rule.get("draws", 5)
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 3 or draws % 2 == 0:
+        raise ConfigError(f"must be an odd integer >= 3, got {draws!r}", source, "threat.success_rule.draws")
+    return {"name": "majority", "draws": draws}
+
+
+FAMILY.register("score", paper="BlackboxBench Supp. F-B, Alg. 2")(QueryFamily("score", "score"))
+FAMILY.register("decision", paper="BlackboxBench Supp. F-A, Alg. 1")(QueryFamily("decision", "label"))

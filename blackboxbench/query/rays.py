@@ -21,8 +21,9 @@ SEARCH_TOL = 1e-3  # reference code: bisection tolerance on the ray length along
 
 
 @INIT.register("rays_init", paper=PAPER, norms=("linf",))
-def rays_init(problem, oracle, gen):
+def rays_init(ctx):
     """All-ones sign vector, no boundary radius yet (+inf); no query."""
+    problem = ctx.problem
     if problem.norm != "linf":
         raise BenchError(f"rays supports the linf norm only, got '{problem.norm}'")
     n, dev = problem.n, problem.x.device
@@ -41,12 +42,13 @@ def _block(level, ind, dim):
 
 
 @PERTURB.register("rays", paper=PAPER, norms=("linf",))
-def rays(problem, state, oracle, gen):
+def rays(ctx, state):
     """Flip the next block of each sample's sign vector and search its ray; keep it when the boundary is closer.
 
     Returns the updated search state (``sgn``, ``radius``, ``x_bd``, ``dist``, block schedule) for the
     ``within_eps`` acceptance.
     """
+    problem = ctx.problem
     x, n = problem.x, problem.n
     dim = x[0].numel()
     level, ind = state["block_level"], state["block_ind"]
@@ -61,11 +63,11 @@ def rays(problem, state, oracle, gen):
 
     r_t = state["radius"]
     hi = r_t.clamp(max=1.0)  # beyond radius 1 every coordinate is clipped: the same corner of the box
-    idx = has_budget(oracle).nonzero().squeeze(1)
-    adv, _ = query_adv(problem, oracle, ray(hi[idx], idx), idx)
+    idx = has_budget(ctx).nonzero().squeeze(1)
+    adv, _ = query_adv(ctx, ray(hi[idx], idx), idx)
     hit = torch.zeros(n, dtype=torch.bool, device=x.device)
     hit[idx[adv]] = True
-    _, hi = bisect(problem, oracle, ray, torch.zeros_like(hi), hi, SEARCH_TOL / math.sqrt(dim), hit,
+    _, hi = bisect(ctx, ray, torch.zeros_like(hi), hi, SEARCH_TOL / math.sqrt(dim), hit,
                    enough=stop_radius(problem, state))  # the ray radius bounds the Linf distance
     better = hit & (hi < r_t)
     x_new = ray(hi, torch.arange(n, device=x.device))

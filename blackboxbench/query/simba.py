@@ -25,7 +25,7 @@ import math
 import torch
 
 from ..registry import ACCEPT, INIT, PERTURB
-from .common import greedy_update, merge_proposal, random_permutations, start_state
+from .common import greedy_update, merge_proposal, start_state
 
 PAPER = "Guo et al., Simple Black-box Adversarial Attacks, ICML 2019"
 
@@ -61,64 +61,66 @@ def basis_images(coords, shape, dct):
     return torch.nn.functional.one_hot(ch, c).float()[:, :, None, None] * img[:, None]
 
 
-def _init(problem, oracle, gen, dct, freq_dims, stride):
+def _init(ctx, dct, freq_dims, stride):
+    problem = ctx.problem
     n, c, h, w = problem.x.shape
     key = None
     if dct:
         key = strided_band(h, w, freq_dims, stride, problem.x.device).repeat(c)
-    perm = random_permutations(n, c * h * w, gen, problem.x.device, key)
-    return start_state(problem, oracle, problem.x.clone(), perm=perm, delta=torch.zeros_like(problem.x),
+    perm = ctx.rng.permutations(c * h * w, key)
+    return start_state(ctx, problem.x.clone(), perm=perm, delta=torch.zeros_like(problem.x),
                        it=torch.zeros(n, dtype=torch.long, device=problem.x.device))
 
 
 @INIT.register("simba_init_pixel", paper=PAPER, norms=("linf", "l2"))
-def simba_init_pixel(problem, oracle, gen):
+def simba_init_pixel(ctx):
     """Start at the clean image (one query, ``delta`` 0) with a per-sample random ordering of the pixel basis."""
-    return _init(problem, oracle, gen, False, 0, 1)
+    return _init(ctx, False, 0, 1)
 
 
 @INIT.register("simba_init_dct", paper=PAPER, norms=("linf", "l2"))
-def simba_init_dct(problem, oracle, gen, *, freq_dims=28, stride=7):
+def simba_init_dct(ctx, *, freq_dims=28, stride=7):
     """Start at the clean image (one query, ``delta`` 0) with a per-sample strided ordering of the DCT basis.
 
     ``freq_dims`` 28 and ``stride`` 7: Table VI ("order strided"); freq_dims is clamped to the image size.
     """
-    return _init(problem, oracle, gen, True, freq_dims, stride)
+    return _init(ctx, True, freq_dims, stride)
 
 
-def _perturb(problem, state, dct, step):
+def _perturb(ctx, state, dct, step):
     delta, it, perm = state["delta"], state["it"], state["perm"]
     coords = perm.gather(1, (it % perm.shape[1])[:, None]).squeeze(1)
     move = step * basis_images(coords, delta.shape[1:], dct).to(delta.dtype)
+    problem = ctx.problem
     return {"minus": problem.project(problem.x + delta - move), "plus": problem.project(problem.x + delta + move),
             "move": move, "it": it + 1}
 
 
 @PERTURB.register("simba_pixel", paper=PAPER, norms=("linf", "l2"))
-def simba_pixel(problem, state, oracle, gen, *, step=0.2):
+def simba_pixel(ctx, state, *, step=0.2):
     """Candidates ``x + delta -+ step * e_i`` (projected) for the next pixel ``e_i`` of each sample's ordering
     (``step`` 0.2: the authors' default)."""
-    return _perturb(problem, state, False, step)
+    return _perturb(ctx, state, False, step)
 
 
 @PERTURB.register("simba_dct", paper=PAPER, norms=("linf", "l2"))
-def simba_dct(problem, state, oracle, gen, *, step=0.2):
+def simba_dct(ctx, state, *, step=0.2):
     """Candidates ``x + delta -+ step * d_i`` (projected) for the next DCT basis image ``d_i`` of each sample's
     ordering (``step`` 0.2: the authors' default)."""
-    return _perturb(problem, state, True, step)
+    return _perturb(ctx, state, True, step)
 
 
 @ACCEPT.register("simba_greedy", paper=PAPER, norms=("linf", "l2"))
-def simba_greedy(problem, state, proposal, oracle, gen):
+def simba_greedy(ctx, state, proposal):
     """Query the ``- step q`` candidate for every sample, then the ``+ step q`` one only where the first did not
     lower the margin (paper Alg. 1); keep whichever lowers it, and its move in ``delta``."""
     minus, state = merge_proposal(state, proposal, image_key="minus")
     move, delta = proposal["move"], state["delta"].clone()
-    took = greedy_update(problem, state, minus, oracle)
+    took = greedy_update(ctx, state, minus)
     delta[took] -= move[took]
     rest = (~took).nonzero().squeeze(1)
     if rest.numel():
-        took = rest[greedy_update(problem, state, proposal["plus"][rest], oracle, idx=rest)]
+        took = rest[greedy_update(ctx, state, proposal["plus"][rest], idx=rest)]
         delta[took] += move[took]
     state["delta"] = delta
     return state

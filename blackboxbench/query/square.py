@@ -23,8 +23,7 @@ import torch
 
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
-from .common import (per_sample, random_corner, random_signs, random_window, start_state, uniform,
-                     window_index)
+from .common import per_sample, random_corner, random_window, start_state, window_index
 
 PAPER = "Andriushchenko et al., Square Attack, ECCV 2020"
 # Iterations (of 10,000) after which p is halved (the authors' p_selection).
@@ -68,13 +67,13 @@ def _side_table(p_init, n_iters, n_pixels, lo, hi, device):
     return starts, square_side(p, n_pixels, lo, hi)
 
 
-def _budget(oracle, n_iters):
-    return oracle.max_queries if n_iters is None else n_iters
+def _budget(ctx, n_iters):
+    return ctx.oracle.max_queries if n_iters is None else n_iters
 
 
 # --------------------------------------------------------------------------- Linf
 @INIT.register("square_init_linf", paper=PAPER, norms=("linf",))
-def square_init_linf(problem, oracle, gen):
+def square_init_linf(ctx):
     """Vertical stripes: every column of every channel gets +eps or -eps (the paper's Linf initialisation);
     one query.
 
@@ -83,36 +82,38 @@ def square_init_linf(problem, oracle, gen):
     as is and the pipeline's confirmation of a success needs no extra query. For eps on the grid (e.g. 8/255)
     this is the paper's attack exactly; otherwise it searches the radius floor(255 eps)/255 the output reaches.
     """
+    problem = ctx.problem
     _check_norm(problem, "linf")
     x = problem.x
     n, c, _, w = x.shape
     x_hi, x_lo = (problem.quantize((x + sign * problem.eps).clamp(0, 1)) for sign in (1, -1))
-    stripes = torch.where(random_signs((n, c, 1, w), gen, x.device) > 0, x_hi, x_lo)
-    return start_state(problem, oracle, stripes, it=torch.zeros(n, dtype=torch.long, device=x.device),
+    stripes = torch.where(ctx.rng.uniform((c, 1, w)) < 0.5, x_hi, x_lo)
+    return start_state(ctx, stripes, it=torch.zeros(n, dtype=torch.long, device=x.device),
                        x_hi=x_hi.view(n, -1), x_lo=x_lo.view(n, -1))  # flat (n, C*H*W), gathered by index
 
 
 @PERTURB.register("square_linf", paper=PAPER, norms=("linf",))
-def square_linf(problem, state, oracle, gen, *, p_init=0.05, n_iters=None):
+def square_linf(ctx, state, *, p_init=0.05, n_iters=None):
     """Set one random s x s window per sample to a random vertex (+-eps per channel) of the Linf ball.
 
     ``p_init`` 0.05 (Table VI); ``n_iters`` is the length the p schedule is stretched to (None: the query budget,
     as the authors pass ``n_iters`` = budget). As in the authors' code a window that would not change the current
     image is redrawn. Candidates are on the uint8 grid (see :func:`square_init_linf`).
     """
-    x, x_adv, it = problem.x, state["x_adv"], state["it"]
+    x, x_adv, it = ctx.problem.x, state["x_adv"], state["it"]
     n, c, h, w = x.shape
-    s = side_schedule(p_init, it, _budget(oracle, n_iters), h * w, 1, min(h, w) - 1)
-    idx = window_index(*random_corner(s, (h, w), gen), s, (c, h, w)).view(n, -1)  # (n, C*S*S), channel-major
+    s = side_schedule(p_init, it, _budget(ctx, n_iters), h * w, 1, min(h, w) - 1)
+    idx = window_index(*random_corner(ctx.rng, s, (h, w)), s, (c, h, w)).view(n, -1)  # (n, C*S*S), channel-major
     flat = x_adv.reshape(n, -1)
     cur, hi, lo = (v.gather(1, idx).view(n, c, -1) for v in (flat, state["x_hi"], state["x_lo"]))
-    up = uniform((n, c, 1), gen, x.device) < 0.5  # the vertex of each channel: x + eps where up, else x - eps
+    up = ctx.rng.uniform((c, 1)) < 0.5  # the vertex of each channel: x + eps where up, else x - eps
     new = torch.where(up, hi, lo)
     for _ in range(100):  # a window equal to the current one is redrawn (rare; bounded for eps == 0)
         same = (new == cur).flatten(1).all(1)
         if not same.any():
             break
-        up = torch.where(same.view(n, 1, 1), uniform((n, c, 1), gen, x.device) < 0.5, up)
+        redraw = same.nonzero().squeeze(1)  # only these samples draw again (their own streams)
+        up[redraw] = ctx.rng.uniform((c, 1), rows=redraw) < 0.5
         new = torch.where(up, hi, lo)
     cand = flat.scatter(1, idx, new.view(n, -1)).view_as(x_adv)
     return {"x_adv": cand, "it": it + 1}
@@ -164,14 +165,15 @@ def pseudo_gaussian_windows(top, left, size, transpose, size_hw):
     return val[:, None]
 
 
-def _random_transpose(n, gen, device):
-    return uniform((n,), gen, device) > 0.5
+def _random_transpose(rng):
+    return rng.uniform(()) > 0.5
 
 
 @INIT.register("square_init_l2", paper=PAPER, norms=("l2",))
-def square_init_l2(problem, oracle, gen):
+def square_init_l2(ctx):
     """A grid of (H//5)-sided windows, each holding the pseudo-Gaussian pattern with a random sign per channel
     (and random orientation), rescaled to L2 norm eps (authors' L2 initialisation; one query)."""
+    problem = ctx.problem
     _check_norm(problem, "l2")
     x = problem.x
     n, c, h, w = x.shape
@@ -182,35 +184,35 @@ def square_init_l2(problem, oracle, gen):
     for top in range(start, start + (h // s) * s, s):  # loop over grid cells, not samples
         for left in range(start, start + (w // s) * s, s):
             corner = torch.full((n,), top, device=x.device), torch.full((n,), left, device=x.device)
-            bump = pseudo_gaussian_windows(*corner, size, _random_transpose(n, gen, x.device), (h, w))
-            delta = delta + bump * random_signs((n, c, 1, 1), gen, x.device)
+            bump = pseudo_gaussian_windows(*corner, size, _random_transpose(ctx.rng), (h, w))
+            delta = delta + bump * ctx.rng.signs((c, 1, 1))
     delta = delta / per_sample(delta.flatten(1).norm(dim=1).clamp_min(1e-12), delta) * problem.eps
-    return start_state(problem, oracle, problem.project(x + delta),
+    return start_state(ctx, problem.project(x + delta),
                        it=torch.zeros(n, dtype=torch.long, device=x.device))
 
 
 @PERTURB.register("square_l2", paper=PAPER, norms=("l2",))
-def square_l2(problem, state, oracle, gen, *, p_init=0.05, n_iters=None):
+def square_l2(ctx, state, *, p_init=0.05, n_iters=None):
     """Authors' L2 update: zero a second random window, refill the first with old perturbation plus a fresh
     pseudo-Gaussian pattern (random sign per channel) so that the total stays on the L2 sphere of radius eps.
 
     ``p_init`` 0.05 (Table VI); the side is at least 3 and odd; ``n_iters`` as in :func:`square_linf`.
     """
-    x, x_adv, it = problem.x, state["x_adv"], state["it"]
+    x, x_adv, it = ctx.problem.x, state["x_adv"], state["it"]
     n, c, h, w = x.shape
-    eps = problem.eps
-    p = p_schedule(p_init, it, _budget(oracle, n_iters))
+    eps = ctx.problem.eps
+    p = p_schedule(p_init, it, _budget(ctx, n_iters))
     s = square_side(p, h * w, 3, h * w)
     s = (s + (s % 2 == 0).long()).clamp(min=1, max=min(h, w) - 1)
-    win1, top1, left1 = random_window(s, (h, w), gen)
-    win2 = random_window(s, (h, w), gen)[0]
+    win1, top1, left1 = random_window(ctx.rng, s, (h, w))
+    win2 = random_window(ctx.rng, s, (h, w))[0]
     delta = x_adv - x
     sq = lambda v: v.square().sum((2, 3), keepdim=True)  # noqa: E731  per sample and channel
     norm_win1 = sq(delta * win1).sqrt()
     norm_image = per_sample(delta.flatten(1).norm(dim=1), delta)
     norm_both = sq(delta * (win1 | win2)).sqrt()
-    bump = pseudo_gaussian_windows(top1, left1, s, _random_transpose(n, gen, x.device), (h, w))
-    new = bump * random_signs((n, c, 1, 1), gen, x.device) + delta * win1 / (1e-10 + norm_win1)
+    bump = pseudo_gaussian_windows(top1, left1, s, _random_transpose(ctx.rng), (h, w))
+    new = bump * ctx.rng.signs((c, 1, 1)) + delta * win1 / (1e-10 + norm_win1)
     budget = ((eps ** 2 - norm_image.square()).clamp_min(0) / c + norm_both.square()).sqrt()
     new = new / sq(new).sqrt().clamp_min(1e-12) * budget
     delta = torch.where(win1, new, torch.where(win2, torch.zeros_like(delta), delta))

@@ -1,11 +1,11 @@
-"""Update-direction blocks of the transfer pipeline: ``fn(grad, state, **params) -> direction``."""
+"""Update-direction blocks of the transfer pipeline: ``fn(ctx, grad, state, **params) -> direction``."""
 from ..registry import DIRECTION
 from ..threat import per_sample
 
 
 @DIRECTION.register("momentum", paper="Dong et al., Boosting Adversarial Attacks with Momentum (MI-FGSM), "
                                       "CVPR 2018", norms=("linf", "l2"))
-def momentum(grad, state, *, decay=1.0):
+def momentum(ctx, grad, state, *, decay=1.0):
     """MI-FGSM: ``g <- decay * g + grad / mean(|grad|)`` per sample, with ``g_0 = 0`` (Dong et al. Alg. 1).
 
     The paper divides by the L1 norm; the mean of |grad| (the reference implementation's choice) differs from it

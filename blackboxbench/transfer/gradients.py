@@ -1,4 +1,4 @@
-"""Gradient-calculation blocks of the transfer pipeline: ``fn(grad_fn, x, state, gen, **params) -> grad``.
+"""Gradient-calculation blocks of the transfer pipeline: ``fn(ctx, grad_fn, x, state, **params) -> grad``.
 
 ``grad_fn(x)`` is the gradient of the summed loss on the transformed input (or of the gradient block listed
 before this one).
@@ -29,7 +29,7 @@ def gaussian_kernel(kernel_size, nsig=3.0):
 
 @GRADIENT.register("ti", paper="Dong et al., Evading Defenses to Transferable Adversarial Examples by "
                                "Translation-Invariant Attacks (TI-FGSM), CVPR 2019", norms=("linf", "l2"))
-def ti(grad_fn, x, state, gen, *, kernel_size=3, nsig=3.0):
+def ti(ctx, grad_fn, x, state, *, kernel_size=3, nsig=3.0):
     """TI: convolve the gradient, channel by channel, with a Gaussian kernel (zero 'same' padding).
 
     ``kernel_size`` 3: Table VII, CIFAR-10 (ImageNet: 5). ``nsig`` 3: the kernel of the authors' code and of

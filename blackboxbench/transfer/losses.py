@@ -1,7 +1,7 @@
-"""Losses of the transfer pipeline: ``fn(logits, label, targeted) -> (N,)``, a per-sample loss to *maximize*.
+"""Losses of the transfer pipeline: ``fn(ctx, logits, label) -> (N,)``, a per-sample loss to *maximize*.
 
 ``label`` is the true class when untargeted and the target class when targeted (the pipeline passes the right
-one). BlackboxBench uses cross-entropy for CIFAR-10 in both settings (released CIFAR-10 configs) and the logit
+one); ``ctx.problem.targeted`` says which. BlackboxBench uses cross-entropy for CIFAR-10 in both settings (released CIFAR-10 configs) and the logit
 loss of Zhao et al. for its ImageNet targeted runs (Supp. D).
 """
 import torch.nn.functional as F
@@ -11,24 +11,24 @@ from ..threat import margin_loss
 
 
 @LOSS.register("ce", paper="cross-entropy (Kurakin et al. 2017; Alg. 3)", norms=("linf", "l2"))
-def ce(logits, label, targeted):
+def ce(ctx, logits, label):
     """Untargeted: CE(logits, y) (push away from y). Targeted: -CE(logits, t) (pull towards t)."""
     loss = F.cross_entropy(logits, label, reduction="none")
-    return -loss if targeted else loss
+    return -loss if ctx.problem.targeted else loss
 
 
 @LOSS.register("cw", paper="Carlini & Wagner, S&P 2017 (margin loss)", norms=("linf", "l2"))
-def cw(logits, label, targeted):
+def cw(ctx, logits, label):
     """Logit margin, unclamped (no confidence kappa) so the step keeps pushing past the boundary.
 
     Untargeted: max_{j != y} z_j - z_y. Targeted: z_t - max_{j != t} z_j. Positive means adversarial.
     """
-    return -margin_loss(logits, label, label if targeted else None)
+    return -margin_loss(logits, label, label if ctx.problem.targeted else None)
 
 
 @LOSS.register("logit", paper="Zhao et al., On Success and Simplicity: A Second Look at Transferable "
                               "Targeted Attacks, NeurIPS 2021", norms=("linf", "l2"))
-def logit(logits, label, targeted):
+def logit(ctx, logits, label):
     """Targeted: the target logit z_t. Untargeted: -z_y (the reference's ``max_logit`` loss)."""
     z = logits.gather(1, label[:, None]).squeeze(1)
-    return z if targeted else -z
+    return z if ctx.problem.targeted else -z

@@ -1,31 +1,46 @@
-"""The unified transfer-attack loop (Alg. 3 of the BlackboxBench paper, Supp. F-C), batched.
+"""The ``transfer`` family: the unified transfer-attack loop (Alg. 3 of the BlackboxBench paper, Supp. F-C),
+batched, and its worker.
 
-Block contracts (``state`` is one dict per batch that blocks may use to keep e.g. momentum):
+Block contracts (``ctx`` is the :class:`~blackboxbench.context.BlockContext`; ``state`` is one dict per batch that
+blocks may use to keep per-sample tensors such as momentum):
 
-* ``refine(models, gen, **params) -> models``: surrogate refinement on the list of surrogates, once before the
-  loop; it must end with one model (e.g. ``logit_ensemble`` fuses several).
-* ``transform(x, gen, **params) -> x'``: input transformation. It may return K stacked copies (K*n, C, H, W);
-  the loss then sees the label repeated K times. Listed transforms compose in order.
-* ``loss(logits, label, targeted, **params) -> (N,)``: per-sample loss that the attack *maximizes*.
-* ``gradient(grad_fn, x, state, gen, **params) -> grad``: gradient calculation; ``grad_fn(x)`` is the gradient
+* ``refine(ctx, models, **params) -> models``: surrogate refinement on the list of surrogates, once per run
+  before any sample; it must end with one model (e.g. ``logit_ensemble`` fuses several).
+* ``transform(ctx, x, **params) -> x'``: input transformation. It may return K stacked copies (K*n, C, H, W); the
+  loss then sees the label repeated K times. Listed transforms compose in order.
+* ``loss(ctx, logits, label, **params) -> (N,)``: per-sample loss that the attack *maximizes*.
+* ``gradient(ctx, grad_fn, x, state, **params) -> grad``: gradient calculation; ``grad_fn(x)`` is the gradient
   of the summed loss of the transformed input, and a listed gradient block wraps the one before it.
-* ``direction(grad, state, **params) -> direction``: update direction (e.g. momentum). Listed ones chain.
-* ``update(x_adv, direction, problem, alpha, **params) -> x_adv``: one step, then projection to the eps ball.
+* ``direction(ctx, grad, state, **params) -> direction``: update direction (e.g. momentum). Listed ones chain.
+* ``update(ctx, x_adv, direction, **params) -> x_adv``: one step of size ``ctx.alpha``, then projection.
 
-The output is projected to the eps ball and [0, 1] and quantized to uint8 towards the clean image.
+``ctx.model`` is the refined surrogate, ``ctx.t`` / ``ctx.iterations`` the loop position. The output is projected
+to the eps ball and [0, 1] and quantized to uint8 towards the clean image. Every sample takes the same number of
+iterations, so a unit of work is one whole batch of ``batch_size`` samples; their random numbers come from their
+own streams, so a sample's result does not depend on the batch.
 """
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, List
 
 import torch
 
-from ..errors import BenchError
+from ..context import BlockContext, Pool
+from ..errors import BenchError, ConfigError
+from ..evaluation import sample_metrics, summarize_transfer
+from ..family import BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets, \
+    to_uint8
+from ..registry import DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
+from ..rng import run_stream
+from ..threat import Problem
+
+REFINE_SALT = 1  # run-level stream of the refine blocks
 
 
-def _chain_transforms(transforms, x, gen):
+def _chain_transforms(ctx, transforms, x):
     for t in transforms:
-        x = t(x, gen=gen)
+        x = t(ctx, x)
     return x
 
 
@@ -45,42 +60,135 @@ class TransferAttack:
     random_start: float = 0.0
     meta: dict = field(default_factory=dict)
 
-    def refine(self, models, gen):
+    def refine(self, ctx, models):
         """Apply the refiners to the list of surrogates; returns the single model to attack."""
         for r in self.refiners:
-            models = r(models, gen=gen)
+            models = r(ctx, models)
         if len(models) != 1:
             raise BenchError(f"attack '{self.name}': {len(models)} surrogates but no refine block fuses them "
                              "(add e.g. logit_ensemble)")
         return models[0]
 
-    def grad_fn(self, model, problem, state, gen):
-        """The raw gradient function: d/dx of the summed loss on the transformed input."""
+    def grad_fn(self, ctx, state):
+        """The gradient function at ``ctx`` (its model and loop position), wrapped by the gradient blocks."""
+        problem = ctx.problem
         label = problem.target if problem.targeted else problem.y
 
         def fn(x):
             x = x.detach().requires_grad_(True)
-            xt = _chain_transforms(self.transforms, x, gen)
+            xt = _chain_transforms(ctx, self.transforms, x)
             k = xt.shape[0] // x.shape[0]
-            logits = model(xt)
-            loss = self.loss(logits, label.repeat(k), problem.targeted).sum()
+            loss = self.loss(ctx, ctx.model(xt), label.repeat(k)).sum()
             return torch.autograd.grad(loss, x)[0]
 
         for g in self.gradients:
-            fn = partial(g, fn, state=state, gen=gen)
+            fn = partial(g, ctx, fn, state=state)
         return fn
 
-    def run(self, model, problem, gen):
-        """Craft adversarial images for ``problem`` on the refined surrogate ``model``."""
-        state = {}
+    def run(self, ctx):
+        """Craft adversarial images for ``ctx.problem`` on the refined surrogate ``ctx.model``."""
+        problem, state = ctx.problem, {}
         x_adv = problem.x.clone()
         if self.random_start > 0:
-            noise = torch.rand(problem.x.shape, generator=gen, device=gen.device) * 2 - 1
-            x_adv = problem.project(x_adv + self.random_start * noise.to(x_adv.device))
-        grad = self.grad_fn(model, problem, state, gen)
-        for _ in range(self.iterations):
-            d = grad(x_adv)
+            noise = ctx.rng.uniform(problem.x.shape[1:]).to(x_adv.dtype) * 2 - 1
+            x_adv = problem.project(x_adv + self.random_start * noise)
+        for t in range(self.iterations):
+            c = ctx.at(t=t)
+            d = self.grad_fn(c, state)(x_adv)
             for direction in self.directions:
-                d = direction(d, state=state)
-            x_adv = problem.project(self.update(x_adv, d, problem=problem, alpha=self.alpha))
+                d = direction(c, d, state)
+            x_adv = problem.project(self.update(c, x_adv, d))
         return problem.quantize(x_adv)
+
+
+class TransferWorker:
+    """One whole batch per step: clean check and targets on the surrogate, the attack, every target model."""
+
+    def __init__(self, family, run):
+        self.run, self.attack, self.threat = run, run.attack, run.threat
+        self.surrogates = run.models["surrogates"]
+        self.targets = list(zip(run.model_names["targets"], run.models["targets"]))
+        base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
+                            surrogates=tuple(self.surrogates), assets=run.assets)
+        self.model = self.attack.refine(base, list(self.surrogates))
+        self.pool = Pool(run.data.x, run.data.y)
+        self.batch = None
+
+    @property
+    def busy(self):
+        return self.batch is not None
+
+    def fill(self, feed):
+        if self.batch is None:
+            chunk = [i for _, i in zip(range(self.run.slots), feed)]
+            self.batch = chunk or None
+        return []
+
+    def step(self):
+        index, self.batch = self.batch, None
+        if not index:
+            return []
+        run, t, dev = self.run, self.threat, self.run.device
+        t0 = time.perf_counter()
+        idx = torch.tensor(index, dtype=torch.long)
+        x, y = run.data.x[idx].to(dev), run.data.y[idx].to(dev)
+        rng = run.streams.view(idx)
+        logits = forward_logits(self.model, x, "the surrogate")
+        correct = logits.argmax(1) == y
+        given = None if run.data.given_target is None else run.data.given_target[idx].to(dev)
+        target = pick_targets(t, logits, y, rng, given)
+        problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes)
+        ctx = BlockContext(problem=problem, rng=rng, surrogates=tuple(self.surrogates), assets=run.assets,
+                           pool=self.pool, model=self.model, iterations=self.attack.iterations,
+                           alpha=self.attack.alpha)
+        x_adv = self.attack.run(ctx)
+        check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
+        metrics = sample_metrics(x_adv, x)
+        valid = (torch.ones_like(y, dtype=torch.bool) if target is None else target != y).tolist()
+        results = {}
+        for name, m in self.targets:
+            clean_ok = forward_logits(m, x, name).argmax(1) == y
+            adv = problem.is_adv_label(forward_logits(m, x_adv, name).argmax(1))
+            results[name] = (clean_ok.tolist(), adv.tolist())
+        per = (time.perf_counter() - t0) / len(index)
+        images = to_uint8(x_adv) if run.save_adv else None
+        records = base_records(index, y, target, correct)
+        for i, r in enumerate(records):
+            r.update(attacked=bool(valid[i]), time=per, **{k: v[i] for k, v in metrics.items()},
+                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i])}
+                              for n, (c, s) in results.items()})
+            if images is not None and valid[i]:
+                r["_image"] = images[i]
+        return records
+
+
+class TransferFamily(Family):
+    name = "transfer"
+    blocks = {"refine": BlockKind(REFINE, many=True), "transform": BlockKind(TRANSFORM, many=True),
+              "loss": BlockKind(LOSS, default="ce"), "gradient": BlockKind(GRADIENT, many=True),
+              "direction": BlockKind(DIRECTION, many=True), "update": BlockKind(UPDATE, default="step")}
+    hyper = {"iterations": 1, "alpha": "eps/10", "random_start": 0}
+    model_keys = {"surrogates": ModelKey("surrogate", True, True), "targets": ModelKey("target", True, True)}
+    record_fields = {"targets": (dict,)}
+    surrogate_may_be_target = True  # a target equal to the surrogate reports the white-box success rate
+    columns = (("asr", "higher"), ("mean_l2", "lower"), ("median_l2", "lower"), ("mean_linf", "lower"),
+               ("median_linf", "lower"))
+
+    def build(self, name, blocks, hyper, meta):
+        if int(hyper["iterations"]) != hyper["iterations"] or hyper["iterations"] < 1:
+            raise ConfigError("must be a positive integer", meta["source"], "attack.hyper.iterations")
+        if hyper["alpha"] <= 0 or hyper["random_start"] < 0:
+            raise ConfigError("alpha must be > 0 and random_start >= 0", meta["source"], "attack.hyper")
+        return TransferAttack(name, int(hyper["iterations"]), float(hyper["alpha"]), blocks["loss"],
+                              blocks["update"], transforms=blocks["transform"], gradients=blocks["gradient"],
+                              directions=blocks["direction"], refiners=blocks["refine"],
+                              random_start=float(hyper["random_start"]), meta=meta)
+
+    def worker(self, run):
+        return TransferWorker(self, run)
+
+    def summarize(self, records):
+        return summarize_transfer(records)
+
+
+FAMILY.register("transfer", paper="BlackboxBench Supp. F-C, Alg. 3")(TransferFamily())

@@ -1,4 +1,8 @@
-"""Surrogate-refinement blocks of the transfer pipeline: ``fn(models, gen, **params) -> models``."""
+"""Surrogate-refinement blocks of the transfer pipeline: ``fn(ctx, models, **params) -> models``.
+
+They run once per run, before any sample; ``ctx.rng`` is then a run-level stream (not a sample's), ``ctx.problem``
+is None, and ``ctx.surrogates`` / ``ctx.assets`` are the run's.
+"""
 from torch import nn
 
 from ..errors import BenchError
@@ -20,7 +24,7 @@ class LogitEnsemble(nn.Module):
 @REFINE.register("logit_ensemble", paper="Liu et al., Delving into Transferable Adversarial Examples and "
                                          "Black-box Attacks, ICLR 2017; Dong et al., MI-FGSM, CVPR 2018 (ensemble "
                                          "in logits)", norms=("linf", "l2"))
-def logit_ensemble(models, gen, *, weights=None):
+def logit_ensemble(ctx, models, *, weights=None):
     """Fuse the surrogates by averaging their logits, ``l(x) = sum_i w_i l_i(x)`` (Dong et al. Eq. 7).
 
     ``weights`` default to equal (as BlackboxBench); given weights must be >= 0 and are normalized to sum 1.

@@ -1,58 +1,75 @@
-"""Input-transformation blocks of the transfer pipeline: ``fn(x, gen, **params) -> x'``.
+"""Input-transformation blocks of the transfer pipeline: ``fn(ctx, x, **params) -> x'``.
 
-Each transform is split kornia-style into ``draw_*`` (all random parameters of one call, from ``gen``) and
-``apply_*`` (deterministic given those parameters), so a call can be replayed exactly.
+``x`` has ``K * n`` rows for the ``n`` samples of ``ctx`` (copy k in rows k*n .. (k+1)*n - 1) when an
+earlier transform stacked copies. Each transform is split kornia-style into ``draw_*`` (all random parameters of
+one call, from the samples' streams ``ctx.rng``) and ``apply_*`` (deterministic given those parameters), so a
+call can be replayed exactly.
 """
 import torch
-import torch.nn.functional as F
 
 from ..errors import BenchError
 from ..registry import TRANSFORM
 
 
-def _place(img, top, left, out_hw):
-    """Put each image of ``img`` (n, C, h, w) on a zero canvas ``out_hw`` at its own offset (top[i], left[i])."""
-    n, c, h, w = img.shape
-    oh, ow = out_hw
-    rows = torch.arange(oh, device=img.device) - top.to(img.device)[:, None]     # (n, oh): source row or outside
-    cols = torch.arange(ow, device=img.device) - left.to(img.device)[:, None]    # (n, ow)
-    inside = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
-    idx = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
-    out = img.flatten(2).gather(2, idx.flatten(1)[:, None].expand(n, c, oh * ow)).view(n, c, oh, ow)
-    return out * inside[:, None].to(img.dtype)
+def nearest_index(dst, in_size, out_size):
+    """Source index of each destination index of a nearest-neighbour resize from ``in_size`` to ``out_size``
+    (per-row tensors), as ``F.interpolate(mode="nearest")`` computes it: ``floor(dst * (in / out))`` in float32,
+    clamped to ``in - 1``."""
+    scale = in_size.to(torch.float32) / out_size.to(torch.float32)
+    src = torch.floor(dst.to(torch.float32) * scale).long()
+    return torch.minimum(src, in_size - 1)
 
 
-def draw_di(shape, gen, *, resize_rate=1.25, prob=0.5):
-    """Random parameters of one DI call for a batch of ``shape`` (n, C, H, W).
+def draw_di(ctx, shape, *, resize_rate=1.25, prob=0.5):
+    """Random parameters of one DI call for ``shape`` (m, C, H, W), m a multiple of the samples in ``ctx``.
 
-    One resized size per call, uniform in [H, round(H * resize_rate)) (as the authors' code; the width scales
-    with it), per-sample padding offsets, and a per-sample coin: the sample is transformed with probability
-    ``prob``.
+    Per row, from its sample's stream: a resized height uniform in [H, round(H * resize_rate)) (the width scales
+    with it), padding offsets uniform over the positions inside the canvas, and a coin: the row is transformed
+    with probability ``prob``.
     """
-    n, _, h, w = shape
+    m, _, h, w = shape
     out_h, out_w = round(h * resize_rate), round(w * resize_rate)
     if out_h <= h or not 0.0 <= prob <= 1.0:
         raise BenchError(f"transform 'di': need resize_rate > 1 (got {resize_rate}, image height {h}) and "
                          f"prob in [0, 1] (got {prob})")
-    size_h = int(torch.randint(h, out_h, (1,), generator=gen, device=gen.device))
-    size_w = min(round(size_h * w / h), out_w)
-    top = torch.randint(0, out_h - size_h + 1, (n,), generator=gen, device=gen.device)
-    left = torch.randint(0, out_w - size_w + 1, (n,), generator=gen, device=gen.device)
-    apply = torch.rand(n, generator=gen, device=gen.device) < prob
-    return {"size": (size_h, size_w), "out": (out_h, out_w), "top": top, "left": left, "apply": apply}
+    u = ctx.rng.uniform((4,), rows=ctx.rows(m), dtype=torch.float64)
+    size_h = h + (u[:, 0] * (out_h - h)).long()
+    size_w = torch.clamp(torch.round(size_h * (w / h)).long(), max=out_w)
+    top = (u[:, 1] * (out_h - size_h + 1)).long()
+    left = (u[:, 2] * (out_w - size_w + 1)).long()
+    return {"size": (size_h, size_w), "out": (out_h, out_w), "top": top, "left": left, "apply": u[:, 3] < prob}
+
+
+def _di_axis(n_out, size, top, out):
+    """Per row: source index along one axis of the DI composite (resize to ``size``, pad to ``out`` at ``top``,
+    resize back to ``n_out``) and whether it falls on the image (not the padding)."""
+    dst = torch.arange(n_out, device=size.device)[None]
+    canvas = nearest_index(dst, torch.full_like(size, out)[:, None], torch.full_like(size, n_out)[:, None])
+    small = canvas - top[:, None]
+    inside = (small >= 0) & (small < size[:, None])
+    src = nearest_index(small.clamp(min=0), torch.full_like(size, n_out)[:, None], size[:, None])
+    return src, inside
 
 
 def apply_di(x, params):
-    """Nearest-resize to ``size``, zero-pad to ``out`` at the drawn offsets, nearest-resize back to the input size
-    (as BlackboxBench's DI, so any model input size works); samples whose coin is off pass unchanged."""
-    small = F.interpolate(x, size=params["size"], mode="nearest")
-    padded = _place(small, params["top"], params["left"], params["out"])
-    back = F.interpolate(padded, size=x.shape[-2:], mode="nearest")
-    return torch.where(params["apply"].to(x.device).view(-1, 1, 1, 1), back, x)
+    """Nearest-resize to each row's size, zero-pad to ``out`` at its offsets, nearest-resize back to the input size
+    (as BlackboxBench's DI, so any model input size works), all rows at once by index maps; rows whose coin is off
+    pass unchanged."""
+    m, c, h, w = x.shape
+    (size_h, size_w), (out_h, out_w) = params["size"], params["out"]
+    dev = x.device
+    r, r_in = _di_axis(h, size_h.to(dev), params["top"].to(dev), out_h)
+    q, q_in = _di_axis(w, size_w.to(dev), params["left"].to(dev), out_w)
+    idx = (r[:, :, None] * w + q[:, None, :]).flatten(1)
+    out = x.flatten(2).gather(2, idx[:, None].expand(m, c, h * w)).view(m, c, h, w)
+    out = out * (r_in[:, :, None] & q_in[:, None, :])[:, None].to(x.dtype)
+    return torch.where(params["apply"].to(dev).view(-1, 1, 1, 1), out, x)
 
 
 @TRANSFORM.register("di", paper="Xie et al., Improving Transferability of Adversarial Examples with Input "
                                 "Diversity (DI2-FGSM), CVPR 2019", norms=("linf", "l2"))
-def di(x, gen, *, resize_rate=1.25, prob=0.5):
-    """DI2-FGSM random resize-and-pad. Defaults: Table VII, CIFAR-10 (32 -> 40, i.e. resize_rate 1.25; p 0.5)."""
-    return apply_di(x, draw_di(x.shape, gen, resize_rate=resize_rate, prob=prob))
+def di(ctx, x, *, resize_rate=1.25, prob=0.5):
+    """DI2-FGSM random resize-and-pad. Defaults: Table VII, CIFAR-10 (32 -> 40, i.e. resize_rate 1.25; p 0.5).
+    Each sample draws its own size (the authors draw one per batch), so a sample's result does not depend on
+    its batch."""
+    return apply_di(x, draw_di(ctx, x.shape, resize_rate=resize_rate, prob=prob))

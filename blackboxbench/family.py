@@ -1,0 +1,171 @@
+"""Attack families: the protocol between the runner and a kind of attack (registry ``FAMILY``).
+
+The runner keeps persistence, resume, scheduling and progress and never names a family; everything that differs
+between families is declared by a :class:`Family` (one file per family: ``query/pipeline.py`` registers
+``score`` and ``decision``, ``transfer/pipeline.py`` registers ``transfer``). A new family is new files.
+
+A family declares
+
+* ``blocks``: what its recipes are made of, ``{kind: BlockKind(registry, many, default)}``;
+* ``hyper``: recipe-level hyper-parameters with their defaults (e.g. a transfer attack's iterations);
+* ``model_keys``: the config keys naming the models it needs, ``{key: ModelKey(role, required, many)}``;
+* ``threat_keys``: threat-model keys of its own (beyond norm, eps, targeted, target_label), with their types;
+* ``record_fields``: the fields of its per-sample records beyond :data:`COMMON_FIELDS`, with their types;
+* ``columns``: its leaderboard columns, each with its direction (``higher`` or ``lower`` is better, or None);
+
+and implements ``finish_threat`` (its threat defaults), ``build`` (an attack from bound blocks), ``worker`` (a
+:class:`Worker` that runs one unit of work at a time) and ``summarize`` (per-run summary from records, a pure
+function).
+
+A worker holds up to ``slots`` samples at once. ``fill(feed)`` admits samples from the iterator ``feed`` (dataset
+indices) until every slot is taken or the feed is empty; ``step()`` runs one unit of work (a query family: one
+iteration of every sample in a slot; the transfer family: one whole batch). Both return the records of the
+samples that finished; a sample whose slot empties is replaced at the next ``fill``. ``busy`` is True while a
+sample is in a slot.
+"""
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .errors import BenchError
+from .prep.targets import choose_targets
+from .registry import FAMILY
+
+# Fields of every per-sample record, with their JSON types (None allowed where the tuple says so).
+COMMON_FIELDS = {"index": (int,), "label": (int,), "target": (int, type(None)), "clean_correct": (bool,),
+                 "attacked": (bool,), "l2": (float, int), "linf": (float, int), "time": (float, int)}
+COMMON_COLUMNS = ("attack", "family", "dataset", "target_model", "surrogates", "norm", "eps", "targeted", "n",
+                  "clean_acc")
+TRAILING_COLUMNS = ("randomized_models", "wall_time", "seed", "batch_size", "device", "config_hash", "version",
+                    "run")
+DIRECTIONS = ("higher", "lower", None)
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """A kind of block a family's recipes name: its registry, whether a recipe lists several, the default."""
+
+    registry: Any
+    many: bool = False
+    default: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """A config key naming models: their role for the worker, whether it is required, whether it is a list."""
+
+    role: str
+    required: bool
+    many: bool
+
+
+@dataclass
+class RunInputs:
+    """What a worker gets from the runner (built once per run; models are never reloaded per batch)."""
+
+    attack: Any
+    threat: dict
+    data: Any                # prep.data.Dataset (on CPU)
+    models: dict             # config key -> list of models (in the config's order)
+    model_names: dict        # config key -> list of labels
+    streams: Any             # rng.Streams over the dataset's samples
+    device: torch.device
+    slots: int
+    assets: dict
+    save_adv: bool = False
+
+
+class Family:
+    """Base class of the families. Subclasses set the declarations and implement the four methods."""
+
+    name = None
+    blocks = {}
+    hyper = {}
+    model_keys = {}
+    threat_keys = {}
+    record_fields = {}
+    columns = ()
+    surrogate_may_be_target = False  # a white-box surrogate equal to a black-box target is a config error
+
+    def finish_threat(self, threat, recipe, source):
+        """Fill this family's threat defaults and check its threat keys; returns the threat dict."""
+        return threat
+
+    def build(self, name, blocks, hyper, meta):
+        raise NotImplementedError
+
+    def worker(self, run):
+        raise NotImplementedError
+
+    def summarize(self, records):
+        raise NotImplementedError
+
+    def schema(self):
+        """{field: types} of this family's per-sample records."""
+        return {**COMMON_FIELDS, **self.record_fields}
+
+    def roles(self, exp):
+        """[(config key, index, spec)] of every model the experiment declares for this family."""
+        out = []
+        for key, mk in self.model_keys.items():
+            specs = exp.get(key) if mk.many else ([exp[key]] if key in exp else [])
+            out += [(key, i, s) for i, s in enumerate(specs or [])]
+        return out
+
+
+def get_family(name):
+    return FAMILY.get(name)
+
+
+def base_records(index, y, target, clean_correct):
+    """The common part of the records of samples ``index`` (one device sync for the batch)."""
+    y, ok = y.tolist(), clean_correct.tolist()
+    target = [None] * len(y) if target is None else target.tolist()
+    return [{"index": int(i), "label": y[k], "target": target[k], "clean_correct": bool(ok[k])}
+            for k, i in enumerate(index)]
+
+
+def pick_targets(threat, logits, y, rng, given):
+    """Targets of a batch from a model's clean ``logits`` (None when untargeted); ``rng`` is the samples' view of
+    their random streams (mode ``random`` draws from it)."""
+    if not threat["targeted"]:
+        return None
+    return choose_targets(threat["target_label"], logits, y, rng, given).to(y.device)
+
+
+def check_outputs(x_adv, x, eps, norm, name):
+    """Guard the threat model on what an attack returns: finite, in [0, 1], on the uint8 grid, inside the ball."""
+    bad = None
+    if x_adv.shape != x.shape:
+        bad = f"shape {tuple(x_adv.shape)} != {tuple(x.shape)}"
+    elif not bool(torch.isfinite(x_adv).all()):
+        bad = "non-finite values (NaN or inf)"
+    elif x_adv.min() < 0 or x_adv.max() > 1:
+        bad = "values outside [0, 1]"
+    elif (x_adv * 255 - torch.round(x_adv * 255)).abs().max() > 1e-3:
+        bad = "values off the uint8 grid"
+    else:
+        d = (x_adv - x).flatten(1)
+        d = d.abs().amax(1) if norm == "linf" else d.norm(dim=1)
+        if (d > eps + 1e-5).any():
+            bad = f"a perturbation of {norm} norm {d.max().item():.6f} > eps {eps}"
+    if bad:
+        raise BenchError(f"attack '{name}' returned invalid images: {bad}")
+
+
+def forward_logits(model, x, name, chunk=256):
+    """A model's logits on ``x`` under no_grad, in chunks; non-finite logits are refused (never read as a class)."""
+    with torch.no_grad():
+        out = torch.cat([model(x[i:i + chunk]).float() for i in range(0, x.shape[0], chunk)]) if x.shape[0] \
+            else model(x).float()
+    bad = ~torch.isfinite(out).all(1)
+    if bool(bad.any()):
+        raise BenchError(f"{name} returned non-finite logits (NaN or inf) for {int(bad.sum())} of {len(bad)} "
+                         "images; a NaN is never read as a class")
+    return out
+
+
+def to_uint8(x):
+    """[0, 1] images on the uint8 grid -> uint8 tensor on CPU."""
+    return torch.round(x * 255).clamp(0, 255).to(torch.uint8).cpu()
