@@ -1,7 +1,9 @@
 """Contract over every recipe in the catalog and every registered attack block (a new one is tested
-automatically): on the embedded digits data it runs end to end, respects the per-sample budget, returns images
-inside the eps ball, [0,1] and on the uint8 grid (the runner checks every output), and succeeds on the digits
-models."""
+automatically): on the embedded digits data it runs end to end through the block context, respects the per-sample
+budget, returns images inside the eps ball, [0,1] and on the uint8 grid (the runner checks every output), and
+succeeds on the digits models. Every block of every family's kinds takes the context as its first argument and
+keyword-only parameters."""
+import inspect
 import json
 from pathlib import Path
 
@@ -14,9 +16,10 @@ from blackboxbench.runner import run_experiment
 RECIPES = catalog.entries("attacks")
 EPS = {False: {"linf": 0.2, "l2": 1.5}, True: {"linf": 0.3, "l2": 2.0}}  # 8x8 digits; targeted needs more
 BUDGET = 10_000  # Table VI untargeted budget; targeted runs get the same (the paper: 100,000)
-QUERY_KINDS = [registry.INIT, registry.PERTURB, registry.ACCEPT]
-TRANSFER_KINDS = {"loss": registry.LOSS, "update": registry.UPDATE, "transform": registry.TRANSFORM,
-                  "gradient": registry.GRADIENT, "direction": registry.DIRECTION, "refine": registry.REFINE}
+FAMILIES = {name: registry.FAMILY.get(name) for name in registry.FAMILY.names()}
+QUERY_KINDS = [bk.registry for bk in FAMILIES["score"].blocks.values()]
+TRANSFER_KINDS = {kind: bk.registry for kind, bk in FAMILIES["transfer"].blocks.items()}
+BLOCK_KINDS = {bk.registry.kind: bk.registry for fam in FAMILIES.values() for bk in fam.blocks.values()}
 
 
 def _used_blocks():
@@ -25,11 +28,12 @@ def _used_blocks():
         for spec in load_yaml(path)["blocks"].values():
             for s in spec if isinstance(spec, list) else [spec]:
                 used.add(s["name"] if isinstance(s, dict) else s)
-    return used | {"ce", "step"}  # the transfer builder's defaults
+    return used | {bk.default for fam in FAMILIES.values() for bk in fam.blocks.values() if bk.default}
 
 
 def _example(reg, name):
-    return reg.get(name).registry_meta.get("paper", "").startswith("example")
+    """Blocks registered by the example plugin or by a test file (their ``paper`` says so)."""
+    return reg.get(name).registry_meta.get("paper", "").startswith(("example", "test"))
 
 
 def _composed():
@@ -39,7 +43,7 @@ def _composed():
         for name in reg.names():
             if name not in _used_blocks() and not _example(reg, name):
                 block = {"name": name}
-                out.append((f"i_fgsm+{name}", {kind: block if kind in ("loss", "update") else [block]}))
+                out.append((f"i_fgsm+{name}", {kind: [block] if FAMILIES["transfer"].blocks[kind].many else block}))
     return out
 
 
@@ -85,6 +89,17 @@ def test_recipe_contract(tmp_path, name, norm, targeted, blocks):
         assert max(r["queries"] for r in attacked) <= exp["threat"]["max_queries"]
         assert all(r["queries"] >= 1 for r in attacked)  # success must be confirmed by a counted query
         assert summary["asr"] >= (0.6 if not targeted else 0.4), summary
+
+
+BLOCKS = [(kind, name) for kind, reg in BLOCK_KINDS.items() for name in reg.names()]
+
+
+@pytest.mark.parametrize("kind,name", BLOCKS, ids=[f"{k}:{n}" for k, n in BLOCKS])
+def test_every_block_takes_the_context_first(kind, name):
+    """One contract: ``fn(ctx, <pipeline arguments>, *, <parameters>)``; no ``**kwargs`` swallowing parameters."""
+    params = list(inspect.signature(BLOCK_KINDS[kind].get(name)).parameters.values())
+    assert params and params[0].name == "ctx" and params[0].kind is params[0].POSITIONAL_OR_KEYWORD, params
+    assert not any(p.kind is p.VAR_KEYWORD or p.kind is p.VAR_POSITIONAL for p in params), params
 
 
 @pytest.mark.parametrize("reg", QUERY_KINDS, ids=[r.kind for r in QUERY_KINDS])

@@ -94,9 +94,9 @@ def test_transfer_run_per_target(tmp_path, targeted):
         assert all(r["target"] is not None and r["target"] != r["label"] for r in rec)
 
 
-def test_resume_after_kill_equals_uninterrupted(tmp_path):
-    """Kill the CLI mid-run with SIGKILL, re-run: no sample lost or duplicated, same records."""
-    text = QUERY.replace("n: 24", "n: 64").replace("max_queries: 300", "max_queries: 600")
+def kill_and_resume(tmp_path, text, n, at=8):
+    """Run the CLI on config ``text``, SIGKILL it once ``at`` records exist, append a torn line, re-run: no
+    sample lost or duplicated, and the records equal those of an uninterrupted run."""
     killed = _write(tmp_path, text, tmp_path / "k", "k.yaml")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "run.py"), str(killed), "--quiet"], env=env,
@@ -105,21 +105,27 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path):
     rec_files = []
     while time.time() < deadline and proc.poll() is None:
         rec_files = list((tmp_path / "k").glob("*/records.jsonl"))
-        if rec_files and len(rec_files[0].read_text().splitlines()) >= 8:
+        if rec_files and len(rec_files[0].read_text().splitlines()) >= at:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     assert proc.poll() is None, "run finished before it could be killed; make it longer"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     partial = len(rec_files[0].read_text().splitlines())
-    assert 8 <= partial < 64
+    assert at <= partial < n
     with open(rec_files[0], "a") as f:
-        f.write('{"index": 63, "label"')  # a torn line as a crash mid-write would leave
+        f.write(f'{{"index": {n - 1}, "label"')  # a torn line as a crash mid-write would leave
     assert main(["run", str(killed), "--quiet"]) == 0
     resumed = _records(rec_files[0].parent)
-    assert [r["index"] for r in resumed] == list(range(64))
+    assert [r["index"] for r in resumed] == list(range(n))
     fresh_dir, _ = _run(_write(tmp_path, text, tmp_path / "f", "f.yaml"))
     assert resumed == _records(fresh_dir)
+
+
+def test_resume_after_kill_equals_uninterrupted(tmp_path):
+    """Kill the CLI mid-run with SIGKILL, re-run: no sample lost or duplicated, same records."""
+    kill_and_resume(tmp_path, QUERY.replace("n: 24", "n: 200").replace("max_queries: 300", "max_queries: 600"),
+                    200)
 
 
 def test_leaderboard_csv(tmp_path):

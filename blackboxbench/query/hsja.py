@@ -13,11 +13,16 @@ import torch
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
-from .decision import (bisect, blend, blended_start, claim_radius, decision_state, has_budget, query_adv,
+from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, query_adv,
                        stop_radius)
 
 PAPER = "Chen et al., HopSkipJumpAttack, IEEE S&P 2020"
 FIRST_DELTA = 0.1  # probe size of the first iteration: 0.1 * (clip_max - clip_min), reference code
+# When every probe of a sample gets the same answer, its probes were smaller than the uncertainty of where the
+# boundary point lies (the binary-search threshold, and logits that move with the batch they are computed in):
+# the estimate carries no information, so that sample's probe size grows tenfold, up to FIRST_DELTA (a deviation
+# from the reference code, which keeps the size; on exact arithmetic it almost never triggers).
+PROBE_GROWTH = 10.0
 MAX_HALVINGS = 50  # step-size halvings after which the step is below float32 resolution of the image
 
 
@@ -61,13 +66,14 @@ def estimate_direction(ctx, x_bd, num, delta):
 
     All probes of all samples go in one oracle call. Directions are uniform in [-1, 1]^d (Linf) or Gaussian
     (L2), normalized, clipped to [0, 1]; the +1/-1 decisions get the mean baseline subtracted unless they are
-    all equal. Refused probes are left out of every sum. Returns unit-L2 directions (zero where none answered).
+    all equal. Refused probes are left out of every sum. Returns unit-L2 directions (zero where none answered)
+    and the (n,) mask of samples whose answered probes all agreed.
     """
     problem = ctx.problem
     n = problem.n
     owner = torch.repeat_interleave(torch.arange(n, device=x_bd.device), num)
     if owner.numel() == 0:
-        return torch.zeros_like(x_bd)
+        return torch.zeros_like(x_bd), torch.zeros(n, dtype=torch.bool, device=x_bd.device)
     if problem.norm == "linf":
         rv = ctx.rng.uniform(x_bd.shape[1:], rows=owner) * 2 - 1
     else:
@@ -85,7 +91,7 @@ def estimate_direction(ctx, x_bd, num, delta):
     mixed = mean.abs() < 1
     coef = torch.where(mixed[owner], fval - mean[owner], fval) * okf
     grad = torch.zeros_like(x_bd).index_add_(0, owner, per_sample(coef, rv) * rv)
-    return grad / per_sample(grad.flatten(1).norm(dim=1).clamp_min(1e-20), grad)
+    return grad / per_sample(grad.flatten(1).norm(dim=1).clamp_min(1e-20), grad), ~mixed & (count > 0)
 
 
 def geometric_step(ctx, x_bd, update, size, live):
@@ -124,10 +130,10 @@ def hsja_init(ctx, *, gamma=1.0, init_tries=100):
     theta = torch.full((n,), gamma / (d ** 2 if problem.norm == "linf" else d ** 1.5), dtype=torch.float64,
                        device=dev)
     x_start, found = blended_start(ctx, tries=init_tries)
-    x_bd, d_far = to_boundary(ctx, x_start, theta, found, claim_radius(problem))
+    x_bd, d_far = to_boundary(ctx, x_start, theta, found, claim_limit(problem))
     dist = torch.where(found, problem.dist(x_bd), torch.full_like(d_far, float("inf")))
     return decision_state(problem, x_bd, dist, dist_post=d_far, it=torch.zeros(n, dtype=torch.long, device=dev),
-                          theta=theta)
+                          theta=theta, probe_scale=torch.ones(n, dtype=torch.float64, device=dev))
 
 
 @PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"))
@@ -148,14 +154,16 @@ def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search
     t = it.clamp_min(1).to(torch.float64)
     theta, x_bd, dist = state["theta"], state["x_bd"], state["dist"]
     scale = _dim(problem) if problem.norm == "linf" else math.sqrt(_dim(problem))
-    delta = torch.where(it == 1, FIRST_DELTA, scale * theta * state["dist_post"].double()).to(x_bd.dtype)
+    grown = torch.clamp(scale * theta * state["dist_post"].double() * state["probe_scale"], max=FIRST_DELTA)
+    delta = torch.where(it == 1, FIRST_DELTA, grown).to(x_bd.dtype)
     num = torch.clamp((init_num_evals * t.sqrt()).long(), max=max_num_evals)
     num = torch.where(go, torch.minimum(num, ctx.oracle.remaining()), torch.zeros_like(num))
-    grad = estimate_direction(ctx, x_bd, num, delta)
+    grad, agreed = estimate_direction(ctx, x_bd, num, delta)
+    probe_scale = torch.where(agreed & (it > 1), state["probe_scale"] * PROBE_GROWTH, state["probe_scale"])
     update = grad.sign() if problem.norm == "linf" else grad
     size = torch.where(go, dist, torch.zeros_like(dist)) / t.sqrt().to(dist.dtype)
     x_step, stepped = geometric_step(ctx, x_bd, update, size, go)
     x_new, d_post = to_boundary(ctx, x_step, theta, stepped, stop_radius(problem, state))
     return dict(x_bd=rows_where(stepped, x_new, x_bd),
                 dist=torch.where(stepped, problem.dist(x_new), dist),
-                dist_post=torch.where(stepped, d_post, state["dist_post"]), it=it)
+                dist_post=torch.where(stepped, d_post, state["dist_post"]), it=it, probe_scale=probe_scale)
