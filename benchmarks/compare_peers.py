@@ -13,9 +13,14 @@ Sections (``--only`` runs one; otherwise all run and ``--out`` is rewritten):
 * ``seeds``: Square (ours vs torchattacks) and HSJA (ours vs ART) repeated over ``--seeds`` seeds, alternating
   which library runs first; single runs differ by more than the libraries do, the means over seeds are the
   comparison.
+* ``throughput``: all ``--n-throughput`` images (default the 300 of the data root), untargeted, 10,000 queries:
+  Square Linf and NES Linf (ours, ``--slots`` slots of continuous batching) vs torchattacks' Square in batches of
+  ``--slots``; HSJA Linf on the first ``--n-hsja-throughput`` images vs ART's HopSkipJump (hits that survive
+  uint8 rounding). Each row: wall s, images forwarded, images/s, and images/s as a fraction of a bare forward at
+  the slot size measured in the same run. Rows are printed as they finish.
 
-Our attacks are built from the recipes with the builder and run as ``Runner._query_batch`` /
-``Runner._transfer_batch`` do. Peers count queries through :class:`Counting`, an ``nn.Module`` around the same
+Our attacks are built from the recipes with the builder and run by the runner's worker and scheduler
+(``blackboxbench.runner.run_tensors``: continuous batching, oracle, verification), without writing files. Peers count queries through :class:`Counting`, an ``nn.Module`` around the same
 model object that attributes every forwarded row to its sample (by batch position, by the sample being attacked,
 or by the clean image whose eps ball holds the row) and counts forwards and *distinct* images per sample; its own
 bookkeeping time is measured and subtracted from the peers' wall time.
@@ -39,19 +44,20 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from blackboxbench.builder import build_attack, load_recipe  # noqa: E402
+from blackboxbench.builder import build_attack, load_recipe, recipe_family  # noqa: E402
 from blackboxbench.config import finish_threat, parse_number  # noqa: E402
-from blackboxbench.oracle import Oracle, rank_within_group  # noqa: E402
+from blackboxbench.family import check_outputs  # noqa: E402
 from blackboxbench.prep.data import resolve_data_root  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import DATASET  # noqa: E402
-from blackboxbench.runner import check_outputs, make_generator, resolve_device  # noqa: E402
+from blackboxbench.rng import rank_within_group  # noqa: E402
+from blackboxbench.runner import resolve_device, run_tensors  # noqa: E402
 from blackboxbench.threat import Problem, grid_levels  # noqa: E402
 
 EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
 GRID_EPS = grid_levels(EPS) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
 GRID_LABEL = " at eps 7/255 (ours' grid eps)"
-SECTIONS = ("square", "hsja", "mifgsm", "overhead", "seeds")
+SECTIONS = ("throughput", "square", "hsja", "mifgsm", "overhead", "seeds")
 CLOCK = "cpu"  # the time compared: process CPU seconds on CPU; wall seconds on CUDA (set in main)
 SRC = "benchmarks/compare_peers.py"
 
@@ -88,7 +94,7 @@ class Counting(nn.Module):
         z = lambda: torch.zeros(n, dtype=torch.long, device=x.device)  # noqa: E731
         self.forwards, self.distinct, self.hit_fwd, self.hit_distinct = z(), z(), z(), z()
         self.seen, self.clean_rows, self.unattributed, self.book, self.current = set(), 0, 0, 0.0, None
-        self.cast, self.book_cpu, self.model_time = 0, 0.0, 0.0
+        self.cast, self.book_cpu, self.model_time, self.calls = 0, 0.0, 0.0, 0
         g = torch.Generator().manual_seed(0)
         self.probe = torch.randperm(x[0].numel(), generator=g)[:64].to(x.device)
         self.fp = torch.randn(x[0].numel(), generator=g, dtype=torch.float64).to(x.device)
@@ -103,6 +109,7 @@ class Counting(nn.Module):
             inp = inp.to(self.x.dtype)
             self.cast += 1
         rows = inp.detach()
+        self.calls += 1
         ids = self._attribute(rows)
         settle(inp)
         t1, c1 = time.perf_counter(), time.process_time()
@@ -212,7 +219,8 @@ def predict(model, x, bs=500):
         return torch.cat([model(x[i:i + bs]).argmax(1) for i in range(0, len(x), bs)])
 
 
-def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None, note="", model_time=None):
+def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None, note="", model_time=None,
+        calls=None):
     """One result row; ``model_time``: seconds spent inside the model's forwards, in the compared clock (``CLOCK``;
     the rest of that clock's seconds is the attack loop: drawing candidates, bookkeeping, deciding)."""
     q = queries[success].double()
@@ -221,36 +229,47 @@ def row(attack, lib, n, success, queries, clock, max_linf, images=None, fwd=None
                 mean_q=float(q.mean()) if q.numel() else float("nan"),
                 med_q=float(q.median()) if q.numel() else float("nan"),
                 mean_fwd=None if fwd is None or not q.numel() else float(fwd[success].double().mean()),
-                wall=clock[0], cpu=clock[1], max_linf=max_linf, note=note)
+                wall=clock[0], cpu=clock[1], max_linf=max_linf, note=note, calls=calls)
 
 
 def build_ours(name, threat=None):
     recipe, source = load_recipe(name, SRC)
-    threat = finish_threat(dict(threat or {"norm": "linf", "eps": EPS}), recipe, source)
+    threat = finish_threat(dict(threat or {"norm": "linf", "eps": EPS}), recipe, recipe_family(recipe, source),
+                           source)
     return build_attack(recipe, threat, source), threat
 
 
-def run_ours_query(name, model, x, y, device, seed):
-    """As ``Runner._query_batch``: clean check, attack the clean-correct samples, check outputs, confirm.
+class Ours:
+    """The attacked samples of one of our runs: ``x_adv``, ``success``, ``queries``, ``audit`` (the worker's own
+    forward of each returned image agrees with the oracle's confirmation)."""
 
-    Returns the attack result, the problem, (wall, CPU) seconds and the :class:`Timed` model it ran on.
+    def __init__(self, records, x, device):
+        rec = [r for r in records if r["attacked"]]
+        idx = torch.tensor([r["index"] for r in rec], dtype=torch.long)
+        self.x_adv = torch.stack([r["x_adv"] for r in rec]) if rec else x[:0]
+        self.success = torch.tensor([r["success"] for r in rec], dtype=torch.bool, device=device)
+        self.queries = torch.tensor([r["queries"] for r in rec], dtype=torch.long, device=device)
+        self.audit = all(r["audit_adv"] == r["success"] for r in rec)
+        self.index = idx
+
+
+def run_ours_query(name, model, x, y, device, seed, slots=None):
+    """Our attack ``name`` on ``x`` through the runner's worker and scheduler (clean check, continuous batching
+    over ``slots``, oracle, verification, output checks, audit).
+
+    Returns the attacked samples (:class:`Ours`), their problem, (wall, CPU) seconds and the :class:`Timed`
+    model it ran on.
     """
     model = Timed(model)
     attack, t = build_ours(name)
     assert t["max_queries"] == BUDGET and t["eps"] == EPS
     clock = Clock()
-    gen = make_generator(device, seed)
-    with torch.no_grad():
-        correct = model(x).argmax(1) == y
-    idx = correct.nonzero().squeeze(1)
-    problem = Problem(x[idx], y[idx], t["eps"], t["norm"], None, 10)
-    oracle = Oracle(model, len(idx), t["max_queries"], 10, t["feedback"], x.shape[1:])
-    res = attack.run(problem, oracle, gen)
-    check_outputs(res.x_adv, problem.x, t["eps"], t["norm"], name)
-    with torch.no_grad():
-        confirmed = problem.is_adv_label(model(res.x_adv).argmax(1))
+    records = run_tensors(attack, t, x, y, {"model": [model]}, seed=seed, slots=slots or len(y), device=device)
     wall = clock.read()
-    assert bool((confirmed == res.success).all()), "oracle-verified success differs from a fresh forward"
+    res = Ours(records, x, device)
+    problem = Problem(x[res.index.to(x.device)], y[res.index.to(y.device)], t["eps"], t["norm"], None, 10)
+    check_outputs(res.x_adv, problem.x, t["eps"], t["norm"], name)
+    assert res.audit, "oracle-verified success differs from the worker's own forward"
     assert int(res.queries.max()) <= BUDGET
     return res, problem, wall, model
 
@@ -258,7 +277,7 @@ def run_ours_query(name, model, x, y, device, seed):
 def ours_row(attack, name, res, problem, wall, timed, note):
     return row(attack, f"ours ({name})", problem.n, res.success, res.queries, wall,
                float(linf(res.x_adv, problem.x).max()), images=sum(timed.sizes), note=note,
-               model_time=timed.cpu if CLOCK == "cpu" else timed.seconds)
+               model_time=timed.cpu if CLOCK == "cpu" else timed.seconds, calls=len(timed.sizes))
 
 
 def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None):
@@ -279,7 +298,7 @@ def peer_result(attack, lib, cnt, clock, x_adv, x, y, model, note, stopped=None)
         notes.append(f"{cnt.unattributed} rows unattributed")
     images = int(cnt.forwards.sum()) + cnt.clean_rows + cnt.unattributed
     return row(attack, lib, len(y), success, cnt.hit_distinct, (wall - cnt.book, cpu - cnt.book_cpu), max_l,
-               images=images, fwd=cnt.hit_fwd, note="; ".join(notes), model_time=cnt.model_time)
+               images=images, fwd=cnt.hit_fwd, note="; ".join(notes), model_time=cnt.model_time, calls=cnt.calls)
 
 
 def torchattacks_square(args, model, xc, yc, eps, seed, note):
@@ -400,6 +419,96 @@ def section_hsja(args, ctx):
     return rows
 
 
+def bare_rate(model, batch, device, seconds=3.0):
+    """Images per wall second of bare ``no_grad`` forwards of ``batch`` images, measured over ``seconds``."""
+    xb = torch.rand(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch)).to(device)
+    clock, calls = Clock(), 0
+    with torch.no_grad():
+        for _ in range(3):
+            model(xb)
+        clock = Clock()
+        while clock.read()[0] < seconds or calls < 3:
+            model(xb)
+            calls += 1
+    return batch * calls / clock.read()[0]
+
+
+def merged(rows, lib):
+    """One row for a peer run in several batches: counts and times add up, rates are weighted by samples."""
+    n = sum(r["n"] for r in rows)
+    wins = [r["asr"] * r["n"] for r in rows]
+    mean_q = sum(w * r["mean_q"] for w, r in zip(wins, rows) if w) / max(sum(wins), 1e-12)
+    return dict(rows[0], lib=lib, n=n, asr=sum(wins) / n, mean_q=mean_q, med_q=float("nan"),
+                images=sum(r["images"] for r in rows), wall=sum(r["wall"] for r in rows),
+                calls=sum(r["calls"] for r in rows),
+                cpu=sum(r["cpu"] for r in rows), model=sum(r["model"] for r in rows), mean_fwd=None,
+                note=f"{len(rows)} batches of at most {rows[0]['n']}")
+
+
+def section_throughput(args, ctx):
+    """Continuous batching against peers at the slot size (see the module docstring); prints rows as they
+    finish."""
+    model, device, slots = ctx["m20"], ctx["device"], args.slots
+    n = args.n_throughput
+    x, y = ctx["data"].x[:n].to(device), ctx["data"].y[:n].to(device)
+    bare = bare_rate(model, slots, device)
+    print(f"| bare forward, batch {slots} | {bare:,.0f} images/s |", flush=True)
+    out = []
+
+    def emit(r):
+        r = dict(r, rate=(r["images"] / r["wall"]) if r.get("images") else None)
+        r["of_bare"] = None if r["rate"] is None else r["rate"] / bare
+        out.append(r)
+        print(throughput_table([r], header=not out[:-1], bare=bare)[-1], flush=True)
+
+    for name, attack in (("square_linf", "Square Linf"), ("nes", "NES Linf")):
+        res, problem, wall, timed = run_ours_query(name, model, x, y, device, args.seed, slots=slots)
+        emit(ours_row(attack, name, res, problem, wall, timed, f"{slots} slots"))
+    with torch.no_grad():
+        keep = torch.cat([model(x[i:i + 500]).argmax(1) for i in range(0, n, 500)]) == y
+    xc, yc = x[keep], y[keep]
+    peer = [torchattacks_square(args, model, xc[i:i + slots], yc[i:i + slots], EPS, args.seed, "")
+            for i in range(0, len(yc), slots)]
+    emit(merged(peer, peer[0]["lib"]))
+    m = args.n_hsja_throughput
+    res, problem, wall, timed = run_ours_query("hsja_linf", model, x[:m], y[:m], device, args.seed, slots=slots)
+    with torch.no_grad():
+        alone = torch.cat([model(res.x_adv[i:i + 1]).argmax(1) for i in range(len(res.x_adv))]) \
+            if len(res.x_adv) else y[:0]
+    still = problem.is_adv_label(alone)[res.success].float().mean().item() if res.success.any() else float("nan")
+    emit(ours_row("HSJA Linf", "hsja_linf", res, problem, wall, timed,
+                  f"{min(slots, m)} slots; successes still adversarial as uint8 images, each forwarded alone: "
+                  f"{still:.0%}"))
+    keep = keep[:m]
+    emit(art_hsja(args, model, x[:m][keep], y[:m][keep], EPS, args.seed, " (uint8 hits)", uint8=True))
+    return out, bare
+
+
+def throughput_table(rows, header=True, bare=None):
+    out = ["| attack | library | n | ASR | mean q | images fwd | model calls | wall s | images/s | of bare fwd | "
+           "notes |", "|---" * 11 + "|"] if header else []
+    for r in rows:
+        out.append(f"| {r['attack']} | {r['lib']} | {r['n']} | {fmt(r['asr'] * 100, '.1f')}% | "
+                   f"{fmt(r['mean_q'], '.0f')} | {fmt(r['images'], 'd')} | {fmt(r.get('calls'), 'd')} | "
+                   f"{fmt(r['wall'], '.1f')} | "
+                   f"{fmt(r['rate'], ',.0f')} | {fmt(r['of_bare'], '.0%')} | {r['note']} |")
+    return out
+
+
+def throughput_ratios(rows):
+    by = {(r["attack"], r["lib"].split(" ")[0]): r for r in rows}
+    out = []
+    for attack, peer in (("Square Linf", "torchattacks"), ("HSJA Linf", "ART")):
+        ours, theirs = by.get((attack, "ours")), by.get((attack, peer))
+        if ours and theirs:
+            out.append(f"- {attack}: our wall time {ours['wall'] / theirs['wall']:.2f}x {peer}'s; ASR "
+                       f"{ours['asr'] * 100:.1f} vs {theirs['asr'] * 100:.1f}%; mean queries {ours['mean_q']:.0f} vs "
+                       f"{theirs['mean_q']:.0f}; images/s {ours['of_bare']:.0%} vs {theirs['of_bare']:.0%} of the "
+                       f"bare forward; model calls (the cost on a launch-bound GPU) {ours['calls']} vs "
+                       f"{theirs['calls']} ({ours['calls'] / theirs['calls']:.2f}x)")
+    return out
+
+
 def section_seeds(args, ctx):
     """Square (ours vs torchattacks, ``--n`` images) and HSJA (ours vs ART, ``--n-hsja`` images) over seeds
     ``--seed`` .. ``--seed + --seeds - 1``, the two libraries in alternating order, at ``--eps``: one run is noisy
@@ -486,11 +595,9 @@ def section_mifgsm(args, ctx):
     attack, t = build_ours("mi_fgsm")
     assert t["eps"] == EPS and attack.iterations == 100 and abs(attack.alpha - 0.003) < 1e-12
     clock = Clock()
-    gen = make_generator(device, args.seed)
-    surrogate = attack.refine([m20], gen)
-    problem = Problem(x, y, t["eps"], t["norm"], None, 10)
-    ours = attack.run(surrogate, problem, gen)
-    check_outputs(ours, x, t["eps"], t["norm"], "mi_fgsm")
+    records = run_tensors(attack, t, x, y, {"surrogates": [m20], "targets": [m56]}, seed=args.seed, slots=len(y),
+                          device=device)
+    ours = torch.stack([r["x_adv"] for r in records])
     wall_ours = clock.read()
 
     atk = torchattacks.MIFGSM(m20, eps=EPS, alpha=0.003, steps=100, decay=1.0)
@@ -599,7 +706,11 @@ def render(name, args, ctx, result, load):
     lines = [f"<!-- section:{name} -->", f"## {name}", "",
              f"Command: `{cmd}`  ", f"Machine: {machine(args, ctx['device'])}  ",
              f"Load average (1 min) before/after: {load[0]:.2f} / {load[1]:.2f}; section time {load[2]:.0f} s", ""]
-    if name.startswith("overhead"):
+    if name.startswith("throughput"):
+        rows, bare = result
+        lines += [f"Bare forward of ResNet-20 at batch {args.slots}: {bare:,.0f} images/s (wall).", ""]
+        lines += throughput_table(rows) + [""] + throughput_ratios(rows)
+    elif name.startswith("overhead"):
         r = result
         lines += [f"Our Square run: {r['wall']:.1f} s wall ({r['cpu']:.1f} s CPU); {r['calls']} model forwards "
                   f"({r['images']} images) took {r['inside']:.1f} s inside the run; the same forwards replayed bare "
@@ -629,6 +740,9 @@ def main(argv=None):
     ap.add_argument("--data-root", default=os.environ.get("BLACKBOXBENCH_DATA"))
     ap.add_argument("--n", type=int, default=100, help="images for Square and MI-FGSM (first n of the 300)")
     ap.add_argument("--n-hsja", type=int, default=20, help="images for HSJA")
+    ap.add_argument("--n-throughput", type=int, default=300, help="images for the throughput section")
+    ap.add_argument("--n-hsja-throughput", type=int, default=50, help="images for HSJA in the throughput section")
+    ap.add_argument("--slots", type=int, default=100, help="our slots (batch_size) in the throughput section")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -655,7 +769,7 @@ def main(argv=None):
     root = resolve_data_root(args.data_root)
     ctx = {"device": device, "data": DATASET.get("cifar10")(root, n=300),
            "m20": build_model("cifar_resnet20", root, device), "m56": build_model("cifar_resnet56", root, device)}
-    runs = {"square": section_square, "hsja": section_hsja, "mifgsm": section_mifgsm, "overhead": section_overhead,
+    runs = {"throughput": section_throughput, "square": section_square, "hsja": section_hsja, "mifgsm": section_mifgsm, "overhead": section_overhead,
             "seeds": section_seeds}
     done = []
     for name in [args.only] if args.only else SECTIONS:

@@ -54,9 +54,15 @@ class Session:
     def __init__(self):
         self.models = {}
 
-    def model(self, spec, data_root, device, source, key):
-        cache_key = (json.dumps(spec, sort_keys=True), str(data_root), str(device))
+    def model(self, spec, data_root, device, source, key, compiled=False):
+        """The model of ``spec`` on ``device``, built once; ``compiled``: wrapped by ``torch.compile`` with dynamic
+        batch shapes (compiled once, on the first forward)."""
+        cache_key = (json.dumps(spec, sort_keys=True), str(data_root), str(device), compiled)
         if cache_key not in self.models:
+            if compiled:
+                self.models[cache_key] = torch.compile(self.model(spec, data_root, device, source, key),
+                                                       dynamic=True)
+                return self.models[cache_key]
             try:
                 self.models[cache_key] = build_model(spec, data_root=data_root, device=device)
             except BenchError as e:
@@ -270,7 +276,8 @@ class Runner:
         models, names = {}, {}
         for key, i, spec in fam.roles(exp):
             label = f"{key}[{i}]" if fam.model_keys[key].many else key
-            models.setdefault(key, []).append(self.session.model(spec, data_root, self.device, source, label))
+            models.setdefault(key, []).append(self.session.model(spec, data_root, self.device, source, label,
+                                                                 exp["compile"]))
             names.setdefault(key, []).append(spec_label(spec))
         assets = {}
         for k, spec in exp["assets"].items():

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Run ON THE DEVICE MACHINE, as one call of the device tool (after benchmarks/device/prepare.sh here):
-#   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 540
-# 1. CUDA smoke: every query recipe (4 images) and every transfer recipe (16 images) through scripts/run.py with
-#    device cuda; the runner checks every output (eps ball, [0, 1], uint8) and every budget.
-# 2. The benchmark's seeds section (ours vs torchattacks Square, ours vs ART HSJA; 8/255, 3 seeds) on the GPU:
-#    the comparison this CPU cannot decide (benchmarks/RESULTS.md). Results land in $OUT.
-# DEVICE=cpu and SEEDS/N/N_HSJA/BUDGET_S let the script itself be tried on a CPU machine.
+#   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 420
+# Prints every row as it finishes; targets: within 6 minutes.
+# 1. Every query and transfer recipe of the CIFAR-10 configs on the same N images with device cpu and cuda:
+#    ASR on each and the difference (bar: 3 points); the runner checks every output and budget on both.
+# 2. The benchmark's throughput section on the GPU (wall time, images/s as a share of the bare forward, model
+#    calls) against torchattacks' Square and ART's HopSkipJump. Results also land in $OUT.
+# DEVICE=cpu and N/N_TP/N_HSJA let the script itself be tried on a CPU machine.
 set -uo pipefail
 device=${DEVICE:-cuda}
 out=${OUT:-/tmp/bbb_device_out}
@@ -17,18 +18,13 @@ export BLACKBOXBENCH_CACHE=/tmp/bbb_cache
 python3 -c "import torch; print('torch', torch.__version__, 'cuda available:', torch.cuda.is_available())"
 [ "$device" = cpu ] || nvidia-smi -L
 status=0
-smoke() {  # config, images, label, results dir of the config
-    timeout "${BUDGET_S:-180}" python3 scripts/run.py "$1" --quiet --fresh --set device="$device" \
-        --set dataset.n="$2" 2>&1 | tee "$out/smoke_$3.log" | tail -20
-    local rc=${PIPESTATUS[0]}
-    echo "smoke $3: exit $rc"
-    [ "$rc" = 0 ] || status=1
-    cp "$4/leaderboard.csv" "$out/leaderboard_$3.csv" 2>/dev/null
-}
-smoke configs/cifar10_query_all.yaml "${N_SMOKE:-4}" query results/cifar10_all
-smoke configs/cifar10_transfer.yaml "${N_SMOKE_T:-16}" transfer results/cifar10_transfer
-timeout "${BUDGET_BENCH_S:-240}" python3 benchmarks/compare_peers.py --only seeds --seeds "${SEEDS:-3}" \
-    --n "${N:-100}" --n-hsja "${N_HSJA:-10}" --device "$device" --eps 8/255 --out "$out/RESULTS_device.md" \
-    2>&1 | tee "$out/seeds.log" | grep -v '^| .* seed [0-9]* |'
+devices=cpu,$device
+[ "$device" = cpu ] && devices=cpu
+timeout "${BUDGET_ASR_S:-200}" python3 benchmarks/device/asr_cuda_vs_cpu.py configs/cifar10_query_all.yaml \
+    configs/cifar10_transfer.yaml --n "${N:-32}" --devices "$devices" 2>&1 | tee "$out/asr.md"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout "${BUDGET_TP_S:-150}" python3 benchmarks/compare_peers.py --only throughput --device "$device" --eps 8/255 \
+    --n-throughput "${N_TP:-300}" --n-hsja-throughput "${N_HSJA:-50}" --out "$out/RESULTS_device.md" 2>&1 \
+    | tee "$out/throughput.log" | grep '^|\|^-'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status

@@ -47,6 +47,7 @@ from ..threat import Problem
 
 # Tables V-VI: 10,000 queries untargeted, 100,000 targeted.
 DEFAULT_MAX_QUERIES = {False: 10_000, True: 100_000}
+AUDIT_EVERY_S = 1.0  # finished samples wait at most this long (or for a full batch) for the audit forward
 SUCCESS_RULES = ("single", "majority")
 
 
@@ -117,11 +118,12 @@ class QueryWorker:
         self.started = {}   # dataset index -> (perf_counter at admission, its record so far)
         self.ready = []     # clean-checked samples waiting for a slot: (index, target)
         self.ws = None      # working set: (slots, ctx, state), rebuilt when a sample enters or leaves
+        self.unaudited, self.audited = [], time.perf_counter()  # finished samples waiting for the audit forward
 
     # ------------------------------------------------------------------------------------------ admission
     @property
     def busy(self):
-        return bool((self.gid >= 0).any())
+        return bool((self.gid >= 0).any()) or bool(self.unaudited)
 
     def fill(self, feed):
         done = []
@@ -209,7 +211,7 @@ class QueryWorker:
         if self.ws is None:
             slots = (self.gid >= 0).nonzero().squeeze(1)
             if slots.numel() == 0:
-                return []
+                return self._audit(force=True)
             target = self.starget[slots] if self.threat["targeted"] else None
             ctx = self._context(self.gid[slots], self.sx[slots], self.sy[slots], target)
             self.ws = (slots, ctx, _gather(self.state, slots))
@@ -233,7 +235,8 @@ class QueryWorker:
 
     def _finish(self, slots, leaving, state, ctx, rows, images, stalled):
         """Records of the local samples ``leaving`` (verified ones return their confirmed image); frees their
-        slots."""
+        slots. The records wait for the audit (:meth:`_audit`), which forwards the returned images of many samples
+        in one call."""
         t, p = self.threat, ctx.problem
         out = p.quantize(p.project(state["x_adv"]))
         success = torch.zeros_like(leaving)
@@ -243,22 +246,41 @@ class QueryWorker:
         go = leaving.nonzero().squeeze(1)
         x_out, sub = out[go], p.sub(go)
         check_outputs(x_out, sub.x, t["eps"], t["norm"], self.attack.name)
-        audit = sub.is_adv_label(forward_logits(self.model, x_out, self.model_name).argmax(1))
         metrics = sample_metrics(x_out, sub.x)
         queries = ctx.oracle.counts[go].tolist()
-        success, audit, stalled = success[go].tolist(), audit.tolist(), stalled[go].tolist()
-        images_u8 = to_uint8(x_out) if self.run.save_adv else None
+        success, stalled = success[go].tolist(), stalled[go].tolist()
         now, rule = time.perf_counter(), rule_label(t["success_rule"])
         records = []
         for j, g in enumerate(self.gid[slots[go]].tolist()):
             start, r = self.started.pop(g)
             r.update(attacked=True, success=bool(success[j]), queries=int(queries[j]), time=now - start,
-                     audit_adv=bool(audit[j]), stalled=bool(stalled[j] and not success[j]), success_rule=rule,
+                     stalled=bool(stalled[j] and not success[j]), success_rule=rule,
                      **{m: v[j] for m, v in metrics.items()})
-            if images_u8 is not None:
-                r["_image"] = images_u8[j]
             records.append(r)
         self.gid[slots[go]] = -1
+        self.unaudited.append((records, x_out, sub))
+        return self._audit()
+
+    def _audit(self, force=False):
+        """The worker's own forward of the returned images, an audit of the oracle's confirmations: it sets
+        ``audit_adv`` on the waiting records and releases them, once ``slots`` samples wait, a second has passed,
+        or ``force``."""
+        waiting = sum(len(r) for r, _, _ in self.unaudited)
+        if not waiting or not (force or waiting >= self.slots or time.perf_counter() - self.audited > AUDIT_EVERY_S):
+            return []
+        x_out = torch.cat([x for _, x, _ in self.unaudited])
+        labels = forward_logits(self.model, x_out, self.model_name).argmax(1)
+        records, k = [], 0
+        for recs, x, sub in self.unaudited:
+            audit = sub.is_adv_label(labels[k:k + len(recs)]).tolist()
+            images = to_uint8(x) if self.run.save_adv else None
+            for j, r in enumerate(recs):
+                r["audit_adv"] = bool(audit[j])
+                if images is not None:
+                    r["_image"] = images[j]
+            records += recs
+            k += len(recs)
+        self.unaudited, self.audited = [], time.perf_counter()
         return records
 
 
