@@ -17,8 +17,10 @@ the samples without one, and ends with the records of an uninterrupted run. A lo
 on the same run directory fail with a one-line error naming the holder.
 """
 import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from .errors import BenchError
 from .family import RunInputs
 from .prep.data import resolve_data_root
 from .prep.models import build_model
+from .prep.targets import choose_targets
 from .registry import ASSET, DATASET, MODEL, TARGET_LABEL, check_params
 from .rng import Streams
 
@@ -122,6 +125,13 @@ def prepare(exp):
     return Plan(exp, recipe, family, threat, attack, resolved)
 
 
+def safe_part(text):
+    """A run-folder name part: letters, digits, '.', '_', '+', '-' only (anything else becomes '_'), never '.'
+    or '..', so a name cannot leave ``output_dir`` or nest folders."""
+    part = re.sub(r"[^A-Za-z0-9._+-]", "_", str(text))[:80]
+    return part if part.strip(".") else part.replace(".", "_") or "_"
+
+
 def run_dir_for(plan, device):
     exp, recipe, threat = plan.exp, plan.recipe, plan.threat
     h = config_hash({k: v for k, v in plan.resolved.items() if k not in ("output_dir", "name")}
@@ -129,16 +139,30 @@ def run_dir_for(plan, device):
     models = [s for _, _, s in plan.family.roles(exp)]
     parts = [exp["name"] or recipe["name"], exp["dataset"]["name"], spec_label(models[0]).replace(":", "-"),
              threat["norm"], "targeted" if threat["targeted"] else "untargeted", h]
-    return Path(exp["output_dir"]) / "_".join(parts), h
+    return Path(exp["output_dir"]) / "_".join(safe_part(p) for p in parts), h
 
 
-def read_records(path, schema):
+def record_check(record, salt):
+    """A record's checksum: the first 16 hex digits of SHA-256 over its canonical JSON (without ``check``) and
+    the run's config hash, so a record edited by hand, corrupted, or copied from another run is detected."""
+    body = json.dumps({k: v for k, v in record.items() if k != "check"}, sort_keys=True)
+    return hashlib.sha256(f"{salt}\n{body}".encode()).hexdigest()[:16]
+
+
+def read_records(path, schema, salt):
     """The valid records of a (possibly interrupted) run: a torn or unparsable line is dropped (its sample is
-    redone); a record that breaks the schema, or two different records of one sample, are errors."""
+    redone); a record that breaks the schema or its checksum, or two different records of one sample, are
+    errors naming the line."""
     if not path.exists():
         return {}
     records = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    schema = {**schema, "check": (str,)}
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"{path}: cannot read the records ({type(e).__name__}); move the file away to restart "
+                         "the run") from None
+    for n, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
         except json.JSONDecodeError:
@@ -146,11 +170,24 @@ def read_records(path, schema):
         if not isinstance(r, dict) or not all(k in r and isinstance(r[k], types) and not
                                               (isinstance(r[k], bool) and bool not in types)
                                               for k, types in schema.items()):
-            raise BenchError(f"{path}:{n}: not a record of this run (expected the fields {', '.join(schema)})")
+            raise BenchError(f"{path}:{n}: not a record of this run (expected the fields {', '.join(schema)}); "
+                             "remove the line to redo its sample")
+        if r["check"] != record_check(r, salt):
+            raise BenchError(f"{path}:{n}: record of sample {r['index']} does not match its checksum (edited, "
+                             "corrupted or from another run); remove the line to redo the sample")
         if r["index"] in records and records[r["index"]] != r:
             raise BenchError(f"{path}:{n}: a second, different record of sample {r['index']}")
         records[r["index"]] = r
     return records
+
+
+def read_elapsed(path):
+    """The cumulative wall time an interrupted run recorded (0 when absent or unreadable)."""
+    try:
+        value = json.loads(path.read_text()).get("wall_time", 0.0)
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+    return float(value) if isinstance(value, (int, float)) and value >= 0 else 0.0
 
 
 def atomic_write(path, text):
@@ -191,8 +228,8 @@ class RecordWriter:
     """Appends records as samples finish: images first (``save_adv``), then the lines, flushed at once and
     fsync'ed at most every ``FSYNC_EVERY_S``; the run's cumulative wall time goes to ``progress.json``."""
 
-    def __init__(self, run_dir, elapsed):
-        self.run_dir, self.elapsed, self.t0 = run_dir, elapsed, time.perf_counter()
+    def __init__(self, run_dir, elapsed, salt):
+        self.run_dir, self.elapsed, self.salt, self.t0 = run_dir, elapsed, salt, time.perf_counter()
         self.file = open(run_dir / "records.jsonl", "a")
         self.synced = time.perf_counter()
 
@@ -206,6 +243,7 @@ class RecordWriter:
             image = r.pop("_image", None)
             if image is not None:
                 save_png(self.run_dir / "adv" / f"{r['index']:06d}.png", image)
+            r["check"] = record_check(r, self.salt)
         self.file.write("".join(json.dumps(r) + "\n" for r in records))
         self.file.flush()
         if time.perf_counter() - self.synced > FSYNC_EVERY_S:
@@ -286,6 +324,7 @@ class Runner:
                 assets[k] = ASSET.get(spec["name"])(data_root, self.device, **params)
             except BenchError as e:
                 raise ConfigError(str(e), source, f"assets.{k}") from None
+        self._check_classes(models, data)
         probe = data.x[:8].to(self.device)
         self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
                                   if is_randomized(m, probe)})
@@ -293,26 +332,57 @@ class Runner:
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=exp["batch_size"], assets=assets, save_adv=exp["save_adv"])
 
+    def _check_classes(self, models, data):
+        """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes
+        the models' common count), every label must be one of them, and targeted runs' target labels too:
+        checked before anything is created."""
+        source, probe = self.exp["_source"], data.x[:1].to(self.device)
+        for key, ms in models.items():
+            for i, m in enumerate(ms):
+                with torch.no_grad():
+                    width = m(probe).shape[1]
+                where = f"{key}[{i}]" if self.family.model_keys[key].many else key
+                if data.num_classes is None:
+                    data.num_classes = width
+                elif width != data.num_classes:
+                    raise ConfigError(f"the model outputs {width} classes but dataset {data.name} has "
+                                      f"{data.num_classes}", source, where)
+        if data.num_classes is not None and bool(((data.y < 0) | (data.y >= data.num_classes)).any()):
+            raise ConfigError(f"labels must be class ids in [0, {data.num_classes}) of the model, got "
+                              f"{int(data.y.min())}..{int(data.y.max())}", source, "dataset")
+        if self.threat["targeted"]:
+            m = len(data.y)
+            try:
+                choose_targets(self.threat["target_label"], torch.zeros(m, data.num_classes), data.y,
+                               Streams(0, m, "cpu").view(torch.arange(m)), data.given_target)
+            except BenchError as e:
+                raise ConfigError(str(e), source, "threat.target_label") from None
+
     def run(self):
         data_root, data = self._data()
-        if self.fresh and self.run_dir.exists():
-            shutil.rmtree(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with RunLock(self.run_dir):
-            return self._run_locked(data_root, data)
+        inputs = self._inputs(data_root, data)  # every model, asset and class check before anything is created
+        try:
+            if self.fresh and self.run_dir.exists():
+                shutil.rmtree(self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(self.run_dir)
+        except OSError as e:
+            raise ConfigError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}", self.exp["_source"],
+                              "output_dir") from None
+        with lock:
+            return self._run_locked(inputs)
 
-    def _run_locked(self, data_root, data):
+    def _run_locked(self, inputs):
+        data = inputs.data
         n = len(data.y)
         atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(self.plan.resolved, sort_keys=False))
         rec_path = self.run_dir / "records.jsonl"
-        done = {i: r for i, r in read_records(rec_path, self.family.schema()).items() if i < n}
+        done = {i: r for i, r in read_records(rec_path, self.family.schema(), self.hash).items() if i < n}
         atomic_write(rec_path, "".join(json.dumps(done[i]) + "\n" for i in sorted(done)))
-        progress = self.run_dir / "progress.json"
-        elapsed = json.loads(progress.read_text()).get("wall_time", 0.0) if progress.exists() else 0.0
-        writer = RecordWriter(self.run_dir, elapsed if done else 0.0)
+        elapsed = read_elapsed(self.run_dir / "progress.json")
+        writer = RecordWriter(self.run_dir, elapsed if done else 0.0, self.hash)
         pending = [i for i in range(n) if i not in done]
         bar = _progress(n, len(done), self.progress, self.recipe["name"])
-        inputs = self._inputs(data_root, data)
         try:
             if pending:
                 worker = self.family.worker(inputs)

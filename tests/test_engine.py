@@ -74,7 +74,7 @@ def _exp(tmp_path, **kw):
     return exp
 
 
-def _records(run_dir, drop=("time",)):
+def _records(run_dir, drop=("time", "check")):
     rows = [json.loads(line) for line in (Path(run_dir) / "records.jsonl").read_text().splitlines()]
     for r in rows:
         for k in drop:
