@@ -92,11 +92,12 @@ def test_imagefolder(tmp_path):
         for i in range(2):
             arrays[cls, i] = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
             Image.fromarray(arrays[cls, i]).save(tmp_path / "imgs" / cls / f"{i}.png")
-    ds = DATASET.get("imagefolder")(tmp_path, path="imgs")
+    ds = DATASET.get("imagefolder")(tmp_path, path="imgs", classes=["a_dog", "b_cat"], num_classes=2)
     assert_images(ds, (4, 3, 6, 5), 2)
     assert ds.y.tolist() == [0, 0, 1, 1]  # a_dog < b_cat
     assert torch.equal(ds.x[2] * 255, torch.from_numpy(arrays["b_cat", 0]).permute(2, 0, 1).float())
-    assert_images(DATASET.get("imagefolder")(None, path=tmp_path / "imgs", size=4, n=3), (3, 3, 4, 4), 2)
+    assert_images(DATASET.get("imagefolder")(None, path=tmp_path / "imgs", size=4, n=3,
+                                             classes={"a_dog": 0, "b_cat": 1}, num_classes=2), (3, 3, 4, 4), 2)
 
 
 def test_real_datasets(shared_data):
