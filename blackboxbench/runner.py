@@ -339,9 +339,14 @@ class Runner:
         source, probe = self.exp["_source"], data.x[:1].to(self.device)
         for key, ms in models.items():
             for i, m in enumerate(ms):
-                with torch.no_grad():
-                    width = m(probe).shape[1]
                 where = f"{key}[{i}]" if self.family.model_keys[key].many else key
+                try:
+                    with torch.no_grad():
+                        width = m(probe).shape[1]
+                except (RuntimeError, BenchError) as e:  # e.g. 3-channel images into a 1-channel model
+                    raise ConfigError(f"the model cannot take the images of dataset {data.name} (shape "
+                                      f"{tuple(data.x.shape[1:])}): {str(e).splitlines()[0][:160]}", source,
+                                      where) from None
                 if data.num_classes is None:
                     data.num_classes = width
                 elif width != data.num_classes:

@@ -57,7 +57,7 @@ def three_classes(data_root=None, *, n=None):
 
 def config(tmp_path, text, name="cfg.yaml"):
     path = tmp_path / name
-    path.write_text(text.replace("OUT", str(tmp_path / "out")))
+    path.write_text(text.replace("OUT2", str(tmp_path / "out2")).replace("OUT", str(tmp_path / "out")))
     return path
 
 
@@ -237,4 +237,38 @@ def test_specified_target_out_of_range_fails_before_anything_is_created(tmp_path
     path = config(tmp_path, text)
     assert main(["run", str(path), "--quiet"]) == 2
     one_line_error(capsys, "threat.target_label", "[0, 10)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_imagefolder_class_subset_takes_the_class_count_from_the_model(tmp_path, capsys):
+    """Two folders of digits ('3' and '8') mapped to their true class ids: the run uses the model's 10 classes and
+    the true labels; an id the model does not have is a one-line error before anything is created."""
+    from PIL import Image
+
+    d = digits(n=60)
+    for c in (3, 8):
+        folder = tmp_path / "imgs" / str(c)
+        folder.mkdir(parents=True)
+        for k, i in enumerate((d.y == c).nonzero().squeeze(1)[:3].tolist()):
+            Image.fromarray((d.x[i, 0] * 255).round().byte().numpy()).save(folder / f"{k}.png")
+    base = RUN.replace("dataset: {name: digits, n: 16}", "dataset: {name: imagefolder, path: imgs, grayscale: true, "
+                                                          "classes: {'3': 3, '8': MAPPED}}") + "data_root: ROOT\n"
+    path = config(tmp_path, base.replace("MAPPED", "8").replace("ROOT", str(tmp_path)))
+    assert main(["run", str(path), "--quiet"]) == 0
+    labels = sorted(json.loads(line)["label"] for line in _lines(_run_dir(tmp_path)))
+    assert labels == [3, 3, 3, 8, 8, 8]
+    path = config(tmp_path, base.replace("MAPPED", "12").replace("ROOT", str(tmp_path)).replace("OUT", "OUT2"),
+                  "bad.yaml")
+    capsys.readouterr()
+    assert main(["run", str(path), "--quiet"]) == 2
+    one_line_error(capsys, ":dataset:", "class ids in [0, 10)")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_images_the_model_cannot_take_are_a_one_line_error(tmp_path, capsys):
+    """8x8 grayscale digits into a CIFAR ResNet (3 channels): one line naming the model key, nothing created."""
+    text = RUN.replace("model: digits_mlp", "model: {name: cifar_resnet20, pretrained: false}")
+    path = config(tmp_path, text)
+    assert main(["run", str(path), "--quiet"]) == 2
+    one_line_error(capsys, ":model:", "cannot take the images of dataset digits")
     assert not (tmp_path / "out").exists()

@@ -124,14 +124,15 @@ def _load_npz(path, name, num_classes, n):
     return _from_uint8(x, y, name, num_classes, n, source=path)
 
 
-def _decode_image(path, size):
-    """One image file -> uint8 (H, W, 3) RGB array, resized (bilinear) to ``size`` x ``size`` when ``size``.
-    A file PIL cannot decode (corrupt, truncated, not an image) is a one-line error naming it."""
+def _decode_image(path, size, mode="RGB"):
+    """One image file -> uint8 (H, W, 3) RGB array (``mode`` "L": (H, W) grayscale), resized (bilinear) to
+    ``size`` x ``size`` when ``size``. A file PIL cannot decode (corrupt, truncated, not an image) is a one-line
+    error naming it."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
-            im = im.convert("RGB")  # decodes the whole file: a truncated one raises here
+            im = im.convert(mode)  # decodes the whole file: a truncated one raises here
             if size:
                 im = im.resize((size, size), Image.BILINEAR)
             return np.asarray(im, dtype=np.uint8)
@@ -141,9 +142,10 @@ def _decode_image(path, size):
         raise BenchError(f"cannot decode image {path}: {_first_line(err)}") from None
 
 
-def _load_images(paths, size, name):
-    """Decode ``paths`` and stack them (N, H, W, 3); without ``size`` they must share one size."""
-    images = [_decode_image(p, size) for p in paths]
+def _load_images(paths, size, name, mode="RGB"):
+    """Decode ``paths`` and stack them (N, H, W, 3), or (N, H, W) for ``mode`` "L"; without ``size`` they must
+    share one size."""
+    images = [_decode_image(p, size, mode) for p in paths]
     shapes = [im.shape for im in images]
     if len(set(shapes)) > 1:
         i = next(i for i, s in enumerate(shapes) if s != shapes[0])
@@ -242,7 +244,7 @@ def _class_mapping(data_root, classes, labels_file, num_classes):
 
 @DATASET.register("imagefolder", source="one sub-folder per class, class ids from classes or labels_file")
 def imagefolder(data_root, *, path, classes=None, labels_file=None, num_classes=None, ignore_unmapped=False,
-                n=None, size=None):
+                n=None, size=None, grayscale=False):
     """Images in ``path/<folder>/``; the class id of each folder comes from exactly one of
 
     - ``classes``: a list of folder names in class-id order (folder ``classes[i]`` -> class id i), or a mapping
@@ -256,6 +258,7 @@ def imagefolder(data_root, *, path, classes=None, labels_file=None, num_classes=
     be below it. None (default): the Dataset's ``num_classes`` is None and the runner takes it from the model.
     Samples: folders sorted by name, files sorted inside each; ``n`` keeps the first n. ``size`` resizes every
     image to ``size`` x ``size`` (bilinear) so that they stack; without it they must already share one size.
+    ``grayscale``: decode to one channel (for grayscale models); otherwise RGB.
     """
     mapping, repeated, where = _class_mapping(data_root, classes, labels_file, num_classes)
     root = _need(data_path(data_root, path), "image folder")
@@ -275,7 +278,8 @@ def imagefolder(data_root, *, path, classes=None, labels_file=None, num_classes=
     if not files:
         raise BenchError(f"imagefolder: no images in the class folders of {root}")
     files = files[:_count(n, len(files), "imagefolder")]
-    return _from_uint8(_load_images([f for f, _ in files], size, "imagefolder"), [k for _, k in files],
+    return _from_uint8(_load_images([f for f, _ in files], size, "imagefolder", "L" if grayscale else "RGB"),
+                       [k for _, k in files],
                        "imagefolder", num_classes, None, source=root)
 
 

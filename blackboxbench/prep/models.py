@@ -45,6 +45,9 @@ class Normalized(nn.Module):
         if self.resize and tuple(x.shape[-2:]) != (self.resize, self.resize):
             x = F.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False,
                               antialias=False)
+        channels = next((t.shape[1] for t in (self.mean, self.std) if t is not None and t.shape[1] > 1), None)
+        if channels is not None and x.shape[1] != channels:  # broadcasting would silently make up channels
+            raise BenchError(f"the model expects {channels}-channel images, got shape {tuple(x.shape[1:])}")
         if self.mean is not None:
             x = x - self.mean
         if self.std is not None:
