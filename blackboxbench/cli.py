@@ -40,16 +40,21 @@ def cmd_run(args):
         print(f"run {r.run_dir}", file=sys.stderr)
     print(format_table(summaries))
     if opts.get("leaderboard"):
-        rows = export_csv(sorted({e["output_dir"] for e in experiments}), opts["leaderboard"])
+        from .leaderboard import notes
+        rows, skipped = export_csv(sorted({e["output_dir"] for e in experiments}), opts["leaderboard"])
         print(f"leaderboard: {opts['leaderboard']} ({len(rows)} runs)")
+        for line in notes(rows, skipped, opts["leaderboard"]):
+            print(line, file=sys.stderr)
     return 0
 
 
 def cmd_leaderboard(args):
-    from .leaderboard import export_csv
-    rows = export_csv(args.results, args.output)
+    from .leaderboard import export_csv, notes
+    rows, skipped = export_csv(args.results, args.output)
     print(format_table(rows))
     print(f"leaderboard: {args.output} ({len(rows)} runs)")
+    for line in notes(rows, skipped, args.output):
+        print(line, file=sys.stderr)
     return 0
 
 

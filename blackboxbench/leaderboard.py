@@ -1,17 +1,44 @@
 """Leaderboard: every run under a results directory -> one CSV row per run.
 
 Columns: the common ones, then each family's declared columns (with their direction, see
-:mod:`blackboxbench.family`), then run metadata. Rows are sorted by ASR (higher first), then AQN (lower first);
-a missing or non-finite value sorts last.
+:mod:`blackboxbench.family`), then run metadata. Rows are sorted by the :data:`SORT_BY` columns, each in its
+declared direction (ASR higher first, then AQN lower first); a missing or non-finite value sorts last; then by
+run name.
+
+A run that cannot be exported (no ``summary.json`` yet, or one that is not a summary) never stops the export: it
+is listed in the skipped runs with a one-line reason. Text cells that a spreadsheet would read as a formula are
+written with a leading ``'``.
 """
 import csv
+import io
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import BenchError
 from .family import COMMON_COLUMNS, TRAILING_COLUMNS
 from .registry import FAMILY
+
+SORT_BY = ("asr", "aqn")
+MARKERS = ("summary.json", "config.yaml", "records.jsonl")  # the files that make a directory a run directory
+# Fields every summary has, with their JSON types; a null ASR is a run without attacked samples (sorts last).
+REQUIRED = {"attack": ((str,), "a string"), "family": ((str,), "a string"),
+            "asr": ((int, float, type(None)), "a number or null")}
+UNFINISHED = "unfinished (no summary.json); re-run its config to finish it"
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+JSON_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",  # json.loads
+              float: "a number", type(None): "null"}
+
+
+class Skipped(NamedTuple):
+    """A run left out of the leaderboard, and why."""
+
+    run: Path
+    reason: str
+
+    def __str__(self):
+        return f"skipped {self.run}: {self.reason}"
 
 
 def columns():
@@ -24,39 +51,112 @@ def columns():
     return list(out.items())
 
 
-def collect(results_dirs):
-    """Summaries of every finished run (a ``summary.json``) below the results directory (or directories)."""
+def run_dirs(results_dirs):
+    """Every run directory (one holding a :data:`MARKERS` file) below the results directory (or directories),
+    once each, sorted."""
     roots = [Path(results_dirs)] if isinstance(results_dirs, (str, Path)) else [Path(d) for d in results_dirs]
-    rows = []
     for root in roots:
         if not root.is_dir():
-            raise BenchError(f"results directory not found: {root}")
-    for path in sorted(p for root in roots for p in root.rglob("summary.json")):
-        try:
-            rows.append(json.loads(path.read_text()))
-        except json.JSONDecodeError:
-            raise BenchError(f"corrupt summary: {path}") from None
-    return rows
+            raise BenchError(f"results directory {'is not a directory' if root.exists() else 'not found'}: {root}")
+    found = {}
+    for root in roots:
+        for marker in MARKERS:
+            for p in root.rglob(marker):
+                found.setdefault(p.parent.resolve(), p.parent)
+    return sorted(found.values())
 
 
-def _num(v, worst):
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else worst
+def read_summary(run_dir):
+    """``(summary, None)`` for a finished run, ``(None, reason)`` for a run that cannot be exported."""
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        return None, UNFINISHED
+    try:
+        s = json.loads(path.read_bytes().decode("utf-8-sig"))
+        json.dumps(s, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is not text
+    except OSError as e:
+        return None, f"summary.json cannot be read ({e.strerror or e})"
+    except UnicodeDecodeError as e:
+        return None, f"summary.json is not UTF-8 text (byte {e.start})"
+    except UnicodeEncodeError as e:
+        return None, f"summary.json holds an unpaired surrogate escape (\\u{ord(e.object[e.start]):04x})"
+    except json.JSONDecodeError as e:
+        return None, f"summary.json is not valid JSON (line {e.lineno})"
+    except (ValueError, RecursionError) as e:  # integers past Python's digit limit, deep nesting
+        return None, f"summary.json is not valid JSON ({(str(e).splitlines() or [type(e).__name__])[0]})"
+    if not isinstance(s, dict):
+        return None, f"summary.json holds {JSON_KINDS[type(s)]}, not an object"
+    missing = [k for k in REQUIRED if k not in s]
+    if missing:
+        return None, f"summary.json lacks {', '.join(missing)}"
+    for k, (types, expected) in REQUIRED.items():
+        if not isinstance(s[k], types) or isinstance(s[k], bool):
+            return None, f"summary.json: {k} is {JSON_KINDS[type(s[k])]}, not {expected}"
+    return {**s, "run": s.get("run") or Path(run_dir).name}, None
 
 
-def sort_key(row):
-    """Higher ASR first, then fewer queries (runs without queries last among equals)."""
-    return (-_num(row.get("asr"), -math.inf), _num(row.get("aqn"), math.inf), str(row.get("run", "")))
+def collect(results_dirs):
+    """``(summaries, skipped)``: the summary of every finished run below the results directory (or directories)
+    and a :class:`Skipped` for every other run directory."""
+    rows, skipped = [], []
+    for d in run_dirs(results_dirs):
+        s, reason = read_summary(d)
+        if reason:
+            skipped.append(Skipped(d, reason))
+        else:
+            rows.append(s)
+    return rows, skipped
+
+
+def _finite(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def sort_key(row, directions):
+    """Each :data:`SORT_BY` column best first by its direction (``higher`` or ``lower``), a missing or
+    non-finite value last; then the run name."""
+    key = [(0, -row[c] if directions.get(c) == "higher" else row[c]) if _finite(row.get(c)) else (1, 0)
+           for c in SORT_BY]
+    return (*key, str(row.get("run", "")))
+
+
+def cell(v):
+    """A CSV cell: numbers and booleans as they are, None empty, any other value as text, with a leading ``'``
+    when a spreadsheet would read it as a formula."""
+    if v is None:
+        return ""
+    if isinstance(v, (int, float)):
+        return v
+    text = str(v)
+    return "'" + text if text.startswith(FORMULA_START) else text
+
+
+def to_csv(rows, names):
+    """The CSV text of ``rows`` under the columns ``names`` (values outside them are left out)."""
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(names)
+    w.writerows([cell(r.get(k)) for k in names] for r in rows)
+    return buf.getvalue()
 
 
 def export_csv(results_dirs, out_path):
-    """Write the leaderboard CSV; numbers stay numbers, missing values are empty cells. Returns the rows."""
-    rows = sorted(collect(results_dirs), key=sort_key)
-    names = [c for c, _ in columns()]
+    """Write the leaderboard CSV of every finished run; returns ``(rows, skipped)``: the exported summaries in
+    leaderboard order and a :class:`Skipped` (one line as ``str``) for every run left out."""
+    rows, skipped = collect(results_dirs)
+    cols = columns()
+    directions = dict(cols)
+    rows.sort(key=lambda r: sort_key(r, directions))
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in names})
-    return rows
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(to_csv(rows, [c for c, _ in cols]), encoding="utf-8")
+    except OSError as e:
+        raise BenchError(f"cannot write the leaderboard {out}: {e.strerror or e}") from None
+    return rows, skipped
+
+
+def notes(rows, skipped, out_path):
+    """The lines to show the user after an export: one per skipped run, and a note when no run was exported."""
+    empty = [f"note: no finished run to export; {out_path} holds only the header"] if not rows else []
+    return [str(s) for s in skipped] + empty
