@@ -2,8 +2,6 @@
 
 Every failure must be a one-line BenchError that names the file (no traceback)."""
 import io
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,18 +159,10 @@ def test_n_larger_than_dataset(small_sets, name):
         one_line_error(lambda: load(bad), f"dataset {name}: n must be a positive integer", repr(bad))
 
 
-def test_n_larger_than_real_datasets(shared_data):
-    one_line_error(lambda: DATASET.get("cifar10")(shared_data, n=1000), "dataset cifar10: n = 1000 but it has 300")
-    one_line_error(lambda: DATASET.get("mnist")(shared_data, n=1001), "dataset mnist: n = 1001 but it has 1000")
-    one_line_error(lambda: nips17(shared_data, n=101), "dataset nips17: n = 101 but it has 100 images")
-
-
-@pytest.fixture(scope="module")
-def shared_data():
-    root = os.environ.get("BLACKBOXBENCH_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not Path(root).is_dir():
-        pytest.skip(f"no data directory at {root} (set BLACKBOXBENCH_DATA)")
-    return Path(root)
+def test_n_larger_than_real_datasets(data_root):
+    one_line_error(lambda: DATASET.get("cifar10")(data_root, n=1000), "dataset cifar10: n = 1000 but it has 300")
+    one_line_error(lambda: DATASET.get("mnist")(data_root, n=1001), "dataset mnist: n = 1001 but it has 1000")
+    one_line_error(lambda: nips17(data_root, n=101), "dataset nips17: n = 101 but it has 100 images")
 
 
 # ---------------------------------------------------------------- other unreadable input

@@ -61,6 +61,17 @@ def config(tmp_path, text, name="cfg.yaml"):
     return path
 
 
+RUN = """
+dataset: {name: digits, n: 16}
+model: digits_mlp
+attack: square_linf
+threat: {norm: linf, eps: 0.2, max_queries: 100}
+device: cpu
+batch_size: 8
+output_dir: OUT
+"""
+
+
 def one_line_error(capsys, path, *phrases):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err, err
@@ -68,19 +79,9 @@ def one_line_error(capsys, path, *phrases):
     return err
 
 
-BASE = """
-dataset: {name: digits, n: 12}
-model: digits_mlp
-attack: hsja_linf
-threat: {norm: linf, eps: 0.2, max_queries: 200}
-device: cpu
-output_dir: OUT
-"""
-
-
 @pytest.mark.parametrize("model", ["test_nan_after_3", "test_all_nan"])
 def test_nan_logits_are_refused_never_read_as_class_zero(tmp_path, capsys, model):
-    path = config(tmp_path, BASE.replace("model: digits_mlp", f"model: {model}"))
+    path = config(tmp_path, RUN.replace("model: digits_mlp", f"model: {model}").replace("square_linf", "hsja_linf"))
     assert main(["run", str(path), "--quiet"]) == 2
     one_line_error(capsys, "non-finite logits", "NaN is never read as a class")
     assert not list((tmp_path / "out").rglob("summary.json"))
@@ -127,17 +128,6 @@ def test_every_success_is_an_oracle_answer_on_the_returned_image(monkeypatch, na
         labels = torch.stack([a.argmax() if a.dtype.is_floating_point else a for a in answers])
         assert bool((labels != ds.y[i]).any()), f"sample {i}: the oracle never saw the returned image adversarial"
     assert (res.queries <= budget).all()
-
-
-RUN = """
-dataset: {name: digits, n: 16}
-model: digits_mlp
-attack: square_linf
-threat: {norm: linf, eps: 0.2, max_queries: 100}
-device: cpu
-batch_size: 8
-output_dir: OUT
-"""
 
 
 def _run_dir(tmp_path):

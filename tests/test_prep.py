@@ -1,6 +1,4 @@
 """Preparation module: datasets, model zoo, target labels."""
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,14 +13,6 @@ from blackboxbench.prep.cifar_resnet import CifarResNet
 from blackboxbench.registry import DATASET, MODEL, TARGET_LABEL
 
 CIFAR_ACC = {20: 93.0, 32: 91.7, 44: 93.3, 56: 95.0}  # measured on the 300 images (data README)
-
-
-@pytest.fixture(scope="module")
-def shared_data():
-    root = os.environ.get("BLACKBOXBENCH_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not Path(root).is_dir():
-        pytest.skip(f"no data directory at {root} (set BLACKBOXBENCH_DATA)")
-    return Path(root)
 
 
 def assert_images(ds, shape, num_classes):
@@ -100,21 +90,21 @@ def test_imagefolder(tmp_path):
                                              classes={"a_dog": 0, "b_cat": 1}, num_classes=2), (3, 3, 4, 4), 2)
 
 
-def test_real_datasets(shared_data):
-    assert_images(DATASET.get("cifar10")(shared_data), (300, 3, 32, 32), 10)
-    assert_images(DATASET.get("mnist")(shared_data, n=50), (50, 1, 28, 28), 10)
-    nips = DATASET.get("nips17")(shared_data, n=3)
+def test_real_datasets(data_root):
+    assert_images(DATASET.get("cifar10")(data_root), (300, 3, 32, 32), 10)
+    assert_images(DATASET.get("mnist")(data_root, n=50), (50, 1, 28, 28), 10)
+    nips = DATASET.get("nips17")(data_root, n=3)
     assert_images(nips, (3, 3, 299, 299), 1000)
     assert nips.y.tolist() == [305, 883, 243] and nips.given_target.tolist()[:2] == [778, 377]
-    assert_images(DATASET.get("nips17")(shared_data, n=2, size=224), (2, 3, 224, 224), 1000)
+    assert_images(DATASET.get("nips17")(data_root, n=2, size=224), (2, 3, 224, 224), 1000)
 
 
 # ---------------------------------------------------------------- models
 
 @pytest.mark.parametrize("depth", sorted(CIFAR_ACC))
-def test_cifar_resnets_accuracy(shared_data, depth):
-    ds = DATASET.get("cifar10")(shared_data)
-    model = M.build_model(f"cifar_resnet{depth}", shared_data)
+def test_cifar_resnets_accuracy(data_root, depth):
+    ds = DATASET.get("cifar10")(data_root)
+    model = M.build_model(f"cifar_resnet{depth}", data_root)
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
     with torch.no_grad():
         acc = 100 * (model(ds.x).argmax(1) == ds.y).float().mean().item()
