@@ -9,11 +9,15 @@ import copy
 from functools import partial
 
 from . import catalog
-from .config import ConfigError, check_keys, deep_merge, load_yaml, parse_number
+from .config import (ConfigError, check_block_params, check_keys, check_plain_name, deep_merge, load_yaml,
+                     parse_number)
 from .errors import BenchError
-from .registry import FAMILY, check_params
+from .registry import FAMILY, is_numeric
+from .threat import NORMS
 
 RECIPE_KEYS = {"name", "family", "paper", "defaults", "norms", "targeted", "blocks", "hyper", "notes"}
+RECIPE_TYPES = {"name": str, "norms": list, "targeted": bool, "blocks": dict, "hyper": dict}
+OVERRIDES = {"blocks": dict, "hyper": dict, "name": str}  # what a config may override in a catalog recipe
 SETTING_KEYS = {"linf", "l2", "targeted", "untargeted"}
 
 
@@ -36,18 +40,23 @@ def load_recipe(attack, source):
     if isinstance(attack, str):
         attack = {"recipe": attack}
     attack = dict(attack)
-    name = attack.pop("recipe", None)
-    if name is None:
+    if "recipe" not in attack:
         return attack, source
+    name = attack.pop("recipe")
+    if not isinstance(name, str):
+        raise ConfigError(f"expected a recipe name, got {name!r}", source, "attack.recipe")
     try:
         path = catalog.find(name)
     except BenchError as e:
         raise ConfigError(str(e), source, "attack") from None
     base = load_yaml(path)
-    extra = set(attack) - {"blocks", "hyper", "name"}
-    if extra:
-        raise ConfigError(f"unknown override '{sorted(extra)[0]}' (a recipe can be overridden in blocks, hyper, "
-                          f"name)", source, f"attack.{sorted(extra)[0]}")
+    for key in attack:
+        if key not in OVERRIDES:
+            raise ConfigError(f"unknown override (a recipe can be overridden in {', '.join(OVERRIDES)})", source,
+                              f"attack.{key}")
+        if not isinstance(attack[key], OVERRIDES[key]):
+            raise ConfigError(f"expected {OVERRIDES[key].__name__}, got {type(attack[key]).__name__} "
+                              f"{attack[key]!r}", source, f"attack.{key}")
     return _merge_recipe(base, attack), f"{path} (overridden by {source})" if attack else str(path)
 
 
@@ -85,32 +94,39 @@ def validate_recipe(recipe, source):
         if key not in recipe:
             raise ConfigError("missing required key", source, f"attack.{key}")
     family = recipe_family(recipe, source)
-    if not isinstance(recipe["norms"], list) or not recipe["norms"]:
-        raise ConfigError("must be a non-empty list", source, "attack.norms")
-    if not isinstance(recipe["blocks"], dict):
-        raise ConfigError("must be a mapping", source, "attack.blocks")
+    for key, kind in RECIPE_TYPES.items():
+        if key in recipe and not isinstance(recipe[key], kind):
+            raise ConfigError(f"expected {kind.__name__}, got {type(recipe[key]).__name__} {recipe[key]!r}", source,
+                              f"attack.{key}")
+    check_plain_name(recipe["name"], source, "attack.name")
+    if not recipe["norms"] or any(n not in NORMS for n in recipe["norms"]):
+        raise ConfigError(f"must be a non-empty list of norms among {', '.join(NORMS)}, got {recipe['norms']!r}",
+                          source, "attack.norms")
     return family
 
 
 def _bind(registry, spec, threat, source, key):
+    """The block ``spec`` names, its parameters resolved (per setting; arithmetic like ``eps/10`` for a numeric
+    parameter), checked (:func:`~blackboxbench.registry.check_params`) and bound."""
     if isinstance(spec, str):
         spec = {"name": spec}
-    if not isinstance(spec, dict) or "name" not in spec:
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ConfigError("expected a block name or {name: ..., <params>}", source, key)
-    params = {k: v for k, v in spec.items() if k != "name"}
     try:
         fn = registry.get(spec["name"])
-        for k, v in params.items():
-            v = resolve_setting(v, threat)
-            params[k] = parse_number(v, {"eps": threat["eps"]}) if isinstance(v, str) and _is_arith(v) else v
-        check_params(fn, params)
-    except (BenchError, ValueError) as e:
+    except BenchError as e:
         raise ConfigError(str(e), source, key) from None
+    params = {}
+    for k, v in spec.items():
+        if k == "name":
+            continue
+        try:
+            v = resolve_setting(v, threat)
+            params[k] = parse_number(v, {"eps": threat["eps"]}) if isinstance(v, str) and is_numeric(fn, k) else v
+        except ValueError as e:
+            raise ConfigError(str(e), source, f"{key}.{k}") from None
+    check_block_params(fn, params, source, key)
     return partial(fn, **params)
-
-
-def _is_arith(s):
-    return bool(s) and all(c.isdigit() or c in " .+-*/()e" for c in s.replace("eps", ""))
 
 
 def build_attack(recipe, threat, source):
@@ -131,8 +147,6 @@ def build_attack(recipe, threat, source):
         else:
             raise ConfigError("missing required block", source, key)
     given = recipe.get("hyper") or {}
-    if not isinstance(given, dict):
-        raise ConfigError("must be a mapping", source, "attack.hyper")
     if given and not family.hyper:
         raise ConfigError(f"{family.name} recipes take parameters in their blocks", source, "attack.hyper")
     check_keys(given, family.hyper, source, "attack.hyper.")

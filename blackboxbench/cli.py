@@ -92,7 +92,7 @@ def main(argv=None):
         import blackboxbench  # noqa: F401  (registers every block)
         return args.fn(args)
     except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, whatever the message holds
         return 2
     except BrokenPipeError:  # e.g. `blackboxbench list | head`
         sys.stdout = open(os.devnull, "w")

@@ -9,63 +9,145 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import operator
+import os
+import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 from .errors import BenchError, ConfigError
-from .registry import close_matches
+from .registry import (ASSET, DATASET, MODEL, TARGET_LABEL, ParamError, check_params, close_matches, restore,
+                       snapshot)
 from .threat import NORMS
 
 # Threat-model defaults: Tables V-VII of the paper, CIFAR-10 columns (eps); each family adds its own (budget).
 DEFAULT_EPS = {"linf": 0.03, "l2": 1.0}
+# eps ranges in [0, 1] pixel units. Outputs are quantized to the uint8 grid, so below 1/255 no pixel can move.
+EPS_RANGE = {"linf": (1 / 255, 1.0), "l2": (1 / 255, 1e4)}
+MAX_SEED = 2 ** 63
+MAX_EXPRESSION = 64  # characters of an arithmetic string
+VIRTUAL_FS = ("/proc", "/sys", "/dev")
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _finite(x):
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def parse_number(value, names=None):
-    """A number, or a string of arithmetic like ``8/255`` or ``eps/10`` (``names`` gives the symbols)."""
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    if isinstance(value, (int, float)):
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"expected a number, got {type(value).__name__}")
-    names = names or {}
+    """A finite number, or a string of arithmetic like ``8/255`` or ``eps/10``: numeric literals, the symbols
+    ``names`` gives, unary + -, binary + - * / and parentheses, at most 64 characters. Booleans are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, str):
+        value = _evaluate(value, names or {})
+    if not _finite(value):
+        raise ValueError(f"must be a finite number, got {value!r}")
+    return value
+
+
+def _evaluate(text, names):
+    if len(text) > MAX_EXPRESSION:
+        raise ValueError(f"an arithmetic string of {len(text)} characters (at most {MAX_EXPRESSION})")
 
     def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
         if isinstance(node, ast.Name) and node.id in names:
             return names[node.id]
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.operand))
-        raise ValueError(f"cannot evaluate '{value}' (numbers, + - * / ** and {sorted(names) or 'no names'})")
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](ev(node.operand))
+        raise ValueError(f"cannot evaluate {text!r} (numbers, + - * / ( ) and "
+                         f"{', '.join(sorted(names)) or 'no names'})")
 
     try:
-        return ev(ast.parse(value, mode="eval"))
-    except SyntaxError:
-        raise ValueError(f"cannot parse '{value}' as a number") from None
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError):  # ValueError: a NUL character
+        raise ValueError(f"cannot parse {text!r} as a number") from None
+    try:
+        return ev(tree.body)
     except ZeroDivisionError:
-        raise ValueError(f"division by zero in '{value}'") from None
+        raise ValueError(f"division by zero in {text!r}") from None
+    except OverflowError:
+        raise ValueError(f"{text!r} overflows") from None
+
+
+# ---------------------------------------------------------------- YAML
+
+def _yaml_problem(e, what):
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}: " if mark else ""
+    return f"{where}{what} ({getattr(e, 'problem', None) or e})"
+
+
+def _check_duplicates(node, source, path, seen):
+    """Raise at the first key that a mapping (at any depth) holds twice (YAML would keep the last silently)."""
+    if id(node) in seen:  # an alias of a node already checked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first = {}
+        for k, v in node.value:
+            if k.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the keys beside it
+                continue
+            name = k.value if isinstance(k, yaml.ScalarNode) else "?"
+            key = f"{path}.{name}" if path else name
+            line = k.start_mark.line + 1
+            if isinstance(k, yaml.ScalarNode) and (k.tag, name) in first:
+                before = "twice on that line" if first[k.tag, name] == line else f"first on line {first[k.tag, name]}"
+                raise ConfigError(f"duplicate key on line {line} ({before})", source, key)
+            first[k.tag, name] = line
+            _check_duplicates(v, source, key, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _check_duplicates(v, source, f"{path}[{i}]", seen)
+
+
+def parse_yaml(text, source, key=None, what="invalid YAML"):
+    """YAML text -> Python data (safe types only), with duplicate keys refused; errors name ``source`` and
+    ``key`` (a ``--set`` key: its key paths start there) and say ``what`` is wrong."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicates(node, source, key or "", set())
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_problem(e, what), source, key) from None
+    except RecursionError:
+        raise ConfigError(f"{what} (nested too deeply)", source, key) from None
+    except (ValueError, TypeError, OverflowError) as e:  # e.g. a date like 2001-13-01
+        raise ConfigError(f"{what} ({type(e).__name__}: {e})", source, key) from None
+    finally:
+        loader.dispose()
 
 
 def load_yaml(path):
+    """A YAML file whose top level is a mapping (UTF-8; no duplicate keys)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("file not found", source=path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark else ""
-        raise ConfigError(f"{where}invalid YAML ({getattr(e, 'problem', None) or e})", source=path) from None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the file ({e.strerror})", source=path) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})", source=path) \
+            from None
+    data = parse_yaml(text, path)
     if not isinstance(data, dict):
         raise ConfigError("the top level must be a mapping", source=path)
     return data
@@ -83,11 +165,14 @@ def apply_set(cfg, assignments, source):
     """Apply ``--set a.b=value`` overrides (value parsed as YAML)."""
     for item in assignments:
         if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got '{item}'", source=source)
+            raise ConfigError(f"--set expects key=value, got {item!r}", source=source)
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw)
+        key = key.strip()
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: empty key name", source=source)
+        value = parse_yaml(raw, source, key, what="--set value is not valid YAML")
         node = cfg
-        parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
@@ -106,6 +191,10 @@ def _check_type(value, kinds, source, key):
     if not isinstance(value, kinds):
         raise ConfigError(f"expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__} "
                           f"{value!r}", source, key)
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+        raise ConfigError(f"out of range: {value} (integers must fit in 64 bits)", source, key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"must be a finite number, got {value!r}", source, key)
     return value
 
 
@@ -153,7 +242,8 @@ def _owners(key, attr):
 
 
 def check_family_keys(exp, family, source):
-    """Model and threat keys must be the family's own; the family's required model keys must be present."""
+    """Model and threat keys must be the family's own; the family's required model keys must be present; every
+    dataset, model and asset named exists and takes the parameters given (:func:`check_spec`)."""
     for key, mk in family.model_keys.items():
         if mk.required and not exp.get(key):
             raise ConfigError(f"a {family.name} attack needs '{key}'" + (" (a non-empty list)" if mk.many else ""),
@@ -165,6 +255,62 @@ def check_family_keys(exp, family, source):
     for key in exp["threat"]:
         if key not in COMMON_THREAT_KEYS and key not in family.threat_keys:
             raise ConfigError(f"only for {', '.join(_owners(key, 'threat_keys'))} attacks", source, f"threat.{key}")
+    specs = [("dataset", DATASET, exp["dataset"])]
+    specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL, spec)
+              for key, i, spec in family.roles(exp)]
+    specs += [(f"assets.{k}", ASSET, spec) for k, spec in exp["assets"].items()]
+    for key, registry, spec in specs:
+        check_spec(registry, spec, source, key)
+
+
+def check_spec(registry, spec, source, key):
+    """``spec`` ({name, **params}) names an entry of ``registry`` and fits its parameters; returns the entry."""
+    try:
+        fn = registry.get(spec["name"])
+    except BenchError as e:
+        raise ConfigError(str(e), source, key) from None
+    check_block_params(fn, {k: v for k, v in spec.items() if k != "name"}, source, key)
+    return fn
+
+
+def check_block_params(fn, params, source, key):
+    """:func:`~blackboxbench.registry.check_params` with errors at ``key.<param>``."""
+    try:
+        check_params(fn, params)
+    except ParamError as e:
+        raise ConfigError(e.message, source, f"{key}.{e.param}") from None
+
+
+def check_plain_name(value, source, key):
+    """A name that becomes part of a run folder's name: no '/', no control character, not starting with '.'."""
+    if not value or value.startswith(".") or any(c == "/" or ord(c) < 32 for c in value) or len(value) > 100:
+        raise ConfigError(f"must be a plain name (1-100 characters, no '/' or control characters, not starting "
+                          f"with '.'), got {value!r}", source, key)
+
+
+def check_output_dir(value, source, key="output_dir"):
+    """``output_dir`` must be usable before anything is created: an existing writable directory, or a path whose
+    nearest existing ancestor is one; paths on virtual filesystems (/proc, /sys, /dev) are refused."""
+    try:
+        path = Path(os.path.abspath(value)) if value and "\0" not in value else None
+        too_long = path is not None and (len(os.fsencode(path)) > 4000 or
+                                         any(len(os.fsencode(part)) > 255 for part in path.parts))
+    except UnicodeEncodeError:
+        path = None
+    if path is None:
+        raise ConfigError(f"not a usable directory path: {value!r}", source, key)
+    if too_long:
+        raise ConfigError(f"path too long: {value!r}", source, key)
+    for p in (path, Path(os.path.realpath(path))):
+        if any(p == Path(v) or Path(v) in p.parents for v in VIRTUAL_FS):
+            raise ConfigError(f"{value} is on a virtual filesystem ({', '.join(VIRTUAL_FS)}), not a place for "
+                              "results", source, key)
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise ConfigError(f"{existing} " + ("exists and is not a directory" if existing == path else
+                                            "is not a directory, so nothing can be created under it"), source, key)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{existing} is not writable", source, key)
 
 
 def spec_to_dict(spec, source, key):
@@ -178,32 +324,48 @@ def spec_to_dict(spec, source, key):
 
 
 def import_plugins(plugins, source, base_dir):
-    """Import modules or files whose decorators register new blocks."""
+    """Import modules or files whose decorators register new blocks.
+
+    A plugin that fails in any way while imported (an exception, ``sys.exit``, KeyboardInterrupt) is a one-line
+    error naming it; every registry is put back as it was before (:func:`~blackboxbench.registry.snapshot`) and
+    the module leaves ``sys.modules``, so nothing of it stays behind.
+    """
     for i, p in enumerate(plugins):
         key = f"plugins[{i}]"
-        if not isinstance(p, str):
-            raise ConfigError("expected a module name or a .py path", source, key)
+        if not isinstance(p, str) or not p.strip() or "\0" in p:
+            raise ConfigError(f"expected a module name or a .py path, got {p!r}", source, key)
+        path, mod_name = None, p
+        if p.endswith(".py"):
+            path = Path(p) if Path(p).is_absolute() else Path(base_dir) / p
+            if not path.is_file():
+                raise ConfigError(f"plugin file not found: {path}", source, key)
+            mod_name = "bbb_plugin_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+        if mod_name in sys.modules:
+            continue
+        before = snapshot()
         try:
-            if p.endswith(".py"):
-                path = Path(p) if Path(p).is_absolute() else Path(base_dir) / p
-                if not path.is_file():
-                    raise ConfigError(f"plugin file not found: {path}", source, key)
-                mod_name = "bbb_plugin_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
-                import sys
-                if mod_name in sys.modules:
-                    continue
-                spec = importlib.util.spec_from_file_location(mod_name, path)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[mod_name] = module
-                spec.loader.exec_module(module)
-            else:
-                importlib.import_module(p)
-        except ConfigError:
-            raise
-        except BenchError as e:
-            raise ConfigError(str(e), source, key) from None
-        except Exception as e:  # noqa: BLE001 - a plugin may fail in any way; report it on one line
-            raise ConfigError(f"cannot import plugin '{p}': {type(e).__name__}: {e}", source, key) from None
+            _import(mod_name, path)
+        except BaseException as e:  # noqa: BLE001 - whatever a plugin does, one line and nothing left behind
+            restore(before)
+            sys.modules.pop(mod_name, None)
+            raise ConfigError(f"cannot import plugin {p!r}: {_failure(e)}", source, key) from None
+
+
+def _import(mod_name, path):
+    if path is None:
+        importlib.import_module(mod_name)
+        return
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+
+
+def _failure(e):
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    text = " ".join(str(e).split())
+    return text if isinstance(e, BenchError) else f"{type(e).__name__}{': ' + text if text else ''}"
 
 
 def validate_experiment(cfg, source):
@@ -221,11 +383,15 @@ def validate_experiment(cfg, source):
     if out["device"] not in DEVICES:
         raise ConfigError(f"must be one of {', '.join(DEVICES)}{close_matches(out['device'], DEVICES)}",
                           source, "device")
-    for key in ("batch_size",):
-        if out[key] < 1:
-            raise ConfigError("must be >= 1", source, key)
-    if out["seed"] < 0:
-        raise ConfigError("must be >= 0", source, "seed")
+    if out["device"] == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("'cuda' requested but no CUDA device is available (use auto or cpu)", source, "device")
+    if out["batch_size"] < 1:
+        raise ConfigError(f"must be >= 1, got {out['batch_size']}", source, "batch_size")
+    if not 0 <= out["seed"] < MAX_SEED:
+        raise ConfigError(f"must be in [0, 2**63), got {out['seed']}", source, "seed")
+    if out["name"] is not None:
+        check_plain_name(out["name"], source, "name")
+    check_output_dir(out["output_dir"], source)
     out["dataset"] = spec_to_dict(out["dataset"], source, "dataset")
     n = out["dataset"].get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -263,12 +429,19 @@ def finish_threat(threat, recipe, family, source):
         t["eps"] = float(parse_number(t.get("eps", DEFAULT_EPS[t["norm"]])))
     except ValueError as e:
         raise ConfigError(str(e), source, "threat.eps") from None
-    if not (t["eps"] > 0) or (t["norm"] == "linf" and t["eps"] > 1):
-        raise ConfigError(f"out of range: {t['eps']} (linf eps in (0, 1], l2 eps > 0, in [0,1] pixel units)",
-                          source, "threat.eps")
+    lo, hi = EPS_RANGE[t["norm"]]
+    if not lo <= t["eps"] <= hi:
+        raise ConfigError(f"out of range: {t['eps']:g}; {t['norm']} eps must be in [1/255, {hi:g}] ([0, 1] "
+                          "pixel units; below 1/255 no pixel can move on the uint8 grid the outputs are quantized "
+                          "to)", source, "threat.eps")
+    if "target_label" in t and not t["targeted"]:
+        raise ConfigError("only for targeted attacks (set threat.targeted: true, or remove it)", source,
+                          "threat.target_label")
     # Supp. D-B: targeted runs pick the target from the model's logits; "median" is the paper's default.
-    t["target_label"] = spec_to_dict(t.get("target_label", "median"), source, "threat.target_label") \
-        if t["targeted"] else None
+    t["target_label"] = None
+    if t["targeted"]:
+        t["target_label"] = spec_to_dict(threat.get("target_label", "median"), source, "threat.target_label")
+        check_spec(TARGET_LABEL, t["target_label"], source, "threat.target_label")
     return family.finish_threat(t, recipe, source)
 
 

@@ -1,11 +1,23 @@
 """One small registry mechanism (timm style): ``@REGISTRY.register("name")`` and ``REGISTRY.get("name")``.
 
 There is one registry per block kind (see the bottom of this file). Blocks are plain functions or small
-callables whose tunable parameters are keyword-only; the builder validates the parameters a config gives against the block's signature
-(:func:`check_params`) before anything runs, so a block never sees YAML.
+callables whose tunable parameters are keyword-only; the builder validates the parameters a config gives against
+the block's signature (:func:`check_params`) before anything runs, so a block never sees YAML.
+
+A parameter's type comes from its default (a float default takes an int or a float, never a boolean; an int
+default an int; a bool default a bool; a str default a str; a None default anything). A registry entry declares
+ranges at registration, ``ranges={"p_init": "(0, 1]", "n_iters": "int [1, inf)"}``: an interval with open
+``( )`` or closed ``[ ]`` ends, ``inf`` allowed at an open end, optionally preceded by ``int`` (an integer),
+``odd`` (an odd integer) or ``list`` (a list of numbers, each inside); or a tuple of the allowed values,
+``("geometric_progression",)``. A declared ``int``/``odd``/``list`` is also the type of a parameter whose
+default is None; a plain interval on it means a number.
 """
 import difflib
 import inspect
+import math
+import re
+import weakref
+from dataclasses import dataclass
 
 from .errors import BenchError
 
@@ -18,30 +30,100 @@ def _where(obj):
 
 
 def close_matches(name, choices):
-    hits = difflib.get_close_matches(str(name), list(choices), n=3, cutoff=0.5)
+    hits = difflib.get_close_matches(str(name), [str(c) for c in choices], n=3, cutoff=0.5)
     return f" (did you mean: {', '.join(hits)}?)" if hits else ""
 
 
+# ---------------------------------------------------------------- parameter ranges
+
+_INTERVAL = re.compile(r"(?:(int|odd|list)\s+)?([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])")
+KIND_TYPES = {"real": (int, float), "int": (int,), "odd": (int,), "list": (list, tuple)}
+
+
+def _fmt(x):
+    return "inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A declared range: ``lo``..``hi``, each end open or closed; ``kind`` real, int, odd or list (each item)."""
+
+    lo: float
+    hi: float
+    lo_open: bool
+    hi_open: bool
+    kind: str = "real"
+
+    @classmethod
+    def parse(cls, text):
+        m = _INTERVAL.fullmatch(text.strip()) if isinstance(text, str) else None
+        try:
+            kind, left, lo, hi, right = m.groups()
+            iv = cls(float(lo), float(hi), left == "(", right == ")", kind or "real")
+        except (AttributeError, ValueError):
+            raise BenchError(f"range {text!r}: expected an interval such as '(0, 1]', 'int [1, inf)', "
+                             "'odd [1, inf)' or 'list [0, inf)'") from None
+        if math.isnan(iv.lo) or math.isnan(iv.hi) or iv.lo > iv.hi or (iv.lo == -math.inf and not iv.lo_open) \
+                or (iv.hi == math.inf and not iv.hi_open):
+            raise BenchError(f"range {text!r}: need lo <= hi, and inf only at an open end")
+        return iv
+
+    def __str__(self):
+        return f"{'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}{')' if self.hi_open else ']'}"
+
+    def __contains__(self, v):
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below  # NaN is in no interval
+
+    def problem(self, value):
+        """None when ``value`` (of the right type) lies inside, else what is wrong."""
+        if self.kind == "list":
+            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in self]
+            return f"each value must be a number in {self}, got {value!r}" if bad else None
+        if self.kind == "odd" and value % 2 == 0 or value not in self:
+            return f"must be {'an odd integer ' if self.kind == 'odd' else ''}in {self}, got {value!r}"
+        return None
+
+
+def parse_ranges(fn, ranges):
+    """``{param: interval text or tuple of choices}`` -> ``{param: Interval or tuple}``; every name must be a
+    keyword-only parameter of ``fn``."""
+    params = block_params(fn)
+    out = {}
+    for name, rule in ranges.items():
+        if name not in params:
+            raise BenchError(f"range for '{name}': not a keyword-only parameter of {_where(fn)}"
+                             f"{close_matches(name, params)}")
+        out[name] = tuple(rule) if isinstance(rule, (tuple, list)) else Interval.parse(rule)
+    return out
+
+
 class Registry:
+    instances = weakref.WeakSet()  # every registry, so that a failed plugin import can be undone (snapshot)
+
     def __init__(self, kind):
         self.kind = kind
         self._entries = {}
+        Registry.instances.add(self)
 
-    def register(self, name, **meta):
-        """Decorator registering ``obj`` under ``name``; ``meta`` is free documentation (paper, norms...)."""
+    def register(self, name, *, ranges=None, **meta):
+        """Decorator registering ``obj`` under ``name``; ``ranges`` declares parameter ranges (see the module
+        docstring), parsed once into ``registry_meta["ranges"]``; ``meta`` is free documentation (paper, norms...)."""
 
         def deco(obj):
             if name in self._entries:
                 raise BenchError(f"duplicate {self.kind} '{name}': registered at {_where(self._entries[name])} "
                                  f"and again at {_where(obj)}")
+            parsed = parse_ranges(obj, ranges) if ranges else {}
             self._entries[name] = obj
-            obj.registry_meta = dict(meta, name=name, kind=self.kind)
+            obj.registry_meta = dict(meta, name=name, kind=self.kind, ranges=parsed)
             return obj
 
         return deco
 
     def get(self, name):
-        if name not in self._entries:
+        if not isinstance(name, str) or name not in self._entries:
             raise BenchError(f"unknown {self.kind} '{name}'{close_matches(name, self._entries)}")
         return self._entries[name]
 
@@ -58,6 +140,18 @@ class Registry:
         return f"Registry({self.kind}: {', '.join(self.names())})"
 
 
+def snapshot():
+    """The entries of every registry, to :func:`restore` after a failed plugin import."""
+    return {reg: dict(reg._entries) for reg in Registry.instances}
+
+
+def restore(snap):
+    """Put every registry of ``snap`` back as it was (registrations made since are dropped)."""
+    for reg, entries in snap.items():
+        reg._entries.clear()
+        reg._entries.update(entries)
+
+
 def block_params(fn):
     """Tunable parameters of a block: its keyword-only parameters (after ``*``), with their defaults.
 
@@ -68,17 +162,66 @@ def block_params(fn):
     return {n: p.default for n, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
 
 
+_DEFAULT_TYPES = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+_TYPE_NAMES = {(bool,): "a boolean", (int,): "an integer", (int, float): "a number", (str,): "a string",
+               (list, tuple): "a list"}
+
+
+def param_rule(fn, param):
+    """``(types, rule)`` of keyword parameter ``param``: the accepted types (None: anything) and its declared
+    range (an :class:`Interval`, a tuple of choices, or None)."""
+    rule = getattr(fn, "registry_meta", {}).get("ranges", {}).get(param)
+    types = _DEFAULT_TYPES.get(type(block_params(fn)[param]))
+    if isinstance(rule, Interval) and (rule.kind != "real" or types is None):
+        types = KIND_TYPES[rule.kind]
+    return types, rule
+
+
+def is_numeric(fn, param):
+    """Whether keyword parameter ``param`` of ``fn`` takes a number (so a string like ``8/255`` is arithmetic)."""
+    return param in block_params(fn) and param_rule(fn, param)[0] in ((int,), (int, float))
+
+
+class ParamError(BenchError):
+    """A block parameter is wrong: ``param`` names it, ``message`` says why (``where`` prefixes ``str``)."""
+
+    def __init__(self, param, message, where=""):
+        self.param, self.message = param, message
+        super().__init__(f"{where}{param}: {message}")
+
+
+def value_problem(fn, param, value):
+    """None when ``value`` suits keyword parameter ``param`` of ``fn`` (type, finiteness, range), else why not."""
+    if value is None and block_params(fn)[param] is None:
+        return None
+    types, rule = param_rule(fn, param)
+    if types is not None and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+        return f"expected {_TYPE_NAMES[types]}, got {type(value).__name__} {value!r}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be finite, got {value!r}"
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+        return f"an integer out of the 64-bit range: {value}"
+    if isinstance(rule, tuple):
+        return None if value in rule else f"must be one of {', '.join(map(str, rule))}, got {value!r}"
+    return rule.problem(value) if rule is not None else None
+
+
 def check_params(fn, params, where=""):
-    """Raise a one-line error unless ``params`` fits the block's signature (no unknown, no missing)."""
+    """Raise a one-line :class:`ParamError` unless ``params`` fits the block: no unknown or missing parameter,
+    each value of its type and inside its declared range."""
     allowed = block_params(fn)
     name = getattr(fn, "registry_meta", {}).get("name", getattr(fn, "__name__", "?"))
     for key in params:
         if key not in allowed:
-            raise BenchError(f"{where}{key}: unknown parameter of block '{name}'"
-                             f"{close_matches(key, allowed)}; allowed: {', '.join(allowed) or 'none'}")
+            raise ParamError(key, f"unknown parameter of block '{name}'{close_matches(key, allowed)}; allowed: "
+                                  f"{', '.join(allowed) or 'none'}", where)
     missing = [k for k, d in allowed.items() if d is inspect.Parameter.empty and k not in params]
     if missing:
-        raise BenchError(f"{where}{missing[0]}: missing parameter of block '{name}'")
+        raise ParamError(missing[0], f"missing parameter of block '{name}'", where)
+    for key, value in params.items():
+        problem = value_problem(fn, key, value)
+        if problem:
+            raise ParamError(key, problem, where)
 
 
 FAMILY = Registry("family")          # attack families (score, decision, transfer): see family.py

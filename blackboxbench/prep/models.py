@@ -259,7 +259,8 @@ def _timm_local_weights(arch):
     return None, f"put the weights in {' or '.join(places)}" if places else "no download source is known"
 
 
-@MODEL.register("timm", source="timm.create_model")
+@MODEL.register("timm", source="timm.create_model", ranges={"num_classes": "int [1, inf)",
+                "mean": "list (-inf, inf)", "std": "list (0, inf)", "resize": "int [1, inf)"})
 def timm_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoint=None, mean=None, std=None,
                resize=None):
     """A timm architecture: random init, a local ``checkpoint`` (path relative to the data root or absolute),
@@ -285,7 +286,8 @@ def timm_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoin
     return Normalized(net, mean or cfg.get("mean", IMAGENET_MEAN), std or cfg.get("std", IMAGENET_STD), resize)
 
 
-@MODEL.register("torchvision", source="torchvision.models.get_model")
+@MODEL.register("torchvision", source="torchvision.models.get_model", ranges={"num_classes": "int [1, inf)",
+                "mean": "list (-inf, inf)", "std": "list (0, inf)", "resize": "int [1, inf)"})
 def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoint=None, mean=None,
                       std=None, resize=None):
     """A torchvision architecture: random init, a local ``checkpoint``, or the DEFAULT ``pretrained`` weights
@@ -314,7 +316,8 @@ def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, ch
 
 # ---------------------------------------------------------------- generic checkpoint loader
 
-@MODEL.register("checkpoint", source="a local state dict or TorchScript file")
+@MODEL.register("checkpoint", source="a local state dict or TorchScript file",
+                ranges={"mean": "list (-inf, inf)", "std": "list (0, inf)", "resize": "int [1, inf)"})
 def checkpoint(data_root, *, path, arch=None, mean=None, std=None, strip_prefix="module.", key="state_dict",
                resize=None):
     """Weights from ``path`` (relative to the data root or absolute) loaded into ``arch``, a zoo spec built

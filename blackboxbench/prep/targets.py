@@ -52,7 +52,7 @@ def median(logits, y, rng, given):
     return _rank_without_y(logits, y)[:, (logits.shape[1] - 2) // 2]
 
 
-@TARGET_LABEL.register("specified", paper="Supp. D-B")
+@TARGET_LABEL.register("specified", paper="Supp. D-B", ranges={"label": "int [0, inf)"})
 def specified(logits, y, rng, given, *, label=None):
     """One fixed ``label`` for every sample, or with ``label=None`` the dataset's targets ``given`` (e.g. the
     NIPS-2017 targets). Samples whose ``y`` equals their target are returned as they are: the runner skips

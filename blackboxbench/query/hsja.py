@@ -113,7 +113,8 @@ def geometric_step(ctx, x_bd, update, size, live):
     return (x_bd + per_sample(size, x_bd) * update).clamp(0.0, 1.0), found
 
 
-@INIT.register("hsja_init", paper=PAPER, norms=("linf", "l2"))
+@INIT.register("hsja_init", paper=PAPER, norms=("linf", "l2"),
+               ranges={"gamma": "(0, inf)", "init_tries": "int [0, inf)"})
 def hsja_init(ctx, *, gamma=1.0, init_tries=100):
     """Blended-uniform-noise start (targeted: the batch's images of the target class first), then the binary
     search to the boundary.
@@ -136,7 +137,9 @@ def hsja_init(ctx, *, gamma=1.0, init_tries=100):
                           theta=theta, probe_scale=torch.ones(n, dtype=torch.float64, device=dev))
 
 
-@PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"))
+@PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"),
+                  ranges={"init_num_evals": "int [1, inf)", "max_num_evals": "int [1, inf)",
+                          "stepsize_search": ("geometric_progression",)})
 def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search="geometric_progression"):
     """One HopSkipJumpAttack iteration for every sample that has an adversarial point.
 

@@ -36,7 +36,8 @@ def nes_gradient(ctx, x_cur, q, fd_eta):
     return (diff.view(n, q, *([1] * (u.dim() - 2))) * u).sum(1) / (2 * q * fd_eta)
 
 
-@PERTURB.register("nes", paper=PAPER, norms=("linf", "l2"))
+@PERTURB.register("nes", paper=PAPER, norms=("linf", "l2"),
+                  ranges={"q": "int [1, inf)", "fd_eta": "(0, 1]", "lr": "(0, inf)"})
 def nes(ctx, state, *, q=15, fd_eta=0.01, lr=0.01):
     """One NES step from ``state['x_adv']``, projected onto the eps ball and [0, 1].
 

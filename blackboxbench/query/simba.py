@@ -78,7 +78,8 @@ def simba_init_pixel(ctx):
     return _init(ctx, False, 0, 1)
 
 
-@INIT.register("simba_init_dct", paper=PAPER, norms=("linf", "l2"))
+@INIT.register("simba_init_dct", paper=PAPER, norms=("linf", "l2"),
+               ranges={"freq_dims": "int [1, inf)", "stride": "int [1, inf)"})
 def simba_init_dct(ctx, *, freq_dims=28, stride=7):
     """Start at the clean image (one query, ``delta`` 0) with a per-sample strided ordering of the DCT basis.
 
@@ -96,14 +97,14 @@ def _perturb(ctx, state, dct, step):
             "move": move, "it": it + 1}
 
 
-@PERTURB.register("simba_pixel", paper=PAPER, norms=("linf", "l2"))
+@PERTURB.register("simba_pixel", paper=PAPER, norms=("linf", "l2"), ranges={"step": "(0, 1]"})
 def simba_pixel(ctx, state, *, step=0.2):
     """Candidates ``x + delta -+ step * e_i`` (projected) for the next pixel ``e_i`` of each sample's ordering
     (``step`` 0.2: the authors' default)."""
     return _perturb(ctx, state, False, step)
 
 
-@PERTURB.register("simba_dct", paper=PAPER, norms=("linf", "l2"))
+@PERTURB.register("simba_dct", paper=PAPER, norms=("linf", "l2"), ranges={"step": "(0, inf)"})
 def simba_dct(ctx, state, *, step=0.2):
     """Candidates ``x + delta -+ step * d_i`` (projected) for the next DCT basis image ``d_i`` of each sample's
     ordering (``step`` 0.2: the authors' default)."""

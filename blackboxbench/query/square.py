@@ -92,7 +92,7 @@ def square_init_linf(ctx):
                        x_hi=x_hi.view(n, -1), x_lo=x_lo.view(n, -1))  # flat (n, C*H*W), gathered by index
 
 
-@PERTURB.register("square_linf", paper=PAPER, norms=("linf",))
+@PERTURB.register("square_linf", paper=PAPER, norms=("linf",), ranges={"p_init": "(0, 1]", "n_iters": "int [1, inf)"})
 def square_linf(ctx, state, *, p_init=0.05, n_iters=None):
     """Set one random s x s window per sample to a random vertex (+-eps per channel) of the Linf ball.
 
@@ -191,7 +191,7 @@ def square_init_l2(ctx):
                        it=torch.zeros(n, dtype=torch.long, device=x.device))
 
 
-@PERTURB.register("square_l2", paper=PAPER, norms=("l2",))
+@PERTURB.register("square_l2", paper=PAPER, norms=("l2",), ranges={"p_init": "(0, 1]", "n_iters": "int [1, inf)"})
 def square_l2(ctx, state, *, p_init=0.05, n_iters=None):
     """Authors' L2 update: zero a second random window, refill the first with old perturbation plus a fresh
     pseudo-Gaussian pattern (random sign per channel) so that the total stays on the L2 sphere of radius eps.

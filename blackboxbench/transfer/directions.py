@@ -4,7 +4,7 @@ from ..threat import per_sample
 
 
 @DIRECTION.register("momentum", paper="Dong et al., Boosting Adversarial Attacks with Momentum (MI-FGSM), "
-                                      "CVPR 2018", norms=("linf", "l2"))
+                                      "CVPR 2018", norms=("linf", "l2"), ranges={"decay": "[0, inf)"})
 def momentum(ctx, grad, state, *, decay=1.0):
     """MI-FGSM: ``g <- decay * g + grad / mean(|grad|)`` per sample, with ``g_0 = 0`` (Dong et al. Alg. 1).
 

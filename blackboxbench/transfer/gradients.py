@@ -28,7 +28,8 @@ def gaussian_kernel(kernel_size, nsig=3.0):
 
 
 @GRADIENT.register("ti", paper="Dong et al., Evading Defenses to Transferable Adversarial Examples by "
-                               "Translation-Invariant Attacks (TI-FGSM), CVPR 2019", norms=("linf", "l2"))
+                               "Translation-Invariant Attacks (TI-FGSM), CVPR 2019", norms=("linf", "l2"),
+                   ranges={"kernel_size": "odd [1, inf)", "nsig": "(0, inf)"})
 def ti(ctx, grad_fn, x, state, *, kernel_size=3, nsig=3.0):
     """TI: convolve the gradient, channel by channel, with a Gaussian kernel (zero 'same' padding).
 

@@ -23,7 +23,7 @@ class LogitEnsemble(nn.Module):
 
 @REFINE.register("logit_ensemble", paper="Liu et al., Delving into Transferable Adversarial Examples and "
                                          "Black-box Attacks, ICLR 2017; Dong et al., MI-FGSM, CVPR 2018 (ensemble "
-                                         "in logits)", norms=("linf", "l2"))
+                                         "in logits)", norms=("linf", "l2"), ranges={"weights": "list [0, inf)"})
 def logit_ensemble(ctx, models, *, weights=None):
     """Fuse the surrogates by averaging their logits, ``l(x) = sum_i w_i l_i(x)`` (Dong et al. Eq. 7).
 

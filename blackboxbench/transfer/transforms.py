@@ -67,7 +67,8 @@ def apply_di(x, params):
 
 
 @TRANSFORM.register("di", paper="Xie et al., Improving Transferability of Adversarial Examples with Input "
-                                "Diversity (DI2-FGSM), CVPR 2019", norms=("linf", "l2"))
+                                "Diversity (DI2-FGSM), CVPR 2019", norms=("linf", "l2"),
+                    ranges={"resize_rate": "(1, inf)", "prob": "[0, 1]"})
 def di(ctx, x, *, resize_rate=1.25, prob=0.5):
     """DI2-FGSM random resize-and-pad. Defaults: Table VII, CIFAR-10 (32 -> 40, i.e. resize_rate 1.25; p 0.5).
     Each sample draws its own size (the authors draw one per batch), so a sample's result does not depend on
