@@ -37,7 +37,7 @@ from .family import RunInputs
 from .prep.data import resolve_data_root
 from .prep.models import build_model
 from .prep.targets import choose_targets
-from .registry import ASSET, DATASET, MODEL, TARGET_LABEL, check_params
+from .registry import ASSET, DATASET
 from .rng import Streams
 
 FSYNC_EVERY_S = 1.0  # records are flushed at once (a killed process loses nothing) and fsync'ed at most this often
@@ -102,18 +102,7 @@ def prepare(exp):
     check_family_keys(exp, family, source)
     threat = finish_threat(exp["threat"], recipe, family, source)
     attack = build_attack(recipe, threat, recipe_source)
-    specs = [("dataset", DATASET, exp["dataset"])]
-    if threat["targeted"]:
-        specs.append(("threat.target_label", TARGET_LABEL, threat["target_label"]))
     roles = family.roles(exp)
-    specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL, spec) for key, i, spec in roles]
-    specs += [(f"assets.{k}", ASSET, spec) for k, spec in exp["assets"].items()]
-    for key, registry, spec in specs:
-        params = {k: v for k, v in spec.items() if k != "name"}
-        try:
-            check_params(registry.get(spec["name"]), params)
-        except BenchError as e:
-            raise ConfigError(str(e), source, key) from None
     if not family.surrogate_may_be_target:  # a white-box surrogate is never the black-box target
         targets = [s for key, _, s in roles if family.model_keys[key].role == "target"]
         for key, i, spec in roles:
@@ -330,7 +319,7 @@ class Runner:
                                   if is_randomized(m, probe)})
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
-                         slots=exp["batch_size"], assets=assets, save_adv=exp["save_adv"])
+                         slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"])
 
     def _check_classes(self, models, data):
         """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes

@@ -205,13 +205,18 @@ def test_rerun_keeps_the_cumulative_wall_time(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../../escape", "a/b", "x\ny", "..", "."])
-def test_run_names_stay_inside_output_dir(tmp_path, name):
+def test_run_names_cannot_escape_output_dir(tmp_path, capsys, name):
     path = config(tmp_path, RUN.replace("n: 16", "n: 4") + f"name: {json.dumps(name)}\n")
+    assert main(["run", str(path), "--quiet"]) == 2
+    one_line_error(capsys, ":name:", "must be a plain name")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "escape").exists()
+
+
+def test_odd_run_names_are_sanitized_inside_output_dir(tmp_path):
+    path = config(tmp_path, RUN.replace("n: 16", "n: 4") + 'name: "my run: v1 (*)"\n')
     assert main(["run", str(path), "--quiet"]) == 0
-    out = (tmp_path / "out").resolve()
-    runs = [p for p in out.iterdir() if p.is_dir()]
-    assert len(runs) == 1 and (runs[0] / "summary.json").exists() and "\n" not in runs[0].name
-    assert not (tmp_path / "escape").exists() and not (tmp_path.parent / "escape").exists()
+    runs = [p for p in (tmp_path / "out").iterdir()]
+    assert len(runs) == 1 and runs[0].name.startswith("my_run__v1____") and (runs[0] / "summary.json").exists()
 
 
 def test_class_counts_must_agree(tmp_path, capsys):

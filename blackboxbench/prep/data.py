@@ -154,7 +154,7 @@ def _load_images(paths, size, name, mode="RGB"):
     return np.stack(images)
 
 
-@DATASET.register("digits", source="sklearn.datasets.load_digits (bundled, offline)")
+@DATASET.register("digits", source="sklearn.datasets.load_digits (bundled, offline)", ranges={"n": "int [1, inf)"})
 def digits(data_root=None, *, n=None, split="test"):
     """8x8 grayscale digits embedded in scikit-learn; values 0..16 are mapped to round(v * 255 / 16) / 255.
 
@@ -170,7 +170,8 @@ def digits(data_root=None, *, n=None, split="test"):
     return _from_uint8(x[sl], d.target[sl], "digits", 10, n)
 
 
-@DATASET.register("cifar10", source="data README: cifar10/cifar10_test_300.npz (lossless test images)")
+@DATASET.register("cifar10", source="data README: cifar10/cifar10_test_300.npz (lossless test images)",
+                  ranges={"n": "int [1, inf)"})
 def cifar10(data_root, *, n=None, file="cifar10/cifar10_test_300.npz", torchvision_root=None):
     """CIFAR-10 test images from an npz (keys ``x`` uint8 NHWC, ``y``) under the data root.
 
@@ -195,7 +196,7 @@ def cifar10(data_root, *, n=None, file="cifar10/cifar10_test_300.npz", torchvisi
     return _from_uint8(ds.data, ds.targets, "cifar10", 10, n)
 
 
-@DATASET.register("mnist", source="data README: mnist/mnist_test_first1000.npz")
+@DATASET.register("mnist", source="data README: mnist/mnist_test_first1000.npz", ranges={"n": "int [1, inf)"})
 def mnist(data_root, *, n=None, file="mnist/mnist_test_first1000.npz"):
     """MNIST test images (``x`` (N, 28, 28) uint8) -> (N, 1, 28, 28)."""
     return _load_npz(data_path(data_root, file), "mnist", 10, n)
@@ -242,7 +243,8 @@ def _class_mapping(data_root, classes, labels_file, num_classes):
     return mapping, repeated, where
 
 
-@DATASET.register("imagefolder", source="one sub-folder per class, class ids from classes or labels_file")
+@DATASET.register("imagefolder", source="one sub-folder per class, class ids from classes or labels_file",
+                  ranges={"n": "int [1, inf)", "size": "int [1, inf)", "num_classes": "int [1, inf)"})
 def imagefolder(data_root, *, path, classes=None, labels_file=None, num_classes=None, ignore_unmapped=False,
                 n=None, size=None, grayscale=False):
     """Images in ``path/<folder>/``; the class id of each folder comes from exactly one of
@@ -283,7 +285,8 @@ def imagefolder(data_root, *, path, classes=None, labels_file=None, num_classes=
                        "imagefolder", num_classes, None, source=root)
 
 
-@DATASET.register("nips17", source="data README: imagenet_nips17_subset100 (NIPS-2017 DEV set, 299x299 PNG)")
+@DATASET.register("nips17", source="data README: imagenet_nips17_subset100 (NIPS-2017 DEV set, 299x299 PNG)",
+                  ranges={"n": "int [1, inf)", "size": "int [1, inf)"})
 def nips17(data_root, *, n=None, path="imagenet_nips17_subset100", size=None):
     """ImageNet-compatible NIPS-2017 images: ``images/<ImageId>.png`` in the row order of ``labels.csv``;
     ``y`` = ``label_1000``, ``given_target`` = ``target_1000`` (the competition's targets; None when the column
