@@ -3,7 +3,7 @@
 from blackboxbench.registry import TRANSFORM
 
 
-@TRANSFORM.register("gaussian_noise", paper="example plugin")
+@TRANSFORM.register("gaussian_noise", paper="example plugin", ranges={"std": "[0, inf)"})
 def gaussian_noise(ctx, x, *, std=0.05):
     """Add Gaussian noise before the surrogate sees the image; each sample draws from its own stream
     (``ctx.rng``), one row per stacked copy."""
