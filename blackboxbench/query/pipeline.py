@@ -116,7 +116,7 @@ class QueryWorker:
         self.starget = torch.zeros(s, dtype=torch.long, device=dev)
         self.state = None
         self.started = {}   # dataset index -> (perf_counter at admission, its record so far)
-        self.ready = []     # clean-checked samples waiting for a slot: (index, target)
+        self.ready = []     # clean-checked samples waiting for a slot: (their record so far, target)
         self.ws = None      # working set: (slots, ctx, state), rebuilt when a sample enters or leaves
         self.unaudited, self.audited = [], time.perf_counter()  # finished samples waiting for the audit forward
 
