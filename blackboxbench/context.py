@@ -75,5 +75,3 @@ class BlockContext:
         """The same context at another position of the transfer loop (``t``, ``model`` ...)."""
         return replace(self, **loop)
 
-
-FIELDS = tuple(BlockContext.__dataclass_fields__)

@@ -30,7 +30,6 @@ import torch
 
 from .errors import BenchError
 from .prep.targets import choose_targets
-from .registry import FAMILY
 
 # Fields of every per-sample record, with their JSON types (None allowed where the tuple says so).
 COMMON_FIELDS = {"index": (int,), "label": (int,), "target": (int, type(None)), "clean_correct": (bool,),
@@ -112,10 +111,6 @@ class Family:
             specs = exp.get(key) if mk.many else ([exp[key]] if key in exp else [])
             out += [(key, i, s) for i, s in enumerate(specs or [])]
         return out
-
-
-def get_family(name):
-    return FAMILY.get(name)
 
 
 def base_records(index, y, target, clean_correct):
