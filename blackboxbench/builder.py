@@ -157,5 +157,15 @@ def build_attack(recipe, threat, source):
         except ValueError as e:
             raise ConfigError(str(e), source, f"attack.hyper.{k}") from None
     meta = {k: recipe.get(k) for k in ("name", "family", "paper", "defaults")}
-    meta["source"] = source
+    meta.update(source=source, needs=block_needs(bound))
     return family.build(recipe["name"], bound, hyper, meta)
+
+
+def block_needs(bound):
+    """{config key: block name} of what the bound blocks declare they need (``needs=("surrogates",)`` at
+    registration: a block that reads ``ctx.surrogates``), so that a config without it fails at validation."""
+    needs = {}
+    for b in (b for v in bound.values() for b in (v if isinstance(v, list) else [v])):
+        for need in b.func.registry_meta.get("needs", ()):
+            needs.setdefault(need, b.func.registry_meta["name"])
+    return needs

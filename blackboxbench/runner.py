@@ -102,6 +102,10 @@ def prepare(exp):
     check_family_keys(exp, family, source)
     threat = finish_threat(exp["threat"], recipe, family, source)
     attack = build_attack(recipe, threat, recipe_source)
+    for need, block in attack.meta["needs"].items():
+        if not exp.get(need):
+            raise ConfigError(f"attack '{recipe['name']}' needs '{need}' (its block '{block}' uses them)", source,
+                              need)
     roles = family.roles(exp)
     if not family.surrogate_may_be_target:  # a white-box surrogate is never the black-box target
         targets = [s for key, _, s in roles if family.model_keys[key].role == "target"]

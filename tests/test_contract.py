@@ -31,6 +31,14 @@ def _used_blocks():
     return used | {bk.default for fam in FAMILIES.values() for bk in fam.blocks.values() if bk.default}
 
 
+def _needs_surrogates(recipe):
+    blocks = load_yaml(RECIPES[recipe])["blocks"].values()
+    names = [s["name"] if isinstance(s, dict) else s for spec in blocks for s in (spec if isinstance(spec, list)
+                                                                                   else [spec])]
+    return any("surrogates" in reg.get(n).registry_meta.get("needs", ()) for n in names
+               for reg in BLOCK_KINDS.values() if n in reg)
+
+
 def _example(reg, name):
     """Blocks registered by the example plugin or by a test file (their ``paper`` says so)."""
     return reg.get(name).registry_meta.get("paper", "").startswith(("example", "test"))
@@ -66,6 +74,8 @@ def _experiment(name, norm, targeted, out, blocks=None):
     else:
         exp.update(model="digits_mlp")
         exp["threat"]["max_queries"] = BUDGET
+        if _needs_surrogates(recipe):  # PRGF-like attacks: white-box surrogates, never the target
+            exp.update(surrogates=["digits_cnn"])
     exp = validate_experiment(exp, "contract")
     exp.update(_source="contract", _base_dir=".")
     return family, exp

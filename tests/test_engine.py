@@ -46,7 +46,8 @@ def noisy_digits_mlp(data_root=None, *, std=0.05):
     return NoisyInput(_digits_model("digits_mlp", True), std)
 
 
-@INIT.register("test_surrogate_fgsm_start", paper="test: a query init that uses the white-box surrogates")
+@INIT.register("test_surrogate_fgsm_start", paper="test: a query init that uses the white-box surrogates",
+               needs=("surrogates",))
 def surrogate_fgsm_start(ctx):
     """Start from an FGSM step on the first surrogate (white-box), then query it once."""
     p, model = ctx.problem, ctx.surrogates[0]
@@ -193,6 +194,8 @@ def test_surrogates_reach_query_blocks_and_never_equal_the_target(tmp_path, caps
     err = capsys.readouterr().err
     assert "surrogates[0]" in err and "is the target model" in err and "\n" not in err.strip()
     assert not (tmp_path / "never").exists()
+    with pytest.raises(BenchError, match="needs 'surrogates'"):  # a block that declares it needs them
+        run_experiment(_exp(tmp_path / "none", attack=recipe, model="digits_mlp", threat=threat), progress=False)
 
 
 def test_assets_reach_blocks(tmp_path):
