@@ -270,18 +270,18 @@ def cifar(data_root):
 # ZO-signSGD L2 is left out: Table VI's sign step of 0.01 per coordinate (L2 norm 0.55 on CIFAR-10, against
 # eps 1) and Gaussian probes of the same size fool 5/8 of these images (9/16 of the 16) at 10,000 queries; the
 # per-sample reference, the toy model, the tiny budget, the batch-size and the contract tests cover it.
-REAL = [("bandits_linf", "linf", 400), ("bandits_l2", "l2", 1000), ("zo_signsgd", "linf", 300),
-        ("signhunter", "linf", 200), ("signhunter", "l2", 250)]
+REAL = [("bandits_linf", "linf", 400, 7), ("bandits_l2", "l2", 1000, 7), ("zo_signsgd", "linf", 300, 6),
+        ("signhunter", "linf", 200, 7), ("signhunter", "l2", 250, 7)]
 
 
-@pytest.mark.parametrize("name,norm,max_median", REAL)
-def test_untargeted_on_resnet20(cifar, name, norm, max_median):
-    """Success rate >= 7/8 (ZO-signSGD Linf: measured 7/8, so no slack) and a median query count near the
-    measured one, so a slowed-down attack fails too."""
+@pytest.mark.parametrize("name,norm,max_median,min_wins", REAL)
+def test_untargeted_on_resnet20(cifar, name, norm, max_median, min_wins):
+    """Success rate >= 7/8 (one image of slack for platform numerics; ZO-signSGD Linf, measured 7/8, >= 6/8) and
+    a median query count near the measured one, so a slowed-down attack fails too."""
     model, x, y = cifar
     problem, res = run_query(name, model, x[:8], y[:8], EPS[norm], norm, budget=10_000)
     check_outputs(problem, res, model, 10_000)
-    assert res.success.float().mean() >= 0.875, res.queries
+    assert int(res.success.sum()) >= min_wins, res.queries
     assert res.queries[res.success].float().median() <= max_median, res.queries
 
 
