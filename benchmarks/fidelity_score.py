@@ -1,0 +1,191 @@
+"""Fidelity of the score-based attacks against the only CIFAR-10 reference there is: the orderings of mean
+queries in the authors' repository plots (``../shared/specs/attack-specs.md``, section 2 (c)), and the paper's
+claim that the attacks with surrogates win at low eps (Sec. IV, Fig. 15).
+
+Sections (``--only`` runs one; rows are printed as they finish; results go to ``--out``):
+
+* ``fidelity``: every score recipe on the first ``--n`` CIFAR-10 images, ResNet-20, untargeted, budget 10,000, at
+  Linf 0.05 and L2 1.0 (the plots' settings): ASR, mean / median queries, images per second as a share of a
+  bare forward at the slot size; then the orderings, each consecutive pair within a 15 % tie band
+  (``aqn[a] <= 1.15 aqn[b]``):
+  Linf: Square < SignHunter <= Bandits < Parsimonious < ZO-signSGD <= NES;
+  L2: SimBA <= ZO-signSGD <= NES <= Bandits.
+  And each recipe's ASR at Linf 0.03 (Table VI) on ResNet-20, bar 95 %.
+* ``low_eps``: Linf 2/255, budget 10,000, target ResNet-56, surrogates ResNet-20/32/44 for the recipes that use
+  them; ASR of every score recipe (the paper's claim: the surrogate attacks beat every attack without one).
+
+Run: ``python benchmarks/fidelity_score.py --threads 2`` (data root from BLACKBOXBENCH_DATA).
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from blackboxbench import catalog  # noqa: E402
+from blackboxbench.builder import build_attack, load_recipe, recipe_family  # noqa: E402
+from blackboxbench.config import finish_threat, load_yaml  # noqa: E402
+from blackboxbench.prep.data import resolve_data_root  # noqa: E402
+from blackboxbench.prep.models import build_model  # noqa: E402
+from blackboxbench.registry import DATASET  # noqa: E402
+from blackboxbench.runner import resolve_device, run_tensors  # noqa: E402
+from compare_peers import Timed, bare_rate, fmt, machine, write  # noqa: E402
+
+BUDGET = 10_000
+TIE = 1.15
+ORDERS = {"linf": ["square_linf", "signhunter", "bandits_linf", "parsimonious", "zo_signsgd", "nes"],
+          "l2": ["simba_dct", "zo_signsgd", "nes", "bandits_l2"]}
+SURROGATES = ["cifar_resnet20", "cifar_resnet32", "cifar_resnet44"]
+
+
+def score_recipes():
+    """{recipe: (norms, needs surrogates)} of every score recipe in the catalog."""
+    out = {}
+    for name, path in catalog.entries("attacks").items():
+        r = load_yaml(path)
+        if r["family"] == "score":
+            attack, _ = build(name, r["norms"][0], 0.03 if r["norms"][0] == "linf" else 1.0)
+            out[name] = (r["norms"], "surrogates" in attack.meta["needs"])
+    return out
+
+
+def build(name, norm, eps):
+    recipe, source = load_recipe(name, "benchmarks/fidelity_score.py")
+    t = finish_threat({"norm": norm, "eps": eps, "max_queries": BUDGET}, recipe, recipe_family(recipe, source),
+                      source)
+    return build_attack(recipe, t, source), t
+
+
+def run(name, norm, eps, target, surrogates, x, y, device, slots, seed):
+    """One run through the runner's worker; returns a result row."""
+    attack, t = build(name, norm, eps)
+    timed = Timed(target)
+    models = {"model": [timed]}
+    if "surrogates" in attack.meta["needs"]:
+        models["surrogates"] = surrogates
+    t0 = time.perf_counter()
+    records = run_tensors(attack, t, x, y, models, seed=seed, slots=slots, device=device)
+    wall = time.perf_counter() - t0
+    rec = [r for r in records if r["attacked"]]
+    wins = sorted(r["queries"] for r in rec if r["success"])
+    return dict(recipe=name, norm=norm, eps=eps, n=len(rec), asr=len(wins) / max(len(rec), 1),
+                aqn=sum(wins) / len(wins) if wins else float("nan"),
+                mqn=wins[len(wins) // 2] if wins else float("nan"), images=sum(timed.sizes), wall=wall)
+
+
+HEADER = ["| recipe | norm | eps | n | ASR | AQN | MQN | images fwd | wall s | images/s | of bare fwd |",
+          "|---" * 11 + "|"]
+
+
+def line(r, bare):
+    rate = r["images"] / r["wall"]
+    return (f"| `{r['recipe']}` | {r['norm']} | {r['eps']:.4g} | {r['n']} | {r['asr'] * 100:.1f}% | "
+            f"{fmt(r['aqn'], '.0f')} | {fmt(r['mqn'], '.0f')} | {r['images']} | {r['wall']:.1f} | {rate:,.0f} | "
+            f"{rate / bare:.0%} |")
+
+
+def orders(rows):
+    """The orderings (consecutive pairs within the tie band) and the Linf 0.03 ASR bar: lines and failures."""
+    out, bad = [], 0
+    for norm, chain in ORDERS.items():
+        eps = 0.05 if norm == "linf" else 1.0
+        aqn = {r["recipe"]: r["aqn"] for r in rows if r["norm"] == norm and r["eps"] == eps}
+        present = [c for c in chain if c in aqn]
+        pairs = []
+        for a, b in zip(present, present[1:]):
+            ok = aqn[a] <= TIE * aqn[b]
+            bad += not ok
+            pairs.append(f"{a} {aqn[a]:.0f} {'<=' if ok else '>'} 1.15 x {b} {aqn[b]:.0f}"
+                         f"{'' if ok else ' (ORDER BROKEN)'}")
+        missing = [c for c in chain if c not in aqn]
+        out.append(f"- {norm} {eps:g}: " + "; ".join(pairs) + (f" (not built: {', '.join(missing)})"
+                                                                 if missing else ""))
+    for r in rows:
+        if r["norm"] == "linf" and r["eps"] == 0.03:
+            ok = r["asr"] >= 0.95
+            bad += not ok
+            if not ok:
+                out.append(f"- `{r['recipe']}` ASR at Linf 0.03: {r['asr']:.1%} < 95 %")
+    out.append(f"- {'every check passes' if not bad else f'{bad} check(s) fail'}")
+    return out, bad
+
+
+def section(name, args, device, rows, extra, took):
+    cmd = "python " + " ".join(sys.argv)
+    return [f"<!-- section:{name} -->", f"## {name}", "", f"Command: `{cmd}`  ",
+            f"Machine: {machine(args, device)}; section time {took:.0f} s", ""] + rows + [""] + extra + \
+        [f"<!-- /section:{name} -->"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data-root", default=os.environ.get("BLACKBOXBENCH_DATA"))
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--slots", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--only", choices=("fidelity", "low_eps"))
+    ap.add_argument("--recipes", default=None, help="comma-separated subset of the score recipes")
+    ap.add_argument("--out", default="benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    root = resolve_data_root(args.data_root)
+    data = DATASET.get("cifar10")(root, n=args.n)
+    x, y = data.x.to(device), data.y.to(device)
+    recipes = score_recipes()
+    if args.recipes:
+        recipes = {k: v for k, v in recipes.items() if k in args.recipes.split(",")}
+    m20, m56 = build_model("cifar_resnet20", root, device), build_model("cifar_resnet56", root, device)
+    surrogates = [build_model(s, root, device) for s in SURROGATES]
+    status = 0
+    if args.only in (None, "fidelity"):
+        t0, bare = time.perf_counter(), bare_rate(m20, args.slots, device)
+        print(f"bare forward ResNet-20, batch {args.slots}: {bare:,.0f} images/s", flush=True)
+        print("\n".join(HEADER), flush=True)
+        rows, lines = [], []
+        for name, (norms, _) in recipes.items():
+            for norm, eps in [(nm, e) for nm in norms for e in ((0.05, 0.03) if nm == "linf" else (1.0,))]:
+                r = run(name, norm, eps, m20, surrogates, x, y, device, args.slots, args.seed)
+                rows.append(r)
+                lines.append(line(r, bare))
+                print(lines[-1], flush=True)
+        checks, bad = orders(rows)
+        print("\n".join(checks), flush=True)
+        status |= bool(bad)
+        write(Path(args.out), [("fidelity_score", section("fidelity_score", args, device, HEADER + lines,
+                                                           [f"Bare forward: {bare:,.0f} images/s.", ""] + checks,
+                                                           time.perf_counter() - t0))])
+    if args.only in (None, "low_eps"):
+        t0, bare = time.perf_counter(), bare_rate(m56, args.slots, device)
+        print("\n".join(HEADER), flush=True)
+        rows, lines = [], []
+        for name, (norms, _) in recipes.items():
+            if "linf" in norms:
+                r = run(name, "linf", 2 / 255, m56, surrogates, x, y, device, args.slots, args.seed)
+                rows.append(r)
+                lines.append(line(r, bare))
+                print(lines[-1], flush=True)
+        with_s = {r["recipe"]: r["asr"] for r in rows if recipes[r["recipe"]][1]}
+        without = {r["recipe"]: r["asr"] for r in rows if not recipes[r["recipe"]][1]}
+        verdict = [f"- with surrogates: {with_s}", f"- without: {without}"]
+        if with_s and without:
+            wins = min(with_s.values()) > max(without.values())
+            verdict.append(f"- every surrogate attack beats every attack without one: {'yes' if wins else 'NO'}")
+        print("\n".join(verdict), flush=True)
+        write(Path(args.out), [("low_eps_surrogates", section(
+            "low_eps_surrogates", args, device, HEADER + lines,
+            ["Target ResNet-56, surrogates ResNet-20/32/44, Linf 2/255, budget 10,000.", ""] + verdict,
+            time.perf_counter() - t0))])
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
