@@ -3,6 +3,7 @@ real worker (oracle, continuous batching, verification), and check the threat mo
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from blackboxbench.builder import build_attack, load_recipe, recipe_family
 from blackboxbench.config import finish_threat
@@ -109,3 +110,14 @@ def refine_ctx(seed=0):
     from blackboxbench.rng import run_stream
 
     return BlockContext(problem=None, rng=run_stream(seed, "cpu", 1))
+
+
+class Linear(nn.Module):
+    """A linear classifier ``x.flatten(1) @ w.T + b`` (frozen): known gradients and boundaries for unit tests."""
+
+    def __init__(self, w, b):
+        super().__init__()
+        self.w, self.b = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
+
+    def forward(self, x):
+        return x.flatten(1) @ self.w.T + self.b

@@ -83,6 +83,20 @@ def _records(run_dir, drop=("time", "check")):
     return sorted(rows, key=lambda r: r["index"])
 
 
+def records_by_batch_size(tmp_path, attack, norm, eps, targeted, budget=1000, model="test_digits_mlp_f64", **kw):
+    """The records of one query run at batch sizes 1, 7 and 100 (more slots than samples) on a batch-invariant
+    model (random target labels when targeted); ``kw`` adds experiment keys (e.g. ``surrogates``)."""
+    runs = []
+    for bs in (1, 7, 100):
+        threat = {"norm": norm, "eps": eps, "max_queries": budget, "targeted": targeted}
+        if targeted:
+            threat["target_label"] = "random"
+        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack, model=model, threat=threat,
+                                         batch_size=bs, **kw), progress=False)
+        runs.append(_records(run_dir))
+    return runs
+
+
 QUERY_CASES = [("square_linf", "linf", 0.2, False), ("square_l2", "l2", 1.5, False), ("nes", "linf", 0.2, False), ("simba_dct", "linf", 0.2, True),
                ("hsja_linf", "linf", 0.2, False), ("hsja_l2", "l2", 1.5, True), ("rays", "linf", 0.2, False)]
 
@@ -91,14 +105,7 @@ QUERY_CASES = [("square_linf", "linf", 0.2, False), ("square_l2", "l2", 1.5, Fal
 def test_query_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, targeted):
     """batch_size 1, 7 and 100 (more slots than samples) give identical records on a batch-invariant model,
     targeted runs with random target labels included."""
-    runs = []
-    for bs in (1, 7, 100):
-        threat = {"norm": norm, "eps": eps, "max_queries": 1000, "targeted": targeted}
-        if targeted:
-            threat["target_label"] = "random"
-        run_dir, summary = run_experiment(_exp(tmp_path / str(bs), attack=attack, model="test_digits_mlp_f64",
-                                               threat=threat, batch_size=bs), progress=False)
-        runs.append(_records(run_dir))
+    runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted)
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 10  # the attack did something worth comparing
 

@@ -21,7 +21,7 @@ from blackboxbench.query.square import p_schedule, pseudo_gaussian_windows, side
 from blackboxbench.registry import INIT
 from blackboxbench.rng import Streams
 
-from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import Linear, check_outputs, correctly_classified, make_ctx, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "score"
 SETTINGS = [("square_linf", "linf"), ("square_l2", "l2"), ("nes", "linf"), ("nes", "l2"),
@@ -157,15 +157,6 @@ def test_square_rejects_the_other_norm():
 
 
 # ---------------------------------------------------------------- toy linear model (no data)
-
-class Linear(nn.Module):
-    def __init__(self, w, b):
-        super().__init__()
-        self.w, self.b = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
-
-    def forward(self, x):
-        return x.flatten(1) @ self.w.T + self.b
-
 
 def make_toy():
     """4 grey 8x8 images (digits-sized), class 0 of 5 by a margin; returns per norm each image's smallest eps

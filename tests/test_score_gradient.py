@@ -12,29 +12,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from blackboxbench.query.bandits import eg_step
 from blackboxbench.query.signhunter import chunk_bounds, max_depth, next_chunk, RESTART
 from blackboxbench.registry import ACCEPT, INIT, PERTURB
 from blackboxbench.rng import Streams
-from blackboxbench.runner import run_experiment
 
-from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
-from test_engine import _exp, _records
+from attack_utils import Linear, check_outputs, correctly_classified, make_ctx, run_query
+from test_engine import records_by_batch_size
 
 SETTINGS = [("bandits_linf", "linf"), ("bandits_l2", "l2"), ("zo_signsgd", "linf"), ("zo_signsgd", "l2"),
             ("signhunter", "linf"), ("signhunter", "l2")]
 EPS = {"linf": 0.03, "l2": 1.0}  # Table VI, CIFAR-10
-
-
-class Linear(nn.Module):
-    def __init__(self, w, b):
-        super().__init__()
-        self.w, self.b = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
-
-    def forward(self, x):
-        return x.flatten(1) @ self.w.T + self.b
 
 
 def linear_model(k, d, seed, bias=None):
@@ -327,13 +316,6 @@ CASES = [("bandits_linf", "linf", 0.2, False), ("bandits_l2", "l2", 1.5, True), 
 def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, targeted):
     """batch_size 1, 7 and 100 give identical records on the batch-invariant float64 digits MLP (random targets
     included): every sample's priors, sign vectors and chunk positions live in its own state rows."""
-    runs = []
-    for bs in (1, 7, 100):
-        threat = {"norm": norm, "eps": eps, "max_queries": 1000, "targeted": targeted}
-        if targeted:
-            threat["target_label"] = "random"
-        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack, model="test_digits_mlp_f64",
-                                         threat=threat, batch_size=bs), progress=False)
-        runs.append(_records(run_dir))
+    runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted)
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 10  # the attack did something worth comparing

@@ -22,11 +22,10 @@ from blackboxbench.query.ppba import draw_moves, idct2, move_probabilities, side
 from blackboxbench.query.simba import basis_images, strided_band
 from blackboxbench.registry import ACCEPT, INIT, PERTURB
 from blackboxbench.rng import Streams
-from blackboxbench.runner import run_experiment
 from blackboxbench.threat import Problem, margin_loss, project
 
 from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
-from test_engine import _exp, _records
+from test_engine import records_by_batch_size
 
 EPS = {"linf": 0.03, "l2": 1.0}  # Table VI, CIFAR-10
 
@@ -487,13 +486,6 @@ CASES = [("parsimonious", "linf", 0.2, False), ("ppba", "l2", 1.5, True), ("babi
 @pytest.mark.parametrize("attack,norm,eps,targeted", CASES, ids=[c[0] for c in CASES])
 def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, targeted):
     """batch_size 1, 7 and 100 (more slots than samples) give identical records on a batch-invariant model."""
-    runs = []
-    for bs in (1, 7, 100):
-        threat = {"norm": norm, "eps": eps, "max_queries": 1000, "targeted": targeted}
-        if targeted:
-            threat["target_label"] = "random"
-        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack, model="test_digits_mlp_f64",
-                                         threat=threat, batch_size=bs), progress=False)
-        runs.append(_records(run_dir))
+    runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted)
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 10
