@@ -57,7 +57,7 @@ from blackboxbench.threat import Problem, grid_levels  # noqa: E402
 EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
 GRID_EPS = grid_levels(EPS) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
 GRID_LABEL = " at eps 7/255 (ours' grid eps)"
-SECTIONS = ("throughput", "square", "hsja", "mifgsm", "overhead", "seeds")
+SECTIONS = ("throughput", "square", "hsja", "mifgsm", "overhead", "seeds", "boundary")
 CLOCK = "cpu"  # the time compared: process CPU seconds on CPU; wall seconds on CUDA (set in main)
 SRC = "benchmarks/compare_peers.py"
 
@@ -419,6 +419,99 @@ def section_hsja(args, ctx):
     return rows
 
 
+def section_boundary(args, ctx):
+    """Boundary attack, L2 eps 1.0 (Table V, CIFAR-10), 10,000 queries, on the first ``--n-hsja`` images ResNet-20
+    classifies correctly: ours (recipe boundary) vs ART BoundaryAttack vs foolbox BoundaryAttack, all with Table V's
+    step sizes (spherical 0.01, source 0.01, adaptation 1.5; ART's step_adapt 1/1.5). A peer's success is its first
+    query within L2 eps that stays adversarial as a uint8 image (rounded to the nearest level; if that leaves the
+    ball, scaled back to eps and rounded towards the clean image, as our outputs are) within the sample's first
+    10,000 distinct queries (:class:`Counting`, hits re-judged in L2); each peer stops a sample at its first hit."""
+    import foolbox as fb
+    from art.attacks.evasion import BoundaryAttack
+
+    from blackboxbench.threat import quantize
+
+    l2_eps, model, device = 1.0, ctx["m20"], ctx["device"]
+    x_all, y_all = ctx["data"].x.to(device), ctx["data"].y.to(device)
+    first = (predict(model, x_all) == y_all).nonzero().squeeze(1)[:args.n_hsja]
+    xc, yc = x_all[first], y_all[first]
+
+    class CountingL2(Counting):
+        """:class:`Counting` at Linf eps 1 (every row is attributed; no Linf rule), whose hits must also lie within
+        L2 ``l2_eps`` and stay adversarial as uint8 images (that check's forward is bookkeeping)."""
+
+        def __init__(self, mode):
+            super().__init__(model, xc, yc, 1.0, mode, stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap)
+
+        def _record(self, rows, out, ids):
+            s = ids.clamp_min(0)
+            hit = (ids >= 0) & (out.argmax(1) != self.y[s]) & (self.hit_fwd[s] == 0)
+            hit &= (rows - self.x[s]).flatten(1).norm(dim=1) <= l2_eps + TOL
+            if hit.any():
+                j = hit.nonzero().squeeze(1)
+                clean = self.x[s[j]]
+                saved = (torch.round(rows[j] * 255) / 255).clamp(0, 1)
+                d = (saved - clean).flatten(1).norm(dim=1)
+                far = d > l2_eps
+                if far.any():
+                    back = clean[far] + (saved[far] - clean[far]) * (l2_eps / d[far]).view(-1, 1, 1, 1)
+                    saved[far] = quantize(back, clean[far])
+                with torch.no_grad():
+                    hit[j] = self.model(saved).argmax(1) != self.y[s[j]]
+            judged = torch.where(hit[:, None], out, nn.functional.one_hot(self.y[s], out.shape[1]).to(out.dtype))
+            super()._record(rows, judged, ids)
+
+    timed = Timed(model)
+    attack, t = build_ours("boundary", {"norm": "l2", "eps": l2_eps})
+    assert t["max_queries"] == BUDGET
+    clock = Clock()
+    records = run_tensors(attack, t, xc, yc, {"model": [timed]}, seed=args.seed, slots=len(yc), device=device)
+    wall = clock.read()
+    res = Ours(records, xc, device)
+    check_outputs(res.x_adv, xc[res.index.to(device)], l2_eps, "l2", "boundary")
+    assert res.audit and int(res.queries.max()) <= BUDGET
+    max_l2 = float((res.x_adv - xc[res.index.to(device)]).flatten(1).norm(dim=1).max())
+    rows = [row("Boundary L2", "ours (boundary)", len(res.success), res.success, res.queries, wall,
+                float(linf(res.x_adv, xc[res.index.to(device)]).max()), images=sum(timed.sizes),
+                model_time=timed.cpu if CLOCK == "cpu" else timed.seconds, calls=len(timed.sizes),
+                note=f"max L2 {max_l2:.4f}; one candidate per step, the spherical candidate also every 10th step; "
+                     "stops at success; queries include the init and 1 confirmation query")]
+
+    cnt = CountingL2("current")
+    np.random.seed(args.seed)
+    atk = BoundaryAttack(art_classifier(cnt, device), targeted=False, delta=0.01, epsilon=0.01, step_adapt=1 / 1.5,
+                         max_iter=25000, num_trial=25, sample_size=20, init_size=100, verbose=False)
+    clock, stopped = Clock(), None
+    for i in range(len(yc)):  # ART attacks one sample at a time anyway; this makes attribution exact
+        cnt.current = i
+        try:
+            atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
+        except Stop as e:
+            if str(e) == "time cap":
+                stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
+                break
+    rows.append(peer_result("Boundary L2", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
+                            "20 spherical candidates per trial, then source steps of the successful ones; each sample "
+                            "stopped at its first L2 hit that survives uint8 rounding, or 10,000 queries", stopped))
+
+    cnt = CountingL2("position")
+    torch.manual_seed(args.seed)
+    fmodel = fb.PyTorchModel(cnt, bounds=(0, 1), device=device)
+    atk = fb.attacks.BoundaryAttack(steps=25000, spherical_step=0.01, source_step=0.01, source_step_convergance=1e-7,
+                                    step_adaptation=1.5, update_stats_every_k=10)
+    clock, stopped = Clock(), None
+    try:
+        atk(fmodel, xc, yc, epsilons=l2_eps)
+        stopped = "ran all steps"
+    except Stop as e:
+        stopped = "stopped when every sample had hit or used 10,000 queries" if str(e) == "decided" else \
+            f"stopped by the time cap ({args.peer_cap:.0f} s)"
+    rows.append(peer_result("Boundary L2", f"foolbox {fb.__version__}", cnt, clock, None, xc, yc, model,
+                            "steps 25,000; whole batch queried every step (no per-sample stop); one Gaussian draw "
+                            "shared by the batch; hits must survive uint8 rounding", stopped))
+    return rows
+
+
 def bare_rate(model, batch, device, seconds=3.0):
     """Images per wall second of bare ``no_grad`` forwards of ``batch`` images, measured over ``seconds``."""
     xb = torch.rand(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch)).to(device)
@@ -770,7 +863,7 @@ def main(argv=None):
     ctx = {"device": device, "data": DATASET.get("cifar10")(root, n=300),
            "m20": build_model("cifar_resnet20", root, device), "m56": build_model("cifar_resnet56", root, device)}
     runs = {"throughput": section_throughput, "square": section_square, "hsja": section_hsja, "mifgsm": section_mifgsm, "overhead": section_overhead,
-            "seeds": section_seeds}
+            "seeds": section_seeds, "boundary": section_boundary}
     done = []
     for name in [args.only] if args.only else SECTIONS:
         l0, t0 = os.getloadavg()[0], time.perf_counter()

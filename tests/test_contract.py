@@ -39,6 +39,17 @@ def _needs_surrogates(recipe):
                for reg in BLOCK_KINDS.values() if n in reg)
 
 
+def _native(recipe, norm):
+    """Whether ``norm`` is native to every block of ``recipe``. A block may declare ``native_norms``: an L2-native
+    attack (Boundary, Evolutionary) run under Linf searches in L2 and is only judged in Linf (spec sheet 10.8), so
+    the contract holds it to the threat model there, not to an ASR bar."""
+    blocks = load_yaml(RECIPES[recipe])["blocks"].values()
+    names = [s["name"] if isinstance(s, dict) else s for spec in blocks for s in (spec if isinstance(spec, list)
+                                                                                   else [spec])]
+    return all(norm in reg.get(n).registry_meta.get("native_norms", (norm,)) for n in names
+               for reg in BLOCK_KINDS.values() if n in reg)
+
+
 def _example(reg, name):
     """Blocks registered by the example plugin or by a test file (their ``paper`` says so)."""
     return reg.get(name).registry_meta.get("paper", "").startswith(("example", "test"))
@@ -98,7 +109,8 @@ def test_recipe_contract(tmp_path, name, norm, targeted, blocks):
     else:
         assert max(r["queries"] for r in attacked) <= exp["threat"]["max_queries"]
         assert all(r["queries"] >= 1 for r in attacked)  # success must be confirmed by a counted query
-        assert summary["asr"] >= (0.6 if not targeted else 0.4), summary
+        if _native(name.split("+")[0], norm):
+            assert summary["asr"] >= (0.6 if not targeted else 0.4), summary
 
 
 BLOCKS = [(kind, name) for kind, reg in BLOCK_KINDS.items() for name in reg.names()]
