@@ -5,6 +5,8 @@ boundary point (one oracle call for all samples' probes), the geometric step-siz
 and the binary search back to the boundary (one call per bisection step). Defaults: Table V of the
 BlackboxBench paper (gamma 1, stepsize_search geometric_progression, max_num_evals 10000, init_num_evals 100);
 the remaining constants (probe size, step size, binary-search thresholds) follow the authors' reference code.
+The probes of the gradient estimate come from a pluggable generator (``probes``, see ``probes.py``): QEBA (Li et
+al., CVPR 2020) is these blocks with low-frequency DCT probes (recipe ``qeba``).
 """
 import math
 
@@ -15,6 +17,7 @@ from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
 from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, query_adv,
                        stop_radius)
+from .probes import PROBES, draw_probes
 
 PAPER = "Chen et al., HopSkipJumpAttack, IEEE S&P 2020"
 FIRST_DELTA = 0.1  # probe size of the first iteration: 0.1 * (clip_max - clip_min), reference code
@@ -61,24 +64,21 @@ def to_boundary(ctx, x_far, theta, live, radius):
     return point(hi, torch.arange(problem.n, device=x.device)), d_far
 
 
-def estimate_direction(ctx, x_bd, num, delta):
+def estimate_direction(ctx, x_bd, num, delta, generator="gaussian", factor=2.0):
     """HSJA's Monte-Carlo estimate of the boundary normal at ``x_bd``, with ``num[i]`` probes for sample i.
 
-    All probes of all samples go in one oracle call. Directions are uniform in [-1, 1]^d (Linf) or Gaussian
-    (L2), normalized, clipped to [0, 1]; the +1/-1 decisions get the mean baseline subtracted unless they are
-    all equal. Refused probes are left out of every sum. Returns unit-L2 directions (zero where none answered)
-    and the (n,) mask of samples whose answered probes all agreed.
+    All probes of all samples go in one oracle call. Directions come from the probe generator ``generator`` (see
+    ``probes.py``: ``gaussian``, HSJA's, uniform in [-1, 1]^d (Linf) or Gaussian (L2); ``dct`` / ``resize``,
+    QEBA's subspaces of side ``int(side / factor)``), normalized, clipped to [0, 1]; the +1/-1 decisions get the
+    mean baseline subtracted unless they are all equal. Refused probes are left out of every sum. Returns unit-L2
+    directions (zero where none answered) and the (n,) mask of samples whose answered probes all agreed.
     """
     problem = ctx.problem
     n = problem.n
     owner = torch.repeat_interleave(torch.arange(n, device=x_bd.device), num)
     if owner.numel() == 0:
         return torch.zeros_like(x_bd), torch.zeros(n, dtype=torch.bool, device=x_bd.device)
-    if problem.norm == "linf":
-        rv = ctx.rng.uniform(x_bd.shape[1:], rows=owner) * 2 - 1
-    else:
-        rv = ctx.rng.normal(x_bd.shape[1:], rows=owner)
-    rv = rv.to(x_bd.dtype)
+    rv = draw_probes(generator, ctx, owner, x_bd.shape[1:], problem.norm, factor).to(x_bd.dtype)
     rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)
     base, step = x_bd[owner], per_sample(delta[owner], rv)
     probes = (base + step * rv).clamp(0.0, 1.0)
@@ -139,15 +139,19 @@ def hsja_init(ctx, *, gamma=1.0, init_tries=100):
 
 @PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"),
                   ranges={"init_num_evals": "int [1, inf)", "max_num_evals": "int [1, inf)",
-                          "stepsize_search": ("geometric_progression",)})
-def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search="geometric_progression"):
+                          "stepsize_search": ("geometric_progression",), "probes": tuple(PROBES),
+                          "probe_factor": "[1, inf)"})
+def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search="geometric_progression",
+         probes="gaussian", probe_factor=2.0):
     """One HopSkipJumpAttack iteration for every sample that has an adversarial point.
 
     Iteration t (1-based, per sample) uses ``min(init_num_evals * sqrt(t), max_num_evals)`` probes (Table V:
     100 and 10000) of size 0.1 at t = 1, then ``sqrt(d) theta dist_post`` (L2) or ``d theta dist_post`` (Linf);
     steps along the estimate (its sign for Linf) starting at ``dist / sqrt(t)`` and halving until adversarial
     (``stepsize_search`` geometric_progression, Table V); then binary-searches back to the boundary.
-    Returns the updated search state for the ``within_eps`` acceptance.
+    ``probes`` picks the probe generator (``gaussian``: HSJA's; ``dct``: QEBA-F, ``resize``: QEBA-S, on a
+    subspace of side ``int(side / probe_factor)``; see ``probes.py``). Returns the updated search state for the
+    ``within_eps`` acceptance.
     """
     if stepsize_search != "geometric_progression":
         raise BenchError(f"hsja: stepsize_search '{stepsize_search}' is not supported (geometric_progression)")
@@ -161,7 +165,7 @@ def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search
     delta = torch.where(it == 1, FIRST_DELTA, grown).to(x_bd.dtype)
     num = torch.clamp((init_num_evals * t.sqrt()).long(), max=max_num_evals)
     num = torch.where(go, torch.minimum(num, ctx.oracle.remaining()), torch.zeros_like(num))
-    grad, agreed = estimate_direction(ctx, x_bd, num, delta)
+    grad, agreed = estimate_direction(ctx, x_bd, num, delta, probes, probe_factor)
     probe_scale = torch.where(agreed & (it > 1), state["probe_scale"] * PROBE_GROWTH, state["probe_scale"])
     update = grad.sign() if problem.norm == "linf" else grad
     size = torch.where(go, dist, torch.zeros_like(dist)) / t.sqrt().to(dist.dtype)
