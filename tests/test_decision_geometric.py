@@ -299,25 +299,12 @@ def test_toy_linear_boundary_is_reached(toy, name):
 
 
 def test_triangle_under_linf_minimises_l2_and_is_judged_in_linf(toy):
-    """The recipe offers L2 only; an inline recipe with its blocks and norms [linf] runs the same L2 search with
-    success judged in Linf. On the toy it fools all four at 3x the smallest Linf distance (measured 92-142
+    """Under Linf the recipe runs the same L2 search with success judged in Linf. On the toy it fools all four at 3x the smallest Linf distance (measured 92-142
     queries; at 2x none within 2,000: the L2 search does not aim at the Linf-closest point)."""
-    from blackboxbench.builder import build_attack, load_recipe, recipe_family
-    from blackboxbench.catalog import find
-    from blackboxbench.config import finish_threat, load_yaml
-    from blackboxbench.runner import run_tensors
-    from blackboxbench.threat import Problem
-    from attack_utils import to_result
-
     model, x, y, dist = toy
-    recipe = {**load_yaml(find("triangle")), "norms": ["linf"]}
-    recipe, source = load_recipe(recipe, "test")
     eps = 3 * dist["linf"].max().item()
-    t = finish_threat({"norm": "linf", "targeted": False, "eps": eps, "max_queries": 2000}, recipe,
-                      recipe_family(recipe, source), source)
-    records = run_tensors(build_attack(recipe, t, source), t, x, y, {"model": [model]}, seed=0, num_classes=2)
-    res = to_result(records, x)
-    check_outputs(Problem(x=x, y=y, eps=eps, norm="linf", num_classes=2), res, model, 2000)
+    problem, res = run_query("triangle", model, x, y, eps, "linf", budget=2000, num_classes=2)
+    check_outputs(problem, res, model, 2000)
     assert res.success.all(), res.queries
 
 

@@ -100,7 +100,7 @@ def triangle_init(ctx, *, init_alpha=PI / 2, init_tries=100):
     return decision_state(problem, x_bd, dist, alpha=torch.full((n,), init_alpha, dtype=torch.float64, device=dev))
 
 
-@PERTURB.register("triangle", paper=PAPER, norms=("linf", "l2"),
+@PERTURB.register("triangle", paper=PAPER, norms=("linf", "l2"), native_norms=("l2",),
                   ranges={"ratio_mask": "(0, 1]", "dim_num": "int [1, inf)", "max_iter_num_in_2d": "int [0, inf)",
                           "plus_learning_rate": "[0, inf)", "minus_learning_rate": "[0, inf)",
                           "half_range": "[0, 1.5]"})
