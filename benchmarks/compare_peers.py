@@ -57,7 +57,7 @@ from blackboxbench.threat import Problem, grid_levels  # noqa: E402
 EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
 GRID_EPS = grid_levels(EPS) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
 GRID_LABEL = " at eps 7/255 (ours' grid eps)"
-SECTIONS = ("throughput", "square", "hsja", "mifgsm", "overhead", "seeds", "boundary")
+SECTIONS = ("throughput", "square", "hsja", "mifgsm", "overhead", "seeds", "boundary", "sign_opt")
 CLOCK = "cpu"  # the time compared: process CPU seconds on CPU; wall seconds on CUDA (set in main)
 SRC = "benchmarks/compare_peers.py"
 
@@ -416,6 +416,75 @@ def section_hsja(args, ctx):
              art_hsja(args, model, xc, yc, EPS, args.seed, " (uint8 hits)", uint8=True), foolbox_hsja(EPS, "")]
     if args.same_grid:
         rows += [art_hsja(args, model, xc, yc, GRID_EPS, args.seed, GRID_LABEL), foolbox_hsja(GRID_EPS, GRID_LABEL)]
+    return rows
+
+
+def section_sign_opt(args, ctx):
+    """Sign-OPT L2 eps 1.0, 10,000 queries, untargeted, on the first ``--n-hsja`` correctly classified images: ours
+    (recipe sign_opt) vs ART ``SignOPTAttack`` with the same settings (Table V: k 200, alpha 0.2, beta 0.001, the
+    authors' 100 initial directions). ART attacks one sample at a time and checks its ``query_limit`` only after
+    each iteration (k + line-search queries) and never during its initial search, so it overshoots 10,000; its
+    queries are counted by :class:`Counting` (distinct images per sample), and a peer success is its first queried
+    image within L2 eps whose uint8 rounding (nearest level) is still within eps and adversarial, at distinct
+    index <= 10,000 (each sample is stopped there)."""
+    from art.attacks.evasion import SignOPTAttack
+
+    eps_l2, model, device = 1.0, ctx["m20"], ctx["device"]
+    x, y = ctx["data"].x.to(device), ctx["data"].y.to(device)
+    keep = (predict(model, x) == y).nonzero().squeeze(1)[:args.n_hsja]
+    x, y = x[keep], y[keep]
+    timed = Timed(model)
+    attack, t = build_ours("sign_opt", {"norm": "l2", "eps": eps_l2})
+    assert t["max_queries"] == BUDGET and t["eps"] == eps_l2
+    clock = Clock()
+    records = run_tensors(attack, t, x, y, {"model": [timed]}, seed=args.seed, slots=len(y), device=device)
+    wall = clock.read()
+    res = Ours(records, x, device)
+    problem = Problem(x[res.index.to(device)], y[res.index.to(device)], eps_l2, "l2", None, 10)
+    check_outputs(res.x_adv, problem.x, eps_l2, "l2", "sign_opt")
+    assert res.audit and int(res.queries.max()) <= BUDGET
+    l2 = float((res.x_adv - problem.x).flatten(1).norm(dim=1).max())
+    rows = [ours_row("Sign-OPT L2 1.0", "sign_opt", res, problem, wall, timed,
+                     f"max L2 {l2:.4f}; stops at success (within_eps: a boundary point within eps, pushed out to "
+                     "it); queries include 1 confirmation query of the returned uint8 image")]
+    xc, yc = problem.x, problem.y
+
+    class L2Counting(Counting):
+        """:class:`Counting` with hits judged in L2 (eps ``eps_l2``) on uint8-rounded rows: a row's logits are
+        masked to its true class unless it is a hit, so the parent's Linf rule (radius 1: every row) decides
+        nothing itself."""
+
+        def _record(self, rows_, out, ids):
+            s = ids.clamp_min(0)
+            hit = (ids >= 0) & (out.argmax(1) != self.y[s])
+            hit &= (rows_ - self.x[s]).flatten(1).norm(dim=1) <= eps_l2 + TOL
+            j = hit.nonzero().squeeze(1)
+            if j.numel():
+                saved = (torch.round(rows_[j] * 255) / 255).clamp(0, 1)
+                ok = (saved - self.x[s[j]]).flatten(1).norm(dim=1) <= eps_l2 + TOL
+                with torch.no_grad():
+                    hit[j] = ok & (self.model(saved).argmax(1) != self.y[s[j]])
+            masked = torch.where(hit[:, None], out, torch.nn.functional.one_hot(self.y[s], out.shape[1]).to(out))
+            super()._record(rows_, masked, ids)
+
+    cnt = L2Counting(model, xc, yc, 1.0, "current", stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap)
+    np.random.seed(args.seed)
+    atk = SignOPTAttack(art_classifier(cnt, device), targeted=False, epsilon=0.001, num_trial=100, max_iter=1000,
+                        query_limit=BUDGET, k=200, alpha=0.2, beta=0.001, batch_size=1, verbose=False)
+    clock, stopped = Clock(), None
+    for i in range(len(yc)):  # ART attacks one sample at a time; this makes attribution exact
+        cnt.current = i
+        try:
+            atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
+        except Stop as e:
+            if str(e) == "time cap":
+                stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
+                break
+    rows.append(peer_result("Sign-OPT L2 1.0", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
+                            "epsilon 0.001 (its name for beta), beta 0.001 (its line-search tolerance / 500), k 200, "
+                            "alpha 0.2, num_trial 100, query_limit 10,000 (checked per iteration: overshoots); each "
+                            "sample stopped at its first L2 hit surviving uint8 rounding or 10,000 distinct queries",
+                            stopped))
     return rows
 
 
@@ -863,7 +932,8 @@ def main(argv=None):
     ctx = {"device": device, "data": DATASET.get("cifar10")(root, n=300),
            "m20": build_model("cifar_resnet20", root, device), "m56": build_model("cifar_resnet56", root, device)}
     runs = {"throughput": section_throughput, "square": section_square, "hsja": section_hsja, "mifgsm": section_mifgsm, "overhead": section_overhead,
-            "seeds": section_seeds, "boundary": section_boundary}
+            "seeds": section_seeds, "boundary": section_boundary,
+            "sign_opt": section_sign_opt}
     done = []
     for name in [args.only] if args.only else SECTIONS:
         l0, t0 = os.getloadavg()[0], time.perf_counter()
