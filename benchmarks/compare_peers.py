@@ -318,6 +318,19 @@ def torchattacks_square(args, model, xc, yc, eps, seed, note):
                        "sample); one window and one sign draw shared by the whole batch", stopped)
 
 
+def art_per_sample(atk, cnt, xc, yc, args):
+    """Run an ART attack one sample at a time (as ART does anyway; attribution to ``cnt.current`` is then exact);
+    returns why it stopped early (the time cap), or None."""
+    for i in range(len(yc)):
+        cnt.current = i
+        try:
+            atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
+        except Stop as e:
+            if str(e) == "time cap":
+                return f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
+    return None
+
+
 def art_hsja(args, model, xc, yc, eps, seed, label, uint8=False):
     from art.attacks.evasion import HopSkipJump
 
@@ -326,15 +339,8 @@ def art_hsja(args, model, xc, yc, eps, seed, label, uint8=False):
     np.random.seed(seed)
     atk = HopSkipJump(art_classifier(cnt, xc.device), norm=np.inf, max_iter=hsja_steps(), max_eval=10000,
                       init_eval=100, init_size=100, verbose=False)
-    clock, stopped = Clock(), None
-    for i in range(len(yc)):  # ART attacks one sample at a time anyway; this makes attribution exact
-        cnt.current = i
-        try:
-            atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
-        except Stop as e:
-            if str(e) == "time cap":
-                stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
-                break
+    clock = Clock()
+    stopped = art_per_sample(atk, cnt, xc, yc, args)
     rule = "; hits must stay adversarial as uint8 images" if uint8 else ""
     return peer_result("HSJA Linf", f"ART {art_version()}{label}", cnt, clock, None, xc, yc, model,
                        f"max_iter {hsja_steps()}; each sample stopped at its first hit or 10,000 queries{rule}",
@@ -471,15 +477,8 @@ def section_sign_opt(args, ctx):
     np.random.seed(args.seed)
     atk = SignOPTAttack(art_classifier(cnt, device), targeted=False, epsilon=0.001, num_trial=100, max_iter=1000,
                         query_limit=BUDGET, k=200, alpha=0.2, beta=0.001, batch_size=1, verbose=False)
-    clock, stopped = Clock(), None
-    for i in range(len(yc)):  # ART attacks one sample at a time; this makes attribution exact
-        cnt.current = i
-        try:
-            atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
-        except Stop as e:
-            if str(e) == "time cap":
-                stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
-                break
+    clock = Clock()
+    stopped = art_per_sample(atk, cnt, xc, yc, args)
     rows.append(peer_result("Sign-OPT L2 1.0", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
                             "epsilon 0.001 (its name for beta), beta 0.001 (its line-search tolerance / 500), k 200, "
                             "alpha 0.2, num_trial 100, query_limit 10,000 (checked per iteration: overshoots); each "
@@ -550,15 +549,8 @@ def section_boundary(args, ctx):
     np.random.seed(args.seed)
     atk = BoundaryAttack(art_classifier(cnt, device), targeted=False, delta=0.01, epsilon=0.01, step_adapt=1 / 1.5,
                          max_iter=25000, num_trial=25, sample_size=20, init_size=100, verbose=False)
-    clock, stopped = Clock(), None
-    for i in range(len(yc)):  # ART attacks one sample at a time anyway; this makes attribution exact
-        cnt.current = i
-        try:
-            atk.generate(xc[i:i + 1].cpu().numpy(), y=yc[i:i + 1].cpu().numpy())
-        except Stop as e:
-            if str(e) == "time cap":
-                stopped = f"stopped by the time cap ({args.peer_cap:.0f} s) at sample {i}"
-                break
+    clock = Clock()
+    stopped = art_per_sample(atk, cnt, xc, yc, args)
     rows.append(peer_result("Boundary L2", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
                             "20 spherical candidates per trial, then source steps of the successful ones; each sample "
                             "stopped at its first L2 hit that survives uint8 rounding, or 10,000 queries", stopped))

@@ -121,3 +121,15 @@ class Linear(nn.Module):
 
     def forward(self, x):
         return x.flatten(1) @ self.w.T + self.b
+
+
+class Linear2(nn.Module):
+    """Two classes: label 1 iff w . (x - 0.5) > t (a known hyperplane)."""
+
+    def __init__(self, w, t=0.0):
+        super().__init__()
+        self.w, self.t = nn.Parameter(w.flatten(), requires_grad=False), t
+
+    def forward(self, x):
+        s = (x - 0.5).flatten(1) @ self.w - self.t
+        return torch.stack([torch.zeros_like(s), s], 1)

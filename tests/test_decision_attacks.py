@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.query.decision import bisect, blend, find_start
 
-from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import Linear2, check_outputs, correctly_classified, make_ctx, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "decision"
 SETTINGS = [("hsja_linf", "linf"), ("hsja_l2", "l2"), ("rays", "linf")]
@@ -22,17 +21,6 @@ N_REAL = 8
 
 
 # ---------------------------------------------------------------- toy linear model (no data)
-
-class Linear2(nn.Module):
-    """Two classes: label 1 iff w . (x - 0.5) > t (a known hyperplane)."""
-
-    def __init__(self, w, t):
-        super().__init__()
-        self.w, self.t = nn.Parameter(w, requires_grad=False), t
-
-    def forward(self, x):
-        s = (x - 0.5).flatten(1) @ self.w - self.t
-        return torch.stack([torch.zeros_like(s), s], 1)
 
 
 @pytest.fixture(scope="module")

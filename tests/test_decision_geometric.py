@@ -23,25 +23,12 @@ from blackboxbench.query.geoda import estimate_normal, low_frequency_image, quer
 from blackboxbench.query.ppba import idct2
 from blackboxbench.query.sfa import sfa
 from blackboxbench.query.triangle import triangle, triangle_init, vertex
-from blackboxbench.runner import run_experiment
 
-from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
-from test_engine import _exp, _records
+from attack_utils import Linear2, check_outputs, correctly_classified, make_ctx, run_query
+from test_engine import records_by_batch_size
 
 RECIPES = ("geoda_linf", "geoda_l2", "sfa", "triangle")
 NORM = {"geoda_linf": "linf", "geoda_l2": "l2", "sfa": "linf", "triangle": "l2"}
-
-
-class Linear2(nn.Module):
-    """Two classes: label 1 iff w . (x - 0.5) > t (a known hyperplane)."""
-
-    def __init__(self, w, t):
-        super().__init__()
-        self.w, self.t = nn.Parameter(w.flatten(), requires_grad=False), t
-
-    def forward(self, x):
-        s = (x - 0.5).flatten(1) @ self.w - self.t
-        return torch.stack([torch.zeros_like(s), s], 1)
 
 
 class Constant(nn.Module):
@@ -315,15 +302,7 @@ BATCH_CASES = [("geoda_linf", "linf", 0.2, False), ("geoda_l2", "l2", 1.5, True)
 @pytest.mark.parametrize("attack,norm,eps,targeted", BATCH_CASES, ids=[c[0] for c in BATCH_CASES])
 def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, targeted):
     """batch_size 1, 7 and 100 give identical records (float64 digits MLP, 10 samples, budget 300)."""
-    runs = []
-    for bs in (1, 7, 100):
-        threat = {"norm": norm, "eps": eps, "max_queries": 300, "targeted": targeted}
-        if targeted:
-            threat["target_label"] = "random"
-        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack, model="test_digits_mlp_f64",
-                                         dataset={"name": "digits", "n": 10}, threat=threat, batch_size=bs),
-                                    progress=False)
-        runs.append(_records(run_dir))
+    runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted, 300, dataset={"name": "digits", "n": 10})
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 2
 

@@ -14,10 +14,9 @@ from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.query.opt import g_search, nonneg_qp, ray, sign_directions, sign_opt, sign_opt_init, unit
-from blackboxbench.runner import run_experiment
 
 from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
-from test_engine import _exp, _records
+from test_engine import records_by_batch_size
 
 RECIPES = ("opt", "sign_opt")
 
@@ -242,15 +241,7 @@ BATCH_CASES = [("opt", "l2", 2.0, False, 500), ("sign_opt", "linf", 0.3, False, 
 @pytest.mark.parametrize("attack,norm,eps,targeted,budget", BATCH_CASES, ids=[f"{c[0]}-{c[1]}" for c in BATCH_CASES])
 def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, targeted, budget):
     """batch_size 1, 7 and 100 give identical records (float64 digits MLP target)."""
-    runs = []
-    for bs in (1, 7, 100):
-        threat = {"norm": norm, "eps": eps, "max_queries": budget, "targeted": targeted}
-        if targeted:
-            threat["target_label"] = "random"
-        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack, model="test_digits_mlp_f64",
-                                         threat=threat, batch_size=bs, dataset={"name": "digits", "n": 6}),
-                                    progress=False)
-        runs.append(_records(run_dir))
+    runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted, budget, dataset={"name": "digits", "n": 6})
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 2
 

@@ -22,10 +22,9 @@ from blackboxbench.query.hsja import estimate_direction
 from blackboxbench.query.probes import PROBES, draw_probes, orthonormal, reduced
 from blackboxbench.registry import PERTURB
 from blackboxbench.rng import Streams
-from blackboxbench.runner import run_experiment
 
-from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
-from test_engine import _exp, _records
+from attack_utils import Linear2, check_outputs, correctly_classified, make_ctx, run_query
+from test_engine import records_by_batch_size
 from test_score_surrogate import Counting, run_surrogate
 
 SHAPE = (3, 32, 32)
@@ -97,18 +96,6 @@ def test_resize_probes_are_bilinear_upsampling_by_hand():
     w = torch.tensor([0.75, 0.25])
     assert torch.allclose(got[1, 1], w @ a @ w, atol=1e-6)
     assert torch.allclose(got[1, 2], w @ a @ w.flip(0), atol=1e-6)
-
-
-class Linear2(nn.Module):
-    """Two classes: label 1 iff w . (x - 0.5) > t."""
-
-    def __init__(self, w, t=0.0):
-        super().__init__()
-        self.w, self.t = nn.Parameter(w, requires_grad=False), t
-
-    def forward(self, x):
-        s = (x - 0.5).flatten(1) @ self.w - self.t
-        return torch.stack([torch.zeros_like(s), s], 1)
 
 
 def test_dct_gradient_estimate_is_the_normal_projected_on_the_subspace():
@@ -234,17 +221,10 @@ BATCH_CASES = [("qeba", "linf", 0.2, False, None, 1000), ("qeba", "l2", 1.5, Tru
 @pytest.mark.parametrize("attack,norm,eps,targeted,surrogates,budget", BATCH_CASES,
                          ids=[f"{c[0]}-{c[1]}-{'t' if c[3] else 'u'}" for c in BATCH_CASES])
 def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, targeted, surrogates, budget):
-    """batch_size 1, 5 and 100 give identical records (float64 digits MLP target and CNN surrogate)."""
-    runs = []
-    for bs in (1, 5, 100):
-        threat = {"norm": norm, "eps": eps, "max_queries": budget, "targeted": targeted}
-        if targeted:
-            threat["target_label"] = "random"
-        extra = {"surrogates": surrogates} if surrogates else {}
-        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack, model="test_digits_mlp_f64",
-                                         dataset={"name": "digits", "n": 10}, threat=threat, batch_size=bs,
-                                         **extra), progress=False)
-        runs.append(_records(run_dir))
+    """batch_size 1, 7 and 100 give identical records (float64 digits MLP target and CNN surrogate)."""
+    extra = {"surrogates": surrogates} if surrogates else {}
+    runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted, budget, dataset={"name": "digits", "n": 10},
+                                 **extra)
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 4
 

@@ -16,15 +16,13 @@ import numpy as np
 import pytest
 import scipy.ndimage
 import torch
-from torch import nn
 
 from blackboxbench.query.boundary import SPHERICAL_WINDOW, STEP_WINDOW, adapt, proposals, window_push
 from blackboxbench.query.evolutionary import WINDOW, candidates, cma_update, one_fifth, select
 from blackboxbench.rng import Streams
-from blackboxbench.runner import run_experiment
 
-from attack_utils import check_outputs, correctly_classified, run_query
-from test_engine import _exp, _records
+from attack_utils import Linear2, check_outputs, correctly_classified, run_query
+from test_engine import records_by_batch_size
 
 RECIPES = ("boundary", "evolutionary")
 EPS = {"linf": 0.03, "l2": 1.0}  # Table V, CIFAR-10
@@ -202,17 +200,6 @@ def test_evolutionary_selection_is_weighted_sampling_without_replacement():
 
 # ---------------------------------------------------------------- toy linear model (no data)
 
-class Linear2(nn.Module):
-    """Two classes: label 1 iff w . (x - 0.5) > t (a known hyperplane)."""
-
-    def __init__(self, w, t):
-        super().__init__()
-        self.w, self.t = nn.Parameter(w, requires_grad=False), t
-
-    def forward(self, x):
-        s = (x - 0.5).flatten(1) @ self.w - self.t
-        return torch.stack([torch.zeros_like(s), s], 1)
-
 
 @pytest.fixture(scope="module")
 def toy():
@@ -243,15 +230,7 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
     """batch_size 1, 7 and 100 give identical records on the batch-invariant float64 digits MLP (random targets
     included): every sample's step sizes, windows, mu and covariance live in its own state rows and its draws come
     from its own stream."""
-    runs = []
-    for bs in (1, 7, 100):
-        threat = {"norm": norm, "eps": eps, "max_queries": 150, "targeted": targeted}
-        if targeted:
-            threat["target_label"] = "random"
-        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack, model="test_digits_mlp_f64",
-                                         dataset={"name": "digits", "n": 8}, threat=threat, batch_size=bs),
-                                    progress=False)
-        runs.append(_records(run_dir))
+    runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted, 150, dataset={"name": "digits", "n": 8})
     assert runs[0] == runs[1] == runs[2]
     # measured: 4 of 8 each (boundary: 3 starts already close, one after 29 queries; evolutionary: 2 after 100 and
     # 120 queries); more queries per sample would make the batch-size-1 run long
