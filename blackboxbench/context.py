@@ -15,12 +15,14 @@ use, and nothing else reaches it:
   from an image of another (or the target) class.
 * ``model``, ``t``, ``iterations``, ``alpha``: transfer attacks only, the refined surrogate being attacked and
   the position in the loop (iteration ``t`` of ``iterations``, step size ``alpha``).
+* ``raw_grad``: transfer gradient blocks only, ``raw_grad(x)``: the gradient of the summed attack loss at ``x``
+  *without* the input transformations (RAP's inner loop).
 
 ``ctx.sub(rows)`` is the same context restricted to local samples ``rows`` (distinct), with the problem, the
 oracle view and the random streams restricted alike.
 """
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 
@@ -48,6 +50,7 @@ class BlockContext:
     t: int = 0
     iterations: int = 0
     alpha: float = 0.0
+    raw_grad: Optional[Callable] = None
 
     @property
     def device(self):

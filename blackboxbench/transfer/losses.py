@@ -32,3 +32,17 @@ def logit(ctx, logits, label):
     """Targeted: the target logit z_t. Untargeted: -z_y (the reference's ``max_logit`` loss)."""
     z = logits.gather(1, label[:, None]).squeeze(1)
     return z if ctx.problem.targeted else -z
+
+
+GOALS = ("ce", "cw", "logit")
+
+
+@LOSS.register("by_goal", paper="BlackboxBench Supp. D-B and its released json_files sweeps: cross-entropy "
+                                "untargeted, the logit loss (Zhao et al., NeurIPS 2021) targeted",
+               norms=("linf", "l2"), ranges={"untargeted": GOALS, "targeted": GOALS})
+def by_goal(ctx, logits, label, *, untargeted="ce", targeted="logit"):
+    """The loss ``untargeted`` or ``targeted`` (registered loss names) by the problem's goal.
+
+    Defaults: what the paper's CIFAR-10 runs used (spec sheet sections 0 and 10.2): CE untargeted, ``logit``
+    (``max_logit`` in the authors' code) targeted."""
+    return LOSS.get(targeted if ctx.problem.targeted else untargeted)(ctx, logits, label)

@@ -14,6 +14,11 @@ blocks may use to keep per-sample tensors such as momentum):
 * ``direction(ctx, grad, state, **params) -> direction``: update direction (e.g. momentum). Listed ones chain.
 * ``update(ctx, x_adv, direction, **params) -> x_adv``: one step of size ``ctx.alpha``, then projection.
 
+A block may declare at registration ``requires=("direction:momentum",)`` (a block it reads the state of) and
+``conflicts=("gradient:pregrad",)`` (blocks it cannot be listed with, itself included when it keeps state under a
+fixed key); :func:`~blackboxbench.transfer.compat.check_compatible` turns a violation into a one-line config error
+naming both blocks, before anything runs.
+
 ``ctx.model`` is the refined surrogate, ``ctx.t`` / ``ctx.iterations`` the loop position. The output is projected
 to the eps ball and [0, 1] and quantized to uint8 towards the clean image. Every sample takes the same number of
 iterations, so a unit of work is one whole batch of ``batch_size`` samples; their random numbers come from their
@@ -34,6 +39,7 @@ from ..family import BlockKind, Family, ModelKey, base_records, check_outputs, f
 from ..registry import DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
 from ..rng import run_stream
 from ..threat import Problem
+from .compat import check_compatible
 
 REFINE_SALT = 1  # run-level stream of the refine blocks
 
@@ -69,18 +75,25 @@ class TransferAttack:
                              "(add e.g. logit_ensemble)")
         return models[0]
 
-    def grad_fn(self, ctx, state):
-        """The gradient function at ``ctx`` (its model and loop position), wrapped by the gradient blocks."""
+    def loss_grad(self, ctx, transforms):
+        """``fn(x)``: the gradient of the summed loss of ``transforms`` applied to ``x`` (n rows, the samples)."""
         problem = ctx.problem
         label = problem.target if problem.targeted else problem.y
 
         def fn(x):
             x = x.detach().requires_grad_(True)
-            xt = _chain_transforms(ctx, self.transforms, x)
+            xt = _chain_transforms(ctx, transforms, x)
             k = xt.shape[0] // x.shape[0]
             loss = self.loss(ctx, ctx.model(xt), label.repeat(k)).sum()
             return torch.autograd.grad(loss, x)[0]
 
+        return fn
+
+    def grad_fn(self, ctx, state):
+        """The gradient function at ``ctx`` (its model and loop position), wrapped by the gradient blocks; they
+        get ``ctx.raw_grad``, the same gradient without the input transformations."""
+        ctx = ctx.at(raw_grad=self.loss_grad(ctx, ()))
+        fn = self.loss_grad(ctx, self.transforms)
         for g in self.gradients:
             fn = partial(g, ctx, fn, state=state)
         return fn
@@ -179,6 +192,7 @@ class TransferFamily(Family):
             raise ConfigError("must be a positive integer", meta["source"], "attack.hyper.iterations")
         if hyper["alpha"] <= 0 or hyper["random_start"] < 0:
             raise ConfigError("alpha must be > 0 and random_start >= 0", meta["source"], "attack.hyper")
+        check_compatible(blocks, meta["source"])
         return TransferAttack(name, int(hyper["iterations"]), float(hyper["alpha"]), blocks["loss"],
                               blocks["update"], transforms=blocks["transform"], gradients=blocks["gradient"],
                               directions=blocks["direction"], refiners=blocks["refine"],

@@ -74,3 +74,57 @@ def di(ctx, x, *, resize_rate=1.25, prob=0.5):
     Each sample draws its own size (the authors draw one per batch), so a sample's result does not depend on
     its batch."""
     return apply_di(x, draw_di(ctx, x.shape, resize_rate=resize_rate, prob=prob))
+
+
+@TRANSFORM.register("si", paper="Lin et al., Nesterov Accelerated Gradient and Scale Invariance for Adversarial "
+                                "Attacks (SI-FGSM), ICLR 2020", norms=("linf", "l2"),
+                    ranges={"copies": "int [1, inf)", "scale": "[1, inf)"})
+def si(ctx, x, *, copies=3, scale=1.5):
+    """Scale invariance: ``copies`` stacked copies ``x / scale**i``, i = 0 .. copies - 1 (copy i in rows
+    i*m .. (i+1)*m - 1); the loss is summed over them (the authors average: the same direction). Defaults 3 copies,
+    scale 1.5: Table VII, CIFAR-10 (ImageNet: 5 copies, scale 2). No randomness."""
+    factors = scale ** -torch.arange(copies, dtype=torch.float64)
+    return (x[None] * factors.to(x).view(-1, *([1] * x.dim()))).flatten(0, 1)
+
+
+def draw_admix(ctx, m, *, n_samples=3):
+    """Pool indices of the images mixed into ``m`` rows (m a multiple of the samples in ``ctx``): for each row,
+    ``n_samples`` images drawn uniformly, from its sample's stream, among the pool images whose label differs from
+    the sample's true label (Wang et al.: "images from other categories"); from the whole pool when there is none.
+    Returns a (n_samples * m,) long tensor, mix j of row r at position j*m + r."""
+    pool = ctx.pool
+    if pool is None or len(pool.y) == 0:
+        raise BenchError("transform 'admix': needs the attacker's image pool (ctx.pool), which is empty here")
+    rows = ctx.rows(m)
+    y = ctx.problem.y[rows].cpu()
+    labels = pool.y.cpu().long()
+    order = torch.argsort(labels, stable=True)
+    counts = torch.bincount(labels, minlength=int(max(labels.max(), y.max())) + 1)
+    start = torch.cumsum(counts, 0) - counts
+    own, first = counts[y], start[y]
+    others = len(labels) - own
+    span = torch.where(others > 0, others, torch.full_like(others, len(labels)))
+    u = ctx.rng.uniform((n_samples,), rows=rows, dtype=torch.float64).cpu()
+    k = (u * span[:, None].double()).long()
+    skip = (others > 0)[:, None] & (k >= first[:, None])  # jump over the block of the sample's own class
+    pos = torch.where(skip, k + own[:, None], k)
+    return order[pos].T.reshape(-1)
+
+
+def apply_admix(x, pool_x, index, strength):
+    """``x + strength * pool_x[index]``, x repeated once per mix (copy j in rows j*m ...)."""
+    k = len(index) // x.shape[0]
+    return x.repeat(k, 1, 1, 1) + strength * pool_x[index].to(x)
+
+
+@TRANSFORM.register("admix", paper="Wang et al., Admix: Enhancing the Transferability of Adversarial Attacks, "
+                                   "ICCV 2021", norms=("linf", "l2"),
+                    ranges={"strength": "[0, inf)", "n_samples": "int [1, inf)"})
+def admix(ctx, x, *, strength=0.2, n_samples=3):
+    """Admix: ``n_samples`` stacked copies ``x + strength * x'``, each ``x'`` a clean pool image of another class
+    (:func:`draw_admix`), drawn afresh at every call. List ``si`` after it for Wang et al.'s m1 x m2 copies.
+    Defaults strength 0.2, 3 images: Table VII (both datasets). The authors' code mixes in other images of the
+    current adversarial batch; drawing from the attacker's pool per sample keeps a sample's result independent
+    of its batch (and works for a batch of one)."""
+    index = draw_admix(ctx, x.shape[0], n_samples=n_samples)
+    return apply_admix(x, ctx.pool.x, index, strength)
