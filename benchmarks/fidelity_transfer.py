@@ -1,0 +1,272 @@
+"""Transfer attacks of the data / optimization perspective: fidelity against torchattacks 3.5.1, direction of effect
+and a composite table (the paper's Fig. 7), on the data root's CIFAR-10 (first 100 test images).
+
+Surrogate ResNet-20; targets ResNet-32/44/56 and the two plain CNNs ``oval_cifar_wide`` and ``cifar_cnn_a_mix``.
+ASR on a target counts the images it classifies correctly when clean (spec sheet 10.15); every adversarial image,
+ours and torchattacks', is quantized to uint8 towards the clean image before it is judged.
+
+Parts (``--part``, default all):
+
+* ``fidelity``: NI-FGSM, SINI-FGSM, VMI-FGSM, VNI-FGSM, DI and TI, ours (the recipes, with the peer's
+  parameters) and torchattacks', same eps 0.03, step 0.003, 10 steps, decay; per-target ASR, the difference, and
+  the wall time of each (ratio ours / torchattacks, measured in this one run).
+* ``direction``: untargeted Linf 0.03, every new recipe against ``i_fgsm``, mean transfer ASR over the targets.
+  10 iterations (the original papers' count; the recipes' 100 cost 10x the CPU), RAP 40 with late start 10.
+* ``composites``: new blocks x {alone, +MI, +DI, +TI} on the first ``--composite-n`` images, mean transfer ASR,
+  as a CSV and a heatmap PNG (gray: incompatible pair).
+
+    PYTHONPATH=. BLACKBOXBENCH_DATA=../shared/data python benchmarks/fidelity_transfer.py --part fidelity
+
+Appends its tables to ``--md`` (default benchmarks/transfer_fidelity.md).
+"""
+import argparse
+import copy
+import csv
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from blackboxbench.builder import build_attack, load_recipe, recipe_family
+from blackboxbench.config import finish_threat
+from blackboxbench.context import BlockContext, Pool
+from blackboxbench.errors import ConfigError
+from blackboxbench.prep.models import build_model
+from blackboxbench.registry import DATASET
+from blackboxbench.rng import Streams
+from blackboxbench.threat import Problem, quantize
+
+HERE = Path(__file__).resolve().parent
+EPS, ALPHA, STEPS = 0.03, 0.003, 10
+TARGETS = ("cifar_resnet32", "cifar_resnet44", "cifar_resnet56", "oval_cifar_wide", "cifar_cnn_a_mix")
+
+
+def build(recipe, targeted=False, eps=EPS, norm="linf"):
+    """An attack from a recipe mapping (``{"recipe": name, <overrides>}`` or inline) through the real builder."""
+    rec, source = load_recipe(copy.deepcopy(recipe), "fidelity_transfer")
+    t = {"norm": norm, "targeted": targeted, "eps": eps}
+    t = finish_threat(t, rec, recipe_family(rec, source), source)
+    return build_attack(rec, t, source)
+
+
+def run_ours(atk, model, x, y, pool, seed=0):
+    problem = Problem(x=x, y=y, eps=EPS, norm="linf", num_classes=10)
+    ctx = BlockContext(problem=problem, rng=Streams(seed, len(x), "cpu").view(torch.arange(len(x))),
+                       pool=pool, model=model, iterations=atk.iterations, alpha=atk.alpha)
+    return atk.run(ctx)
+
+
+def asr(models, x_adv, x, y):
+    """{target: ASR over the images it classifies correctly when clean}."""
+    out = {}
+    with torch.no_grad():
+        for name, m in models.items():
+            ok = m(x).argmax(1) == y
+            adv = m(x_adv).argmax(1) != y
+            out[name] = (adv & ok).sum().item() / max(ok.sum().item(), 1)
+    return out
+
+
+def ours_recipe(name, steps=STEPS, blocks=None):
+    r = {"recipe": name, "hyper": {"iterations": steps, "alpha": ALPHA}}
+    if blocks:
+        r["blocks"] = blocks
+    return r
+
+
+def fidelity(models, surrogate, x, y, pool, md):
+    import torchattacks
+
+    peers = {
+        "NI-FGSM": (ours_recipe("ni_fgsm"), lambda m: torchattacks.NIFGSM(m, EPS, ALPHA, STEPS, 1.0)),
+        "SINI-FGSM": (ours_recipe("ni_fgsm", blocks={"transform": [{"name": "si", "copies": 5, "scale": 2.0}]}),
+                      lambda m: torchattacks.SINIFGSM(m, EPS, ALPHA, STEPS, 1.0, m=5)),
+        "VMI-FGSM": (ours_recipe("vt"), lambda m: torchattacks.VMIFGSM(m, EPS, ALPHA, STEPS, 1.0, N=5, beta=1.5)),
+        "VNI-FGSM": (ours_recipe("vni"), lambda m: torchattacks.VNIFGSM(m, EPS, ALPHA, STEPS, 1.0, N=5, beta=1.5)),
+        "DI": (ours_recipe("di2_fgsm"), lambda m: torchattacks.DIFGSM(m, EPS, ALPHA, STEPS, 0.0, resize_rate=1.25,
+                                                                         diversity_prob=0.5)),
+        "TI": (ours_recipe("ti_fgsm"), lambda m: torchattacks.TIFGSM(m, EPS, ALPHA, STEPS, 0.0, len_kernel=3,
+                                                                        nsig=3, diversity_prob=0.0)),
+    }
+    rows = []
+    for label, (recipe, peer) in peers.items():
+        atk = build(recipe)
+        t0 = time.perf_counter()
+        ours = run_ours(atk, surrogate, x, y, pool)
+        t_ours = time.perf_counter() - t0
+        torch.manual_seed(0)
+        ta = peer(surrogate)
+        t0 = time.perf_counter()
+        theirs = ta(x, y).detach()
+        t_ta = time.perf_counter() - t0
+        a, b = asr(models, ours, x, y), asr(models, quantize(theirs.clamp(0, 1), x), x, y)
+        rows.append((label, a, b, t_ours, t_ta))
+        print(label, {k: round(a[k] - b[k], 3) for k in a}, f"{t_ours:.1f}s / {t_ta:.1f}s", flush=True)
+    names = list(models)
+    lines = ["", f"### Fidelity vs torchattacks 3.5.1 ({len(x)} CIFAR-10 images, surrogate ResNet-20, untargeted Linf "
+             f"{EPS}, step {ALPHA}, {STEPS} steps; ASR ours / torchattacks (difference, pp))", "",
+             "| attack | " + " | ".join(names) + " | max abs diff pp | time ours s | time torchattacks s | ratio |",
+             "|---|" + "---|" * (len(names) + 4)]
+    for label, a, b, t1, t2 in rows:
+        diffs = [100 * (a[n] - b[n]) for n in names]
+        cells = [f"{a[n]:.2f} / {b[n]:.2f} ({d:+.0f})" for n, d in zip(names, diffs)]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {max(abs(d) for d in diffs):.0f} | {t1:.1f} | "
+                     f"{t2:.1f} | {t1 / t2:.2f} |")
+    write(md, lines)
+
+
+DIRECTION = {
+    "i_fgsm": ours_recipe("i_fgsm"), "ni_fgsm": ours_recipe("ni_fgsm"), "pi_fgsm": ours_recipe("pi_fgsm"),
+    "vt": ours_recipe("vt"), "si_fgsm": ours_recipe("si_fgsm"), "admix": ours_recipe("admix"),
+    "sia": ours_recipe("sia"), "pgn": ours_recipe("pgn"),
+    "rap": ours_recipe("rap", steps=40, blocks={"gradient": [{"name": "rap", "late_start": 10,
+                                                               "inner_iterations": 5}]}),
+}
+
+
+def direction(models, surrogate, x, y, pool, md):
+    rows = []
+    for name, recipe in DIRECTION.items():
+        t0 = time.perf_counter()
+        a = asr(models, run_ours(build(recipe), surrogate, x, y, pool), x, y)
+        rows.append((name, a, sum(a.values()) / len(a), time.perf_counter() - t0))
+        print(name, round(rows[-1][2], 3), f"{rows[-1][3]:.0f}s", flush=True)
+    names = list(models)
+    base = rows[0][2]
+    lines = ["", f"### Direction of effect ({len(x)} images, untargeted Linf {EPS}, step {ALPHA}, {STEPS} iterations; "
+             "RAP 40 with late start 10; transfer ASR from ResNet-20)", "",
+             "| recipe | " + " | ".join(names) + " | mean | beats i_fgsm | time s |", "|---|" + "---|" * (len(names) + 3)]
+    for name, a, mean, t in sorted(rows, key=lambda r: -r[2]):
+        lines.append(f"| `{name}` | " + " | ".join(f"{a[n]:.2f}" for n in names) + f" | {mean:.3f} | "
+                     f"{'-' if name == 'i_fgsm' else 'yes' if mean > base else 'NO'} | {t:.0f} |")
+    write(md, lines)
+
+
+# new blocks (rows) composed with old ones (columns); each a blocks mapping merged into i_fgsm's
+MOM = {"direction": [{"name": "momentum", "decay": 1.0}]}
+NEW = {
+    "NI": {"gradient": [{"name": "nesterov"}], **MOM},
+    "PI": {"gradient": [{"name": "pregrad", "step": 0.01}], **MOM},
+    "VT": {"gradient": [{"name": "vt", "n": 5, "bound": 1.5}], **MOM},
+    "PGN (n 5)": {"gradient": [{"name": "pgn", "n": 5}], **MOM},
+    "RAP (20 it, late 5)": {"gradient": [{"name": "rap", "late_start": 5, "inner_iterations": 5}]},
+    "SI": {"transform": [{"name": "si", "copies": 3, "scale": 1.5}]},
+    "Admix": {"transform": [{"name": "admix"}, {"name": "si", "copies": 3, "scale": 1.5}]},
+    "SIA": {"transform": [{"name": "sia"}]},
+}
+OLD = {
+    "alone": {},
+    "MI": MOM,
+    "DI": {"transform": [{"name": "di", "resize_rate": 1.25, "prob": 0.5}]},
+    "TI": {"gradient": [{"name": "ti", "kernel_size": 3}]},
+    "NI": {"gradient": [{"name": "nesterov"}], **MOM},
+}
+
+
+def compose(a, b):
+    """Union of two block mappings: transform and gradient lists concatenated, directions deduplicated."""
+    out = {}
+    for kind in ("transform", "gradient", "direction"):
+        items = a.get(kind, []) + b.get(kind, [])
+        if kind == "direction":
+            items = [d for i, d in enumerate(items) if d not in items[:i]]
+        out[kind] = items
+    return out
+
+
+def composites(models, surrogate, x, y, pool, csv_path, png_path, md):
+    rows = []
+    for rname, rb in NEW.items():
+        steps = 20 if rname.startswith("RAP") else STEPS
+        row = {}
+        for cname, cb in OLD.items():
+            recipe = {"recipe": "i_fgsm", "hyper": {"iterations": steps, "alpha": ALPHA}, "blocks": compose(rb, cb)}
+            try:
+                atk = build(recipe)
+            except ConfigError as e:
+                print(rname, cname, "incompatible:", str(e).split(": ", 2)[-1], flush=True)
+                row[cname] = float("nan")
+                continue
+            a = asr(models, run_ours(atk, surrogate, x, y, pool), x, y)
+            row[cname] = sum(a.values()) / len(a)
+            print(rname, cname, round(row[cname], 3), flush=True)
+        rows.append((rname, row))
+    cols = list(OLD)
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["block"] + [f"+{c}" if c != "alone" else c for c in cols] + ["average"])
+        for rname, row in rows:
+            vals = [row[c] for c in cols]
+            ok = [v for v in vals if v == v]
+            w.writerow([rname] + [f"{v:.3f}" if v == v else "" for v in vals] + [f"{sum(ok) / len(ok):.3f}"])
+    heatmap(rows, cols, png_path, len(x))
+    lines = ["", f"### Composites (mean transfer ASR over the 5 targets, first {len(x)} images, untargeted Linf {EPS}, "
+             f"{STEPS} iterations; blank: incompatible)", "", f"CSV `{csv_path.name}`, heatmap `{png_path.name}`.", "",
+             "| block | " + " | ".join(cols) + " | average |", "|---|" + "---|" * (len(cols) + 1)]
+    for rname, row in rows:
+        vals = [row[c] for c in cols]
+        ok = [v for v in vals if v == v]
+        lines.append(f"| {rname} | " + " | ".join(f"{v:.2f}" if v == v else "" for v in vals)
+                     + f" | {sum(ok) / len(ok):.2f} |")
+    write(md, lines)
+
+
+def heatmap(rows, cols, path, n):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = np.array([[row[c] for c in cols] + [np.nanmean([row[c] for c in cols])] for _, row in rows])
+    fig, ax = plt.subplots(figsize=(6, 4.2), dpi=80)
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("lightgray")
+    im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=np.nanmin(data), vmax=np.nanmax(data))
+    ax.set_xticks(range(len(cols) + 1), [c if c == "alone" else f"+{c}" for c in cols] + ["average"])
+    ax.set_yticks(range(len(rows)), [r for r, _ in rows])
+    for i in range(data.shape[0]):
+        for j in range(data.shape[1]):
+            if data[i, j] == data[i, j]:
+                ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=7, color="w")
+    ax.set_title(f"Transfer ASR, composites (ResNet-20 -> 5 targets, {n} images)", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write(md, lines):
+    with open(md, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("all", "fidelity", "direction", "composites"), default="all")
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--composite-n", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--md", default=str(HERE / "transfer_fidelity.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    root = os.environ.get("BLACKBOXBENCH_DATA", str(HERE.parent.parent / "shared" / "data"))
+    ds = DATASET.get("cifar10")(root, n=args.n, file="cifar10/cifar10_test_first100.npz")
+    x, y = ds.x, ds.y
+    pool = Pool(x, y)
+    surrogate = build_model("cifar_resnet20", root)
+    models = {name: build_model(name, root) for name in TARGETS}
+    if args.part in ("all", "fidelity"):
+        fidelity(models, surrogate, x, y, pool, args.md)
+    if args.part in ("all", "direction"):
+        direction(models, surrogate, x, y, pool, args.md)
+    if args.part in ("all", "composites"):
+        k = args.composite_n
+        composites(models, surrogate, x[:k], y[:k], Pool(x, y), HERE / "transfer_composites.csv",
+                   HERE / "transfer_composites.png", args.md)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
