@@ -10,9 +10,11 @@ Parts (``--part``, default all):
 * ``fidelity``: NI-FGSM, SINI-FGSM, VMI-FGSM, VNI-FGSM, DI and TI, ours (the recipes, with the peer's
   parameters) and torchattacks', same eps 0.03, step 0.003, 10 steps, decay; per-target ASR, the difference, and
   the wall time of each (ratio ours / torchattacks, measured in this one run).
+* ``timing``: the same work timed again, ours and torchattacks' alternating three times on ``--timing-n`` images,
+  the minimum of each (a shared machine disturbs single runs) and the ratio.
 * ``direction``: untargeted Linf 0.03, every new recipe against ``i_fgsm``, mean transfer ASR over the targets.
   10 iterations (the original papers' count; the recipes' 100 cost 10x the CPU), RAP 40 with late start 10.
-* ``composites``: new blocks x {alone, +MI, +DI, +TI} on the first ``--composite-n`` images, mean transfer ASR,
+* ``composites``: new blocks (cheap settings) x {alone, +MI, +DI, +NI} on the first ``--composite-n`` images, mean transfer ASR,
   as a CSV and a heatmap PNG (gray: incompatible pair).
 
     PYTHONPATH=. BLACKBOXBENCH_DATA=../shared/data python benchmarks/fidelity_transfer.py --part fidelity
@@ -76,10 +78,10 @@ def ours_recipe(name, steps=STEPS, blocks=None):
     return r
 
 
-def fidelity(models, surrogate, x, y, pool, md):
+def peers():
     import torchattacks
 
-    peers = {
+    return {
         "NI-FGSM": (ours_recipe("ni_fgsm"), lambda m: torchattacks.NIFGSM(m, EPS, ALPHA, STEPS, 1.0)),
         "SINI-FGSM": (ours_recipe("ni_fgsm", blocks={"transform": [{"name": "si", "copies": 5, "scale": 2.0}]}),
                       lambda m: torchattacks.SINIFGSM(m, EPS, ALPHA, STEPS, 1.0, m=5)),
@@ -87,11 +89,22 @@ def fidelity(models, surrogate, x, y, pool, md):
         "VNI-FGSM": (ours_recipe("vni"), lambda m: torchattacks.VNIFGSM(m, EPS, ALPHA, STEPS, 1.0, N=5, beta=1.5)),
         "DI": (ours_recipe("di2_fgsm"), lambda m: torchattacks.DIFGSM(m, EPS, ALPHA, STEPS, 0.0, resize_rate=1.25,
                                                                          diversity_prob=0.5)),
+        # torchattacks' DI never resizes back: at resize_rate 1.25 the model sees 40 x 40 bilinear canvases, a
+        # different transform; at its default 0.9 it shrinks to [28, 32) and pads to 32, the same input size as
+        # ours (nearest resize to [32, 40), pad to 40, nearest resize back to 32: a scale in [0.8, 1)).
+        "DI (peer 0.9)": (ours_recipe("di2_fgsm"), lambda m: torchattacks.DIFGSM(m, EPS, ALPHA, STEPS, 0.0,
+                                                                                   resize_rate=0.9,
+                                                                                   diversity_prob=0.5)),
         "TI": (ours_recipe("ti_fgsm"), lambda m: torchattacks.TIFGSM(m, EPS, ALPHA, STEPS, 0.0, len_kernel=3,
                                                                         nsig=3, diversity_prob=0.0)),
     }
+
+
+def fidelity(models, surrogate, x, y, pool, md, only=None):
     rows = []
-    for label, (recipe, peer) in peers.items():
+    for label, (recipe, peer) in peers().items():
+        if only and label not in only:
+            continue
         atk = build(recipe)
         t0 = time.perf_counter()
         ours = run_ours(atk, surrogate, x, y, pool)
@@ -117,6 +130,32 @@ def fidelity(models, surrogate, x, y, pool, md):
     write(md, lines)
 
 
+def timing(surrogate, x, y, pool, md, repeats=3, only=None):
+    """Wall time of the same work, ours and torchattacks', alternating ``repeats`` times; the minimum of each
+    (the least disturbed run on a shared machine) and their ratio."""
+    rows = []
+    for label, (recipe, peer) in peers().items():
+        if only and label not in only:
+            continue
+        atk, best = build(recipe), [float("inf"), float("inf")]
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run_ours(atk, surrogate, x, y, pool)
+            best[0] = min(best[0], time.perf_counter() - t0)
+            torch.manual_seed(0)
+            ta = peer(surrogate)
+            t0 = time.perf_counter()
+            ta(x, y)
+            best[1] = min(best[1], time.perf_counter() - t0)
+        rows.append((label, *best))
+        print(label, f"{best[0]:.2f}s / {best[1]:.2f}s = {best[0] / best[1]:.3f}", flush=True)
+    lines = ["", f"### Wall time vs torchattacks ({len(x)} images, {STEPS} steps, {torch.get_num_threads()} thread(s), "
+             f"minimum of {repeats} alternating runs)", "", "| attack | ours s | torchattacks s | ratio |",
+             "|---|---|---|---|"]
+    lines += [f"| {label} | {a:.2f} | {b:.2f} | {a / b:.3f} |" for label, a, b in rows]
+    write(md, lines)
+
+
 DIRECTION = {
     "i_fgsm": ours_recipe("i_fgsm"), "ni_fgsm": ours_recipe("ni_fgsm"), "pi_fgsm": ours_recipe("pi_fgsm"),
     "vt": ours_recipe("vt"), "si_fgsm": ours_recipe("si_fgsm"), "admix": ours_recipe("admix"),
@@ -126,15 +165,17 @@ DIRECTION = {
 }
 
 
-def direction(models, surrogate, x, y, pool, md):
+def direction(models, surrogate, x, y, pool, md, only=None):
     rows = []
     for name, recipe in DIRECTION.items():
+        if only and name not in only:
+            continue
         t0 = time.perf_counter()
         a = asr(models, run_ours(build(recipe), surrogate, x, y, pool), x, y)
         rows.append((name, a, sum(a.values()) / len(a), time.perf_counter() - t0))
         print(name, round(rows[-1][2], 3), f"{rows[-1][3]:.0f}s", flush=True)
     names = list(models)
-    base = rows[0][2]
+    base = next(r[2] for r in rows if r[0] == "i_fgsm")
     lines = ["", f"### Direction of effect ({len(x)} images, untargeted Linf {EPS}, step {ALPHA}, {STEPS} iterations; "
              "RAP 40 with late start 10; transfer ASR from ResNet-20)", "",
              "| recipe | " + " | ".join(names) + " | mean | beats i_fgsm | time s |", "|---|" + "---|" * (len(names) + 3)]
@@ -146,21 +187,20 @@ def direction(models, surrogate, x, y, pool, md):
 
 # new blocks (rows) composed with old ones (columns); each a blocks mapping merged into i_fgsm's
 MOM = {"direction": [{"name": "momentum", "decay": 1.0}]}
-NEW = {
+NEW = {  # cheap settings (CPU): VT and PGN 2 neighbours, Admix 2 images, SIA 4 copies, RAP 20 iterations
     "NI": {"gradient": [{"name": "nesterov"}], **MOM},
     "PI": {"gradient": [{"name": "pregrad", "step": 0.01}], **MOM},
-    "VT": {"gradient": [{"name": "vt", "n": 5, "bound": 1.5}], **MOM},
-    "PGN (n 5)": {"gradient": [{"name": "pgn", "n": 5}], **MOM},
-    "RAP (20 it, late 5)": {"gradient": [{"name": "rap", "late_start": 5, "inner_iterations": 5}]},
+    "VT (n 2)": {"gradient": [{"name": "vt", "n": 2, "bound": 1.5}], **MOM},
+    "PGN (n 2)": {"gradient": [{"name": "pgn", "n": 2}], **MOM},
+    "RAP (20 it, late 5, inner 2)": {"gradient": [{"name": "rap", "late_start": 5, "inner_iterations": 2}]},
     "SI": {"transform": [{"name": "si", "copies": 3, "scale": 1.5}]},
-    "Admix": {"transform": [{"name": "admix"}, {"name": "si", "copies": 3, "scale": 1.5}]},
-    "SIA": {"transform": [{"name": "sia"}]},
+    "Admix (2)": {"transform": [{"name": "admix", "n_samples": 2}, {"name": "si", "copies": 3, "scale": 1.5}]},
+    "SIA (4 copies)": {"transform": [{"name": "sia", "copies": 4}]},
 }
 OLD = {
     "alone": {},
     "MI": MOM,
     "DI": {"transform": [{"name": "di", "resize_rate": 1.25, "prob": 0.5}]},
-    "TI": {"gradient": [{"name": "ti", "kernel_size": 3}]},
     "NI": {"gradient": [{"name": "nesterov"}], **MOM},
 }
 
@@ -245,9 +285,11 @@ def write(md, lines):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("all", "fidelity", "direction", "composites"), default="all")
+    ap.add_argument("--part", choices=("all", "fidelity", "timing", "direction", "composites"), default="all")
+    ap.add_argument("--timing-n", type=int, default=32)
+    ap.add_argument("--only", nargs="*", help="only these attacks (fidelity, timing: the labels; direction: recipes, i_fgsm always run)")
     ap.add_argument("--n", type=int, default=100)
-    ap.add_argument("--composite-n", type=int, default=32)
+    ap.add_argument("--composite-n", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--md", default=str(HERE / "transfer_fidelity.md"))
     args = ap.parse_args()
@@ -259,9 +301,12 @@ def main():
     surrogate = build_model("cifar_resnet20", root)
     models = {name: build_model(name, root) for name in TARGETS}
     if args.part in ("all", "fidelity"):
-        fidelity(models, surrogate, x, y, pool, args.md)
+        fidelity(models, surrogate, x, y, pool, args.md, only=args.only)
+    if args.part in ("all", "timing"):
+        k = args.timing_n
+        timing(surrogate, x[:k], y[:k], pool, args.md, only=args.only)
     if args.part in ("all", "direction"):
-        direction(models, surrogate, x, y, pool, args.md)
+        direction(models, surrogate, x, y, pool, args.md, only=args.only and set(args.only) | {"i_fgsm"})
     if args.part in ("all", "composites"):
         k = args.composite_n
         composites(models, surrogate, x[:k], y[:k], Pool(x, y), HERE / "transfer_composites.csv",
