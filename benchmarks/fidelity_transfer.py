@@ -182,6 +182,8 @@ DIRECTION = {
     # SIA with momentum (Wang et al.'s setting) and with more iterations, to explain its rank on these models
     "sia+mi": ours_recipe("sia", blocks={"direction": [{"name": "momentum", "decay": 1.0}]}),
     "sia+mi (30 it)": ours_recipe("sia", steps=30, blocks={"direction": [{"name": "momentum", "decay": 1.0}]}),
+    "i_fgsm (30 it)": ours_recipe("i_fgsm", steps=30), "ni_fgsm (30 it)": ours_recipe("ni_fgsm", steps=30),
+    "pi_fgsm (30 it)": ours_recipe("pi_fgsm", steps=30),
     "rap": ours_recipe("rap", steps=40, blocks={"gradient": [{"name": "rap", "late_start": 10,
                                                                "inner_iterations": 5}]}),
 }
