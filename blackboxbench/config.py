@@ -212,7 +212,7 @@ COMMON_KEYS = {
     "save_adv": (bool,), "assets": (dict,), "compile": (bool,), "lpips_path": (str, type(None)),
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
-FILE_KEYS = {"runs": (list,), "leaderboard": (str,)}
+FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,)}  # robustness: CSV (+ .png chart)
 DEVICES = ("auto", "cpu", "cuda")
 
 
