@@ -7,6 +7,8 @@ from .perceptual import lpips_distance, ssim
 from .registry import METRIC
 from .threat import flat_norm
 
+LPIPS_MIN_SIDE = 32  # LPIPS (AlexNet) on smaller images upsamples them to this side first
+
 
 @METRIC.register("l2")
 def l2(x_adv, x):
@@ -24,9 +26,20 @@ def sample_metrics(x_adv, x, lpips_net=None):
     with torch.no_grad():
         out = {name: METRIC.get(name)(x_adv, x).float().cpu().tolist() for name in METRIC.names()}
         out["ssim"] = ssim(x_adv, x).cpu().tolist()
-        out["lpips"] = lpips_distance(lpips_net, x_adv, x).cpu().tolist() if lpips_net is not None else \
-            [None] * x.shape[0]
+        out["lpips"] = lpips_distance(lpips_net, *lpips_size(x_adv, x)).cpu().tolist() \
+            if lpips_net is not None else [None] * x.shape[0]
     return out
+
+
+def lpips_size(*images, side=LPIPS_MIN_SIDE):
+    """Images smaller than ``side`` pixels, upsampled (bilinear) to it: AlexNet's pooling needs at least 32 x 32
+    (the 8 x 8 digits, 28 x 28 MNIST); larger images pass unchanged."""
+    h, w = images[0].shape[-2:]
+    if min(h, w) >= side:
+        return images
+    size = (max(side, h), max(side, w))
+    return tuple(torch.nn.functional.interpolate(x.float(), size=size, mode="bilinear", align_corners=False)
+                 for x in images)
 
 
 def perceptual_summary(records):

@@ -88,7 +88,12 @@ class Session:
 
 
 def spec_label(spec):
-    return spec["name"] + (f":{spec['arch']}" if spec.get("arch") else "")
+    """A model's label: its name (``timm:arch``), then ``+`` and the names of the defenses its spec names."""
+    label = spec["name"] + (f":{spec['arch']}" if spec.get("arch") else "")
+    if spec.get("defense"):
+        ds = spec["defense"] if isinstance(spec["defense"], list) else [spec["defense"]]
+        label += "".join(f"+{d if isinstance(d, str) else d.get('name')}" for d in ds)
+    return label
 
 
 def _same_model(a, b):

@@ -113,7 +113,7 @@ class TransferWorker:
         per = run.defenses.get("targets") or [[] for _ in self.targets]
         streams = defense_streams(run.streams.seed, len(run.data.y), run.device, EVAL_SALT)
         self.defended = [DefendedTarget(m, ds, streams) if ds else None for (_, m), ds in zip(self.targets, per)]
-        self.labels = [label(ds, name) for (name, _), ds in zip(self.targets, per)]
+        self.labels = [label(ds, name.split("+")[0]) for (name, _), ds in zip(self.targets, per)]
         base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
                             surrogates=tuple(self.surrogates), assets=run.assets)
         self.model = self.attack.refine(base, list(self.surrogates))
