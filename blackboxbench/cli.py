@@ -8,8 +8,8 @@ from pathlib import Path
 
 from .errors import BenchError
 
-SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("norm", "norm"), ("eps", "eps"),
-                  ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
+SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("defense", "defense"), ("norm", "norm"),
+                  ("eps", "eps"), ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
                   ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"), ("mean_l2", "mean L2"),
                   ("wall_time", "time s")]
 
