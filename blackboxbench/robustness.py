@@ -27,12 +27,9 @@ def short_defense(text):
 
 
 def _order(rows):
-    defenses = []
-    for r in rows:  # first-seen order of defenses, with "none" first
-        d = r.get("defense") or "none"
-        if d not in defenses:
-            defenses.append(d)
-    defenses.sort(key=lambda d: (d != "none", short_defense(d) == "at" or d.startswith("at+")))
+    """Rows by attack, then defense: ``none`` first, adversarially trained targets last, the others by name."""
+    defenses = sorted({r.get("defense") or "none" for r in rows},
+                      key=lambda d: (d != "none", d == "at" or d.startswith("at+"), d))
     rank = {d: i for i, d in enumerate(defenses)}
     return sorted(rows, key=lambda r: (str(r.get("attack")), str(r.get("norm")), float(r.get("eps") or 0),
                                        bool(r.get("targeted")), rank[r.get("defense") or "none"]))
