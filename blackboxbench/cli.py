@@ -1,13 +1,15 @@
 """Command line: ``blackboxbench run CONFIG [--set k=v ...]``, ``blackboxbench leaderboard DIR -o CSV``,
-``blackboxbench list``. Errors caused by input print one line and exit with status 2."""
+``blackboxbench robustness DIR -o CSV``, ``blackboxbench list``. Errors caused by input print one line and exit
+with status 2."""
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .errors import BenchError
 
-SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("norm", "norm"), ("eps", "eps"),
-                  ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
+SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("defense", "defense"), ("norm", "norm"),
+                  ("eps", "eps"), ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
                   ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"), ("mean_l2", "mean L2"),
                   ("wall_time", "time s")]
 
@@ -45,6 +47,22 @@ def cmd_run(args):
         print(f"leaderboard: {opts['leaderboard']} ({len(rows)} runs)")
         for line in notes(rows, skipped, opts["leaderboard"]):
             print(line, file=sys.stderr)
+    if opts.get("robustness"):
+        _robustness(sorted({e["output_dir"] for e in experiments}), opts["robustness"])
+    return 0
+
+
+def _robustness(results, out):
+    from .robustness import export
+    png = str(Path(out).with_suffix(".png"))
+    rows, skipped = export(results, out, png)
+    print(f"robustness leaderboard: {out} and {png} ({len(rows)} query runs)")
+    for s in skipped:
+        print(str(s), file=sys.stderr)
+
+
+def cmd_robustness(args):
+    _robustness(args.results, args.output)
     return 0
 
 
@@ -84,6 +102,10 @@ def main(argv=None):
     p.add_argument("results")
     p.add_argument("-o", "--output", default="leaderboard.csv")
     p.set_defaults(fn=cmd_leaderboard)
+    p = sub.add_parser("robustness", help="ASR and mean queries per attack x defense: a CSV and a PNG chart")
+    p.add_argument("results")
+    p.add_argument("-o", "--output", default="robustness.csv")
+    p.set_defaults(fn=cmd_robustness)
     p = sub.add_parser("list", help="list the attack catalog or the registered blocks")
     p.add_argument("what", choices=("attacks", "blocks"), nargs="?", default="attacks")
     p.set_defaults(fn=cmd_list)

@@ -209,10 +209,10 @@ SPEC = (str, dict)  # a name, or {name: ..., params}
 COMMON_KEYS = {
     "name": (str,), "plugins": (list,), "data_root": (str, type(None)), "output_dir": (str,), "seed": (int,),
     "device": (str,), "batch_size": (int,), "dataset": SPEC, "attack": SPEC, "threat": (dict,),
-    "save_adv": (bool,), "assets": (dict,), "compile": (bool,),
+    "save_adv": (bool,), "assets": (dict,), "compile": (bool,), "lpips_path": (str, type(None)),
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
-FILE_KEYS = {"runs": (list,), "leaderboard": (str,)}
+FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,)}  # robustness: CSV (+ .png chart)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -227,6 +227,7 @@ def top_keys():
     keys = dict(COMMON_KEYS)
     for fam in _families():
         keys.update({k: (list,) if mk.many else SPEC for k, mk in fam.model_keys.items()})
+        keys.update(fam.run_keys)
     return keys
 
 
@@ -249,14 +250,16 @@ def check_family_keys(exp, family, source):
             raise ConfigError(f"a {family.name} attack needs '{key}'" + (" (a non-empty list)" if mk.many else ""),
                               source, key)
     for key in exp:
-        if key not in COMMON_KEYS and not key.startswith("_") and key not in family.model_keys:
-            raise ConfigError(f"not used by {family.name} attacks (only by {', '.join(_owners(key, 'model_keys'))})",
-                              source, key)
+        if key not in COMMON_KEYS and not key.startswith("_") and key not in family.model_keys and \
+                key not in family.run_keys:
+            owners = _owners(key, "model_keys") + _owners(key, "run_keys")
+            raise ConfigError(f"not used by {family.name} attacks (only by {', '.join(owners)})", source, key)
     for key in exp["threat"]:
         if key not in COMMON_THREAT_KEYS and key not in family.threat_keys:
             raise ConfigError(f"only for {', '.join(_owners(key, 'threat_keys'))} attacks", source, f"threat.{key}")
     specs = [("dataset", DATASET, exp["dataset"])]
-    specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL, spec)
+    specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL,
+               {k: v for k, v in spec.items() if k != "defense"})  # a target's defense: checked by the runner
               for key, i, spec in family.roles(exp)]
     specs += [(f"assets.{k}", ASSET, spec) for k, spec in exp["assets"].items()]
     for key, registry, spec in specs:
@@ -375,7 +378,7 @@ def validate_experiment(cfg, source):
     for k, v in cfg.items():
         _check_type(v, keys[k], source, k)
     out = {"name": None, "plugins": [], "data_root": None, "output_dir": "results", "seed": 0, "device": "auto",
-           "batch_size": 100, "save_adv": False, "assets": {}, "compile": False}
+           "batch_size": 100, "save_adv": False, "assets": {}, "compile": False, "lpips_path": None}
     out.update(copy.deepcopy(cfg))
     for key in ("dataset", "attack"):
         if key not in out:
@@ -396,8 +399,9 @@ def validate_experiment(cfg, source):
     n = out["dataset"].get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError("must be a positive integer", source, "dataset.n")
+    run_keys = {k for fam in _families() for k in fam.run_keys}
     for key, kinds in keys.items():
-        if key in out and key not in COMMON_KEYS:  # model keys
+        if key in out and key not in COMMON_KEYS and key not in run_keys:  # model keys
             out[key] = [spec_to_dict(s, source, f"{key}[{i}]") for i, s in enumerate(out[key])] \
                 if kinds == (list,) else spec_to_dict(out[key], source, key)
     out["assets"] = {k: spec_to_dict(v, source, f"assets.{k}") for k, v in out["assets"].items()}

@@ -3,8 +3,11 @@ import statistics
 
 import torch
 
+from .perceptual import lpips_distance, ssim
 from .registry import METRIC
 from .threat import flat_norm
+
+LPIPS_MIN_SIDE = 32  # LPIPS (AlexNet) on smaller images upsamples them to this side first
 
 
 @METRIC.register("l2")
@@ -17,10 +20,35 @@ def linf(x_adv, x):
     return flat_norm(x_adv - x, "linf")
 
 
-def sample_metrics(x_adv, x):
-    """{metric name: (N,) list of floats} for every registered metric."""
+def sample_metrics(x_adv, x, lpips_net=None):
+    """{metric name: (N,) list of floats} for every registered metric, plus the perceptual cost: ``ssim`` and
+    ``lpips`` (None for every sample when ``lpips_net`` is None: its weights are absent)."""
     with torch.no_grad():
-        return {name: METRIC.get(name)(x_adv, x).float().cpu().tolist() for name in METRIC.names()}
+        out = {name: METRIC.get(name)(x_adv, x).float().cpu().tolist() for name in METRIC.names()}
+        out["ssim"] = ssim(x_adv, x).cpu().tolist()
+        out["lpips"] = lpips_distance(lpips_net, *lpips_size(x_adv, x)).cpu().tolist() \
+            if lpips_net is not None else [None] * x.shape[0]
+    return out
+
+
+def lpips_size(*images, side=LPIPS_MIN_SIDE):
+    """Images smaller than ``side`` pixels, upsampled (bilinear) to it: AlexNet's pooling needs at least 32 x 32
+    (the 8 x 8 digits, 28 x 28 MNIST); larger images pass unchanged."""
+    h, w = images[0].shape[-2:]
+    if min(h, w) >= side:
+        return images
+    size = (max(side, h), max(side, w))
+    return tuple(torch.nn.functional.interpolate(x.float(), size=size, mode="bilinear", align_corners=False)
+                 for x in images)
+
+
+def perceptual_summary(records):
+    """Mean and median SSIM and LPIPS over ``records`` (None where no record has a value)."""
+    out = {}
+    for m in ("ssim", "lpips"):
+        v = [r[m] for r in records if r.get(m) is not None]
+        out.update({f"mean_{m}": _mean(v), f"median_{m}": _median(v)})
+    return out
 
 
 def _mean(v):
@@ -44,6 +72,9 @@ def summarize_query(records):
     wins = [r for r in attacked if r["success"]]
     q = [r["queries"] for r in wins]
     rules = sorted({r["success_rule"] for r in attacked})
+    defended = [r for r in records if r.get("clean_correct_defended") is not None]
+    reeval = [r for r in attacked if r.get("reeval_adv") is not None]
+    n_reeval = sum(r["reeval_adv"] for r in reeval)
     return {
         "n": n, "clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
         "n_attacked": len(attacked), "n_success": len(wins), "asr": _ratio(len(wins), len(attacked)),
@@ -53,6 +84,16 @@ def summarize_query(records):
         "mean_queries_all": _mean([r["queries"] for r in attacked]),
         "mean_l2": _mean([r["l2"] for r in wins]), "median_l2": _median([r["l2"] for r in wins]),
         "mean_linf": _mean([r["linf"] for r in wins]), "median_linf": _median([r["linf"] for r in wins]),
+        **perceptual_summary(wins),
+        # Defenses (defense.py): the target's defense, EOT, clean accuracy under the defense; the defended
+        # (majority-of-k draws, evaluation streams) and undefended (the audit) re-evaluations of the returned
+        # images, as success rates over attacked samples; reeval_gap = recorded successes - defended confirmations.
+        "defense": ", ".join(sorted({r["defense"] for r in records if r.get("defense")})) or None,
+        "eot": max([r.get("eot", 1) for r in records], default=1),
+        "clean_acc_defended": _ratio(sum(r["clean_correct_defended"] for r in defended), len(defended)),
+        "asr_reeval_defended": _ratio(n_reeval, len(reeval)) if reeval else None,
+        "asr_reeval_undefended": _ratio(sum(bool(r["audit_adv"]) for r in attacked), len(attacked)),
+        "reeval_gap": len(wins) - n_reeval if reeval else None,
         "attack_time": sum(r["time"] for r in records),
     }
 
@@ -67,7 +108,7 @@ def summarize_transfer(records):
         valid = [r for r in records if r["attacked"] and r["targets"][t]["clean_correct"]]
         per_target[t] = {"clean_acc": _ratio(sum(r["targets"][t]["clean_correct"] for r in records), n),
                          "asr": _ratio(sum(r["targets"][t]["success"] for r in valid), len(valid)),
-                         "n": len(valid)}
+                         "n": len(valid), "defense": records[0]["targets"][t].get("defense", "none")}
     asrs = [v["asr"] for v in per_target.values() if v["asr"] is not None]
     attacked = [r for r in records if r["attacked"]]
     return {
@@ -76,5 +117,8 @@ def summarize_transfer(records):
         "n_attacked": len(attacked), "asr": _mean(asrs), "per_target": per_target, "aqn": None, "mqn": None,
         "mean_l2": _mean([r["l2"] for r in attacked]), "median_l2": _median([r["l2"] for r in attacked]),
         "mean_linf": _mean([r["linf"] for r in attacked]), "median_linf": _median([r["linf"] for r in attacked]),
+        **perceptual_summary(attacked),
+        "defense": ", ".join(f"{t}={v['defense']}" for t, v in per_target.items() if v["defense"] != "none")
+        or "none",
         "attack_time": sum(r["time"] for r in records),
     }

@@ -10,6 +10,7 @@ A family declares
 * ``hyper``: recipe-level hyper-parameters with their defaults (e.g. a transfer attack's iterations);
 * ``model_keys``: the config keys naming the models it needs, ``{key: ModelKey(role, required, many)}``;
 * ``threat_keys``: threat-model keys of its own (beyond norm, eps, targeted, target_label), with their types;
+* ``run_keys``: top-level config keys of its own (a query run's ``defense``), with their types;
 * ``record_fields``: the fields of its per-sample records beyond :data:`COMMON_FIELDS`, with their types;
 * ``columns``: its leaderboard columns, each with its direction (``higher`` or ``lower`` is better, or None);
 
@@ -23,7 +24,7 @@ iteration of every sample in a slot; the transfer family: one whole batch). Both
 samples that finished; a sample whose slot empties is replaced at the next ``fill``. ``busy`` is True while a
 sample is in a slot.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -33,9 +34,10 @@ from .prep.targets import choose_targets
 
 # Fields of every per-sample record, with their JSON types (None allowed where the tuple says so).
 COMMON_FIELDS = {"index": (int,), "label": (int,), "target": (int, type(None)), "clean_correct": (bool,),
-                 "attacked": (bool,), "l2": (float, int), "linf": (float, int), "time": (float, int)}
-COMMON_COLUMNS = ("attack", "family", "dataset", "target_model", "surrogates", "norm", "eps", "targeted", "n",
-                  "clean_acc")
+                 "attacked": (bool,), "l2": (float, int), "linf": (float, int), "time": (float, int),
+                 "ssim": (float, int), "lpips": (float, int, type(None))}
+COMMON_COLUMNS = ("attack", "family", "dataset", "target_model", "defense", "surrogates", "norm", "eps", "targeted",
+                  "n", "clean_acc")
 TRAILING_COLUMNS = ("randomized_models", "wall_time", "seed", "batch_size", "device", "config_hash", "version",
                     "run")
 DIRECTIONS = ("higher", "lower", None)
@@ -73,6 +75,8 @@ class RunInputs:
     slots: int
     assets: dict
     save_adv: bool = False
+    defenses: dict = field(default_factory=dict)  # config key -> list (per model) of defense lists (defense.py)
+    lpips: Any = None        # the LPIPS network of the perceptual metrics, None when its weights are absent
 
 
 class Family:
@@ -83,6 +87,7 @@ class Family:
     hyper = {}
     model_keys = {}
     threat_keys = {}
+    run_keys = {}  # top-level config keys of its own (e.g. a query run's ``defense``), with their types
     record_fields = {}
     columns = ()
     surrogate_may_be_target = False  # a white-box surrogate equal to a black-box target is a config error

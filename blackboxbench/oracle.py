@@ -3,7 +3,14 @@
 The oracle counts every image forwarded per sample, refuses any image past a sample's budget (so the count can
 never exceed ``max_queries``), and answers with log-probabilities (``score``) or labels (``label``) only,
 detached, computed under ``no_grad``: a block cannot obtain a gradient through it.
+
+A ``defense`` (:class:`blackboxbench.defense.DefendedTarget`) sits inside the oracle: every forwarded query goes
+through it, with the sample that asked it (its randomness is the defender's, per sample). ``eot`` k (the
+attack-side EOT option) makes each logical query k forwards of the image, aggregated (the mean of the
+probabilities for scores, the majority label for labels) and charged as k queries.
 """
+import math
+
 import torch
 
 from .errors import BenchError
@@ -20,10 +27,12 @@ class Oracle:
     """
 
     def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=None,
-                 name="model"):
+                 name="model", defense=None, eot=1):
         if feedback not in FEEDBACKS:
             raise BenchError(f"feedback must be one of {FEEDBACKS}, got '{feedback}'")
-        self._forward, self.name = model, name
+        if int(eot) < 1:
+            raise BenchError(f"eot must be >= 1, got {eot}")
+        self._forward, self.name, self.defense, self.eot = model, name, defense, int(eot)
         self.n, self.max_queries, self.feedback = n, int(max_queries), feedback
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape) if input_shape is not None else None
@@ -96,21 +105,17 @@ class Oracle:
                              f"got shape {tuple(x.shape)}")
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
             raise BenchError(f"oracle: query images must have shape {self.input_shape}, got {tuple(x.shape[1:])}")
-        used = self.counts[idx] if distinct else self.counts[idx] + rank_within_group(idx)
-        ok = used < self.max_queries
+        k = self.eot  # queries charged per image
+        used = self.counts[idx] if distinct else self.counts[idx] + k * rank_within_group(idx)
+        ok = used + k <= self.max_queries
         if bool(ok.all()):  # the common case: nothing refused
             xs, who = x.to(self.device, copy=True), idx  # under no_grad: a copy with no history
         else:
             rows = ok.nonzero().squeeze(1)
             xs, who = x[rows].to(self.device), idx[rows]
-        self.counts.index_put_((who,), self._one, accumulate=True)
-        self.forwarded += who.numel()
-        if who.numel() == 0:
-            out = self._empty(0)
-        elif who.numel() <= self.chunk:
-            out = self._answer(xs)
-        else:
-            out = torch.cat([self._answer(xs[i:i + self.chunk]) for i in range(0, xs.shape[0], self.chunk)])
+        self.counts.index_put_((who,), self._one * k, accumulate=True)
+        self.forwarded += who.numel() * k
+        out = self._empty(0) if who.numel() == 0 else self._answer(xs, who)
         # Remember a call of one image per sample for confirm(), as copies no caller can modify.
         self._last = (xs, who, out.clone()) if distinct else None
         if who.numel() == x.shape[0]:
@@ -124,13 +129,27 @@ class Oracle:
             return torch.full((m, self.num_classes), float("nan"), device=self.device)
         return torch.full((m,), -1, dtype=torch.long, device=self.device)
 
-    def _answer(self, x):
-        logits = self._forward(x).float()
+    def _logits(self, x, who):
+        if self.defense is not None:
+            return self.defense(x, who).float()
+        if x.shape[0] <= self.chunk:
+            return self._forward(x).float()
+        return torch.cat([self._forward(x[i:i + self.chunk]).float() for i in range(0, x.shape[0], self.chunk)])
+
+    def _answer(self, x, who):
+        k, m = self.eot, x.shape[0]
+        if k > 1:  # EOT: k copies of every image (copy j in rows j*m .. (j+1)*m - 1), aggregated below
+            x, who = x.repeat(k, 1, 1, 1), who.repeat(k)
+        logits = self._logits(x, who)
         bad = ~torch.isfinite(logits).all(1)
         if bool(bad.any()):
             raise BenchError(f"{self.name} returned non-finite logits (NaN or inf) for {int(bad.sum())} of "
                              f"{len(bad)} images; a NaN is never read as a class")
-        return torch.log_softmax(logits, 1) if self.feedback == "score" else logits.argmax(1)
+        if self.feedback == "score":
+            logp = torch.log_softmax(logits, 1)
+            return logp if k == 1 else torch.logsumexp(logp.view(k, m, -1), 0) - math.log(k)  # log mean prob
+        labels = logits.argmax(1)
+        return labels if k == 1 else torch.mode(labels.view(k, m), 0).values  # majority (ties: smallest label)
 
 
 class OracleView:

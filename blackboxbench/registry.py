@@ -239,3 +239,4 @@ MODEL = Registry("model")
 TARGET_LABEL = Registry("target_label")
 METRIC = Registry("metric")
 ASSET = Registry("asset")            # named trained artifacts a config declares under ``assets:``
+DEFENSE = Registry("defense")        # defenses that wrap a target inside the oracle: see defense.py

@@ -32,6 +32,7 @@ import yaml
 from . import __version__
 from .builder import build_attack, load_recipe, validate_recipe
 from .config import ConfigError, check_family_keys, config_hash, finish_threat, import_plugins
+from .defense import build_defenses, parse_defenses
 from .errors import BenchError
 from .family import RunInputs
 from .prep.data import resolve_data_root
@@ -56,6 +57,19 @@ class Session:
 
     def __init__(self):
         self.models = {}
+        self.lpips_nets = {}
+
+    def lpips(self, path, device, source):
+        """The LPIPS network (trunk from ``path`` or the torch hub cache), loaded once; None when absent."""
+        from .perceptual import load_lpips
+
+        key = (path, str(device))
+        if key not in self.lpips_nets:
+            try:
+                self.lpips_nets[key] = load_lpips(path, device)
+            except BenchError as e:
+                raise ConfigError(str(e), source, "lpips_path") from None
+        return self.lpips_nets[key]
 
     def model(self, spec, data_root, device, source, key, compiled=False):
         """The model of ``spec`` on ``device``, built once; ``compiled``: wrapped by ``torch.compile`` with dynamic
@@ -74,7 +88,12 @@ class Session:
 
 
 def spec_label(spec):
-    return spec["name"] + (f":{spec['arch']}" if spec.get("arch") else "")
+    """A model's label: its name (``timm:arch``), then ``+`` and the names of the defenses its spec names."""
+    label = spec["name"] + (f":{spec['arch']}" if spec.get("arch") else "")
+    if spec.get("defense"):
+        ds = spec["defense"] if isinstance(spec["defense"], list) else [spec["defense"]]
+        label += "".join(f"+{d if isinstance(d, str) else d.get('name')}" for d in ds)
+    return label
 
 
 def _same_model(a, b):
@@ -100,6 +119,7 @@ def prepare(exp):
     recipe, recipe_source = load_recipe(exp["attack"], source)
     family = validate_recipe(recipe, recipe_source)
     check_family_keys(exp, family, source)
+    run_defenses(exp, family, source)  # every defense named checked before anything runs
     threat = finish_threat(exp["threat"], recipe, family, source)
     attack = build_attack(recipe, threat, recipe_source)
     for need, block in attack.meta["needs"].items():
@@ -116,6 +136,23 @@ def prepare(exp):
     resolved = {k: v for k, v in exp.items() if not k.startswith("_") and k not in ("attack", "threat")}
     resolved.update(attack=recipe, threat=threat, version=__version__)
     return Plan(exp, recipe, family, threat, attack, resolved)
+
+
+def run_defenses(exp, family, source):
+    """``{config key: [defense list per model]}`` of an experiment: a query run's ``defense`` (its target) and
+    the ``defense`` of each transfer target's spec; every spec checked against the DEFENSE registry."""
+    out = {}
+    for key in family.run_keys:
+        if key == "defense" and exp.get("defense"):
+            target = next(k for k, mk in family.model_keys.items() if mk.role == "target")
+            out[target] = [build_defenses(parse_defenses(exp["defense"], source))]
+    for key, i, spec in family.roles(exp):
+        if "defense" in spec:
+            if family.model_keys[key].role != "target":
+                raise ConfigError("a defense wraps a target model, not a surrogate", source, f"{key}[{i}].defense")
+            out.setdefault(key, [[] for _ in (exp.get(key) or [])])[i] = build_defenses(
+                parse_defenses(spec["defense"], source, f"{key}[{i}].defense"))
+    return out
 
 
 def safe_part(text):
@@ -307,7 +344,8 @@ class Runner:
         models, names = {}, {}
         for key, i, spec in fam.roles(exp):
             label = f"{key}[{i}]" if fam.model_keys[key].many else key
-            models.setdefault(key, []).append(self.session.model(spec, data_root, self.device, source, label,
+            bare = {k: v for k, v in spec.items() if k != "defense"}  # a defense wraps the model (defense.py)
+            models.setdefault(key, []).append(self.session.model(bare, data_root, self.device, source, label,
                                                                  exp["compile"]))
             names.setdefault(key, []).append(spec_label(spec))
         assets = {}
@@ -319,11 +357,15 @@ class Runner:
                 raise ConfigError(str(e), source, f"assets.{k}") from None
         self._check_classes(models, data)
         probe = data.x[:8].to(self.device)
+        defenses = run_defenses(exp, fam, source)
         self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
-                                  if is_randomized(m, probe)})
+                                  if is_randomized(m, probe)} |
+                                 {f"{n}+{'+'.join(map(str, ds))}" for key, per in defenses.items()
+                                  for n, ds in zip(names[key], per) if any(d.randomized for d in ds)})
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
-                         slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"])
+                         slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
+                         defenses=defenses, lpips=self.session.lpips(exp["lpips_path"], self.device, source))
 
     def _check_classes(self, models, data):
         """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes
@@ -422,10 +464,11 @@ def is_randomized(model, x):
 
 
 def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_target=None, num_classes=10,
-                device=None, assets=None, names=None):
+                device=None, assets=None, names=None, defenses=None, lpips=None):
     """Run a built attack on in-memory images ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (no files): the
     worker and scheduler of a run, without its persistence. ``models`` maps the family's model keys to lists of
-    models (``{"model": [m]}``; ``{"surrogates": [...], "targets": [...]}``). Returns the records sorted by
+    models (``{"model": [m]}``; ``{"surrogates": [...], "targets": [...]}``); ``defenses`` maps them to lists of
+    defense lists (``{"model": [[rnd]]}``); ``lpips`` is the LPIPS network or None. Returns the records sorted by
     index, each attacked one with ``x_adv`` (its returned image, float in [0, 1])."""
     from .prep.data import Dataset
     from .registry import FAMILY
@@ -436,7 +479,7 @@ def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_targe
     names = names or {k: [f"{k}[{i}]" for i in range(len(v))] for k, v in models.items()}
     run = RunInputs(attack=attack, threat=threat, data=data, models=models, model_names=names,
                     streams=Streams(seed, len(y), device), device=device, slots=slots or len(y),
-                    assets=assets or {}, save_adv=True)
+                    assets=assets or {}, save_adv=True, defenses=defenses or {}, lpips=lpips)
     records = []
     schedule(family.worker(run), range(len(y)), records.extend, lambda _: None)
     for r in records:

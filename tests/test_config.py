@@ -349,8 +349,19 @@ FUZZ = [
          "did you mean: score"),
     case("attack name with slash", cfg(attack="{recipe: square_linf, name: a/b}"), "attack.name", "plain name"),
     case("name escapes output_dir", cfg(extra="name: ../x"), "name", "plain name"),
-    case("score hyper", cfg(attack="{recipe: square_linf, hyper: {iterations: 3}}"), "attack.hyper",
-         "take parameters in their blocks"),
+    case("score hyper", cfg(attack="{recipe: square_linf, hyper: {iterations: 3}}"), "attack.hyper.iterations",
+         "unknown key; allowed: eot"),
+    case("score eot zero", cfg(attack="{recipe: square_linf, hyper: {eot: 0}}"), "attack.hyper.eot",
+         "positive integer"),
+    case("unknown defense", cfg(extra="defense: rdn"), "defense", "unknown defense 'rdn' (did you mean: rnd?)"),
+    case("defense param range", cfg(extra="defense: {name: rnd, sigma: -1}"), "defense.sigma", "[0, 1]"),
+    case("defense list item", cfg(extra="defense: [jpeg, {name: aaa_sine, itr: 3}]"), "defense[1].itr",
+         "unknown parameter"),
+    case("defense on a transfer run", tcfg(extra="defense: rnd"), "defense", "not used by transfer attacks"),
+    case("defense on a surrogate", tcfg(models="surrogates: [{name: digits_mlp, defense: rnd}]\n"
+                                            "targets: [digits_cnn]"), "surrogates[0].defense", "not a surrogate"),
+    case("unknown target defense", tcfg(models="surrogates: [digits_mlp]\ntargets: [{name: digits_cnn, "
+                                               "defense: jpg}]"), "targets[0].defense", "unknown defense"),
     # keys of another family
     case("targets for a score attack", cfg(extra="targets: [digits_mlp]"), "targets", "not used by score attacks"),
     case("max_queries for transfer", tcfg(threat="{norm: linf, max_queries: 10}"), "threat.max_queries",

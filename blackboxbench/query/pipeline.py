@@ -28,6 +28,14 @@ the image ``draws`` times, each a counted query, and needs a strict majority. If
 sample keeps being attacked. A sample's record holds that confirmation and the query count at which it was made;
 the worker's own forward of the returned image is an audit: a disagreement is flagged on the record
 (``audit_adv``) and counted in the summary, never turned into a failure.
+
+**Defenses** (``defense:`` of a query run, :mod:`blackboxbench.defense`) sit inside the oracle. The clean check that
+picks the samples to attack stays on the undefended model, so every defense of a target attacks the same samples;
+a record also holds ``clean_correct_defended`` (one answer of the defended model, drawn from the evaluation
+streams). The audit is the *undefended* re-evaluation of the returned image; ``reeval_adv`` is the *defended* one:
+the majority of :data:`~blackboxbench.defense.REEVAL_DRAWS` independent answers of a randomized defense (one of a
+deterministic one), from the evaluation streams, never counted as queries. **EOT** (``attack: {hyper: {eot: k}}``)
+sends k queries per logical evaluation and aggregates them (:class:`~blackboxbench.oracle.Oracle`).
 """
 import time
 from dataclasses import dataclass, field
@@ -37,6 +45,7 @@ import torch
 
 from ..config import check_keys
 from ..context import BlockContext, Pool
+from ..defense import EVAL_SALT, REEVAL_DRAWS, DefendedTarget, defense_streams, label, majority_adv
 from ..errors import BenchError, ConfigError
 from ..evaluation import sample_metrics, summarize_query
 from ..family import (BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets,
@@ -61,6 +70,7 @@ class QueryAttack:
     perturb: Callable
     accept: Callable
     meta: dict = field(default_factory=dict)
+    eot: int = 1  # queries per logical evaluation (EOT), each charged
 
 
 def _gather(state, idx):
@@ -105,8 +115,15 @@ class QueryWorker:
         self.model, self.model_name = run.models["model"][0], run.model_names["model"][0]
         self.device, self.slots = run.device, run.slots
         self.draws = t["success_rule"].get("draws", 1)
-        self.oracle = Oracle(self.model, len(data.y), t["max_queries"], data.num_classes, t["feedback"],
-                             data.x.shape[1:], name=self.model_name)
+        n, seed = len(data.y), run.streams.seed
+        defenses = run.defenses.get("model", [[]])[0]
+        self.defense = label(defenses, self.model_name)
+        self.defended = DefendedTarget(self.model, defenses, defense_streams(seed, n, self.device)) \
+            if defenses else None
+        self.evaluator = None if self.defended is None else \
+            self.defended.with_streams(defense_streams(seed, n, self.device, EVAL_SALT))
+        self.oracle = Oracle(self.model, n, t["max_queries"], data.num_classes, t["feedback"],
+                             data.x.shape[1:], name=self.model_name, defense=self.defended, eot=self.attack.eot)
         self.surrogates = tuple(run.models.get("surrogates", ()))
         self.pool = Pool(data.x, data.y)
         s, dev = self.slots, self.device
@@ -149,18 +166,22 @@ class QueryWorker:
         x, y = data.x[idx].to(self.device), data.y[idx].to(self.device)
         logits = forward_logits(self.model, x, self.model_name)
         correct = logits.argmax(1) == y
+        defended_ok = [None] * len(index) if self.evaluator is None else \
+            (self.evaluator(x, idx.to(self.device)).argmax(1) == y).tolist()
         given = None if data.given_target is None else data.given_target[idx].to(self.device)
         target = pick_targets(t, logits, y, self.run.streams.view(idx), given)
         attack = correct if target is None else correct & (target != y)
         records = base_records(index, y, target, correct)
         targets = [None] * len(index) if target is None else target.tolist()
         done = []
-        for r, a, tg in zip(records, attack.tolist(), targets):
+        for r, a, tg, d in zip(records, attack.tolist(), targets, defended_ok):
+            r.update(clean_correct_defended=d, defense=self.defense, eot=self.attack.eot)
             if a:
                 self.ready.append((r, tg))
             else:
-                r.update(attacked=False, success=False, queries=0, l2=0.0, linf=0.0, time=0.0, audit_adv=None,
-                         stalled=False, success_rule=rule_label(t["success_rule"]))
+                r.update(attacked=False, success=False, queries=0, l2=0.0, linf=0.0, ssim=1.0, lpips=None,
+                         time=0.0, audit_adv=None, reeval_adv=None, reeval_votes=None, stalled=False,
+                         success_rule=rule_label(t["success_rule"]))
                 done.append(r)
         return done
 
@@ -246,7 +267,7 @@ class QueryWorker:
         go = leaving.nonzero().squeeze(1)
         x_out, sub = out[go], p.sub(go)
         check_outputs(x_out, sub.x, t["eps"], t["norm"], self.attack.name)
-        metrics = sample_metrics(x_out, sub.x)
+        metrics = sample_metrics(x_out, sub.x, self.run.lpips)
         queries = ctx.oracle.counts[go].tolist()
         success, stalled = success[go].tolist(), stalled[go].tolist()
         now, rule = time.perf_counter(), rule_label(t["success_rule"])
@@ -273,9 +294,14 @@ class QueryWorker:
         records, k = [], 0
         for recs, x, sub in self.unaudited:
             audit = sub.is_adv_label(labels[k:k + len(recs)]).tolist()
+            reeval, votes = [None] * len(recs), [None] * len(recs)
+            if self.evaluator is not None:  # the defended re-evaluation (evaluation streams, not counted)
+                who = torch.tensor([r["index"] for r in recs], dtype=torch.long, device=self.device)
+                adv, n_adv = majority_adv(self.evaluator, x, who, sub.is_adv_label, REEVAL_DRAWS)
+                reeval, votes = [bool(v) for v in adv.tolist()], n_adv.tolist()
             images = to_uint8(x) if self.run.save_adv else None
             for j, r in enumerate(recs):
-                r["audit_adv"] = bool(audit[j])
+                r.update(audit_adv=bool(audit[j]), reeval_adv=reeval[j], reeval_votes=votes[j])
                 if images is not None:
                     r["_image"] = images[j]
             records += recs
@@ -290,11 +316,18 @@ class QueryFamily(Family):
     blocks = {"init": BlockKind(INIT), "perturb": BlockKind(PERTURB), "accept": BlockKind(ACCEPT)}
     model_keys = {"model": ModelKey("target", True, False), "surrogates": ModelKey("surrogate", False, True)}
     threat_keys = {"max_queries": (int,), "feedback": (str,), "success_rule": (str, dict)}
+    run_keys = {"defense": (str, dict, list)}  # defenses inside the oracle (defense.py)
+    hyper = {"eot": 1}  # EOT (spec sheet section 7): k queries per logical evaluation; 1 is the paper's default
     record_fields = {"success": (bool,), "queries": (int,), "audit_adv": (bool, type(None)), "stalled": (bool,),
-                     "success_rule": (str,)}
-    columns = (("budget", None), ("feedback", None), ("success_rule", None), ("asr", "higher"), ("aqn", "lower"),
-               ("mqn", "lower"), ("mean_l2", "lower"), ("median_l2", "lower"), ("mean_linf", "lower"),
-               ("median_linf", "lower"), ("n_audit_disagree", "lower"), ("n_stalled", None))
+                     "success_rule": (str,), "defense": (str,), "eot": (int,),
+                     "clean_correct_defended": (bool, type(None)), "reeval_adv": (bool, type(None)),
+                     "reeval_votes": (int, type(None))}
+    columns = (("budget", None), ("feedback", None), ("success_rule", None), ("eot", None), ("asr", "higher"),
+               ("aqn", "lower"), ("mqn", "lower"), ("mean_l2", "lower"), ("median_l2", "lower"),
+               ("mean_linf", "lower"), ("median_linf", "lower"), ("mean_ssim", "higher"), ("median_ssim", "higher"),
+               ("mean_lpips", "lower"), ("median_lpips", "lower"), ("clean_acc_defended", None),
+               ("asr_reeval_defended", None), ("asr_reeval_undefended", None), ("reeval_gap", None),
+               ("n_audit_disagree", "lower"), ("n_stalled", None))
 
     def __init__(self, name, feedback):
         self.name, self.feedback = name, feedback
@@ -314,7 +347,11 @@ class QueryFamily(Family):
         return t
 
     def build(self, name, blocks, hyper, meta):
-        return QueryAttack(name, self.name, blocks["init"], blocks["perturb"], blocks["accept"], meta=meta)
+        eot = hyper["eot"]
+        if isinstance(eot, bool) or int(eot) != eot or eot < 1:
+            raise ConfigError(f"must be a positive integer, got {eot!r}", meta["source"], "attack.hyper.eot")
+        return QueryAttack(name, self.name, blocks["init"], blocks["perturb"], blocks["accept"], meta=meta,
+                           eot=int(eot))
 
     def worker(self, run):
         return QueryWorker(self, run)

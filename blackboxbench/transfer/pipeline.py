@@ -32,6 +32,7 @@ from typing import Callable, List
 import torch
 
 from ..context import BlockContext, Pool
+from ..defense import EVAL_SALT, DefendedTarget, defense_streams, label
 from ..errors import BenchError, ConfigError
 from ..evaluation import sample_metrics, summarize_transfer
 from ..family import BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets, \
@@ -121,6 +122,11 @@ class TransferWorker:
         self.run, self.attack, self.threat = run, run.attack, run.threat
         self.surrogates = run.models["surrogates"]
         self.targets = list(zip(run.model_names["targets"], run.models["targets"]))
+        # A target's defenses (its spec's ``defense``) wrap it, drawing from the evaluation streams, per sample.
+        per = run.defenses.get("targets") or [[] for _ in self.targets]
+        streams = defense_streams(run.streams.seed, len(run.data.y), run.device, EVAL_SALT)
+        self.defended = [DefendedTarget(m, ds, streams) if ds else None for (_, m), ds in zip(self.targets, per)]
+        self.labels = [label(ds, name.split("+")[0]) for (name, _), ds in zip(self.targets, per)]
         base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
                             surrogates=tuple(self.surrogates), assets=run.assets)
         self.model = self.attack.refine(base, list(self.surrogates))
@@ -156,20 +162,23 @@ class TransferWorker:
                            alpha=self.attack.alpha)
         x_adv = self.attack.run(ctx)
         check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
-        metrics = sample_metrics(x_adv, x)
+        metrics = sample_metrics(x_adv, x, run.lpips)
         valid = (torch.ones_like(y, dtype=torch.bool) if target is None else target != y).tolist()
         results = {}
-        for name, m in self.targets:
-            clean_ok = forward_logits(m, x, name).argmax(1) == y
-            adv = problem.is_adv_label(forward_logits(m, x_adv, name).argmax(1))
+        who = idx.to(dev)
+        for (name, m), defended in zip(self.targets, self.defended):
+            logits = partial(forward_logits, m, name=name) if defended is None else \
+                (lambda z, d=defended, n=name: forward_logits(lambda v: d(v, who), z, n, chunk=z.shape[0] or 1))
+            clean_ok = logits(x).argmax(1) == y
+            adv = problem.is_adv_label(logits(x_adv).argmax(1))
             results[name] = (clean_ok.tolist(), adv.tolist())
         per = (time.perf_counter() - t0) / len(index)
         images = to_uint8(x_adv) if run.save_adv else None
         records = base_records(index, y, target, correct)
         for i, r in enumerate(records):
             r.update(attacked=bool(valid[i]), time=per, **{k: v[i] for k, v in metrics.items()},
-                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i])}
-                              for n, (c, s) in results.items()})
+                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i]), "defense": lab}
+                              for (n, (c, s)), lab in zip(results.items(), self.labels)})
             if images is not None and valid[i]:
                 r["_image"] = images[i]
         return records
@@ -185,7 +194,8 @@ class TransferFamily(Family):
     record_fields = {"targets": (dict,)}
     surrogate_may_be_target = True  # a target equal to the surrogate reports the white-box success rate
     columns = (("asr", "higher"), ("mean_l2", "lower"), ("median_l2", "lower"), ("mean_linf", "lower"),
-               ("median_linf", "lower"))
+               ("median_linf", "lower"), ("mean_ssim", "higher"), ("median_ssim", "higher"), ("mean_lpips", "lower"),
+               ("median_lpips", "lower"))
 
     def build(self, name, blocks, hyper, meta):
         if int(hyper["iterations"]) != hyper["iterations"] or hyper["iterations"] < 1:

@@ -1,0 +1,93 @@
+"""The robustness leaderboard: ASR and mean queries per attack x defense, one CSV and a PNG bar chart.
+
+Built from the same summaries as the leaderboard (:func:`blackboxbench.leaderboard.collect`), query runs only.
+A row is one (attack, norm, eps, targeted, defense) with its target model; the ``defense`` cell is the summary's
+(``none``, ``rnd(sigma=0.02)``, ``aaa_linear(...)``, ``at`` for an adversarially trained target, ...). Besides ASR
+and AQN (mean queries over successes) it keeps the mean queries over all attacked samples (a defense that makes an
+attack fail also spends its budget), the clean accuracy with and without the defense, the defended majority-of-5
+re-evaluation, and the perceptual cost (mean SSIM and LPIPS over successes).
+"""
+import csv
+import io
+import math
+from pathlib import Path
+
+from .errors import BenchError
+from .leaderboard import cell, collect
+
+COLUMNS = ("attack", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr", "aqn",
+           "mqn", "mean_queries_all", "clean_acc", "clean_acc_defended", "asr_reeval_defended",
+           "asr_reeval_undefended", "reeval_gap", "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time")
+QUERY_FAMILIES = ("score", "decision")
+
+
+def short_defense(text):
+    """``rnd(sigma=0.02)`` -> ``rnd``; ``at+rnd(...)`` -> ``at+rnd``: the chart's legend."""
+    return "+".join(part.split("(")[0] for part in str(text or "none").split("+"))
+
+
+def _order(rows):
+    """Rows by attack, then defense: ``none`` first, adversarially trained targets last, the others by name."""
+    defenses = sorted({r.get("defense") or "none" for r in rows},
+                      key=lambda d: (d != "none", d == "at" or d.startswith("at+"), d))
+    rank = {d: i for i, d in enumerate(defenses)}
+    return sorted(rows, key=lambda r: (str(r.get("attack")), str(r.get("norm")), float(r.get("eps") or 0),
+                                       bool(r.get("targeted")), rank[r.get("defense") or "none"]))
+
+
+def robustness_rows(results_dirs):
+    """``(rows, skipped)``: the query runs' summaries below the results directory (or directories), ordered by
+    attack, then defense (``none`` first, adversarially trained targets last)."""
+    rows, skipped = collect(results_dirs)
+    return _order([r for r in rows if r.get("family") in QUERY_FAMILIES]), skipped
+
+
+def export(results_dirs, out_csv, png=None):
+    """Write the robustness leaderboard CSV (and, when ``png`` is given, its bar chart); returns
+    ``(rows, skipped)``."""
+    rows, skipped = robustness_rows(results_dirs)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(COLUMNS)
+    w.writerows([cell(r.get(k)) for k in COLUMNS] for r in rows)
+    out = Path(out_csv)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(buf.getvalue(), encoding="utf-8")
+        if png is not None:
+            chart(rows, png)
+    except OSError as e:
+        raise BenchError(f"cannot write the robustness leaderboard {out}: {e.strerror or e}") from None
+    return rows, skipped
+
+
+def chart(rows, png):
+    """Grouped bars: ASR (top) and mean queries over successes (bottom) per attack, one bar per defense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    attacks = list(dict.fromkeys(f"{r['attack']} {r.get('norm')}" for r in rows))
+    defenses = list(dict.fromkeys(short_defense(r.get("defense")) for r in rows))
+    value = {(f"{r['attack']} {r.get('norm')}", short_defense(r.get("defense"))): r for r in rows}
+    width = 0.8 / max(len(defenses), 1)
+    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(attacks) * max(len(defenses), 1) * 0.35 + 3), 7),
+                             sharex=True)
+    for j, d in enumerate(defenses):
+        xs = [i + (j - (len(defenses) - 1) / 2) * width for i in range(len(attacks))]
+        for ax, key in zip(axes, ("asr", "aqn")):
+            vals = [value.get((a, d), {}).get(key) for a in attacks]
+            vals = [v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]
+            ax.bar(xs, vals, width, label=d)
+    axes[0].set_ylabel("ASR")
+    axes[0].set_ylim(0, 1.05)
+    axes[1].set_ylabel("mean queries (successes)")
+    axes[1].set_yscale("symlog")
+    axes[1].set_xticks(range(len(attacks)))
+    axes[1].set_xticklabels(attacks, rotation=60, ha="right", fontsize=8)
+    axes[0].legend(ncol=min(len(defenses), 5), fontsize=8)
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
