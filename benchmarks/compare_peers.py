@@ -52,7 +52,7 @@ from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import DATASET  # noqa: E402
 from blackboxbench.rng import rank_within_group  # noqa: E402
 from blackboxbench.runner import resolve_device, run_tensors  # noqa: E402
-from blackboxbench.threat import Problem, grid_levels  # noqa: E402
+from blackboxbench.threat import Problem, grid_levels, quantize  # noqa: E402
 
 EPS, BUDGET, TOL = 0.03, 10_000, 1e-6
 GRID_EPS = grid_levels(EPS) / 255  # 7/255: the radius our uint8 outputs (rounded towards x) reach
@@ -84,11 +84,15 @@ class Counting(nn.Module):
     ``hit_distinct``; 0 = none). With ``uint8``, a row only counts as a hit if it stays adversarial once saved as
     an image: rounded to the nearest uint8 level and clipped to the eps ball on that grid (the rule our own
     outputs meet); that check's forward is bookkeeping, not a query.
+    With ``l2`` (pass ``eps`` 1, so that the Linf rule decides nothing), a hit must lie within L2 ``l2`` and stay
+    adversarial as a uint8 image: rounded to the nearest level and, if that leaves the ball, scaled back to ``l2``
+    and rounded towards the clean image, as our outputs are (that forward is bookkeeping too).
     """
 
-    def __init__(self, model, x, y, eps, mode, stop_at_hit=False, deadline=None, uint8=False):
+    def __init__(self, model, x, y, eps, mode, stop_at_hit=False, deadline=None, uint8=False, l2=None):
         super().__init__()
         self.model, self.x, self.y, self.eps, self.mode, self.uint8 = model, x, y, eps, mode, uint8
+        self.l2 = l2
         self.stop_at_hit, self.deadline = stop_at_hit, deadline
         n = len(x)
         z = lambda: torch.zeros(n, dtype=torch.long, device=x.device)  # noqa: E731
@@ -138,7 +142,27 @@ class Counting(nn.Module):
         inside = (flat - clean[near]).abs().amax(1) <= self.eps + 1e-4
         return torch.where(inside, near, torch.full_like(near, -1))
 
+    def _judge_l2(self, rows, out, ids):
+        """``out`` with the logits of every row that is not an L2 hit replaced by its true class's one-hot."""
+        s = ids.clamp_min(0)
+        hit = (ids >= 0) & (out.argmax(1) != self.y[s]) & (self.hit_fwd[s] == 0)
+        hit &= (rows - self.x[s]).flatten(1).norm(dim=1) <= self.l2 + TOL
+        if hit.any():
+            j = hit.nonzero().squeeze(1)
+            clean = self.x[s[j]]
+            saved = (torch.round(rows[j] * 255) / 255).clamp(0, 1)
+            d = (saved - clean).flatten(1).norm(dim=1)
+            far = d > self.l2
+            if far.any():
+                back = clean[far] + (saved[far] - clean[far]) * (self.l2 / d[far]).view(-1, 1, 1, 1)
+                saved[far] = quantize(back, clean[far])
+            with torch.no_grad():
+                hit[j] = self.model(saved).argmax(1) != self.y[s[j]]
+        return torch.where(hit[:, None], out, nn.functional.one_hot(self.y[s], out.shape[1]).to(out.dtype))
+
     def _record(self, rows, out, ids):
+        if self.l2 is not None:
+            out = self._judge_l2(rows, out, ids)
         known = ids >= 0
         self.unattributed += int((~known).sum())
         rows, out, s = rows[known], out[known], ids[known]
@@ -318,6 +342,16 @@ def torchattacks_square(args, model, xc, yc, eps, seed, note):
                        "sample); one window and one sign draw shared by the whole batch", stopped)
 
 
+def run_until_stop(call, args):
+    """Run a whole-batch peer attack until :class:`Counting` stops it; returns how it ended."""
+    try:
+        call()
+        return "ran all steps"
+    except Stop as e:
+        return "stopped when every sample had hit or used 10,000 queries" if str(e) == "decided" else \
+            f"stopped by the time cap ({args.peer_cap:.0f} s)"
+
+
 def art_per_sample(atk, cnt, xc, yc, args):
     """Run an ART attack one sample at a time (as ART does anyway; attribution to ``cnt.current`` is then exact);
     returns why it stopped early (the time cap), or None."""
@@ -408,13 +442,8 @@ def section_hsja(args, ctx):
         torch.manual_seed(args.seed)
         fmodel = fb.PyTorchModel(cnt, bounds=(0, 1), device=device)
         atk = fb.attacks.HopSkipJumpAttack(steps=steps, constraint="linf")
-        clock, stopped = Clock(), None
-        try:
-            atk(fmodel, xc, yc, epsilons=eps)
-            stopped = "ran all steps"
-        except Stop as e:
-            stopped = "stopped when every sample had hit or used 10,000 queries" if str(e) == "decided" else \
-                f"stopped by the time cap ({args.peer_cap:.0f} s)"
+        clock = Clock()
+        stopped = run_until_stop(lambda: atk(fmodel, xc, yc, epsilons=eps), args)
         return peer_result("HSJA Linf", f"foolbox {fb.__version__}{label}", cnt, clock, None, xc, yc, model,
                            f"steps {steps}; whole batch queried every time (no per-sample stop)", stopped)
 
@@ -431,8 +460,8 @@ def section_sign_opt(args, ctx):
     authors' 100 initial directions). ART attacks one sample at a time and checks its ``query_limit`` only after
     each iteration (k + line-search queries) and never during its initial search, so it overshoots 10,000; its
     queries are counted by :class:`Counting` (distinct images per sample), and a peer success is its first queried
-    image within L2 eps whose uint8 rounding (nearest level) is still within eps and adversarial, at distinct
-    index <= 10,000 (each sample is stopped there)."""
+    image within L2 eps that stays adversarial as a uint8 image (Counting's L2 rule), at distinct index <= 10,000
+    (each sample is stopped there)."""
     from art.attacks.evasion import SignOPTAttack
 
     eps_l2, model, device = 1.0, ctx["m20"], ctx["device"]
@@ -455,25 +484,8 @@ def section_sign_opt(args, ctx):
                      "it); queries include 1 confirmation query of the returned uint8 image")]
     xc, yc = problem.x, problem.y
 
-    class L2Counting(Counting):
-        """:class:`Counting` with hits judged in L2 (eps ``eps_l2``) on uint8-rounded rows: a row's logits are
-        masked to its true class unless it is a hit, so the parent's Linf rule (radius 1: every row) decides
-        nothing itself."""
-
-        def _record(self, rows_, out, ids):
-            s = ids.clamp_min(0)
-            hit = (ids >= 0) & (out.argmax(1) != self.y[s])
-            hit &= (rows_ - self.x[s]).flatten(1).norm(dim=1) <= eps_l2 + TOL
-            j = hit.nonzero().squeeze(1)
-            if j.numel():
-                saved = (torch.round(rows_[j] * 255) / 255).clamp(0, 1)
-                ok = (saved - self.x[s[j]]).flatten(1).norm(dim=1) <= eps_l2 + TOL
-                with torch.no_grad():
-                    hit[j] = ok & (self.model(saved).argmax(1) != self.y[s[j]])
-            masked = torch.where(hit[:, None], out, torch.nn.functional.one_hot(self.y[s], out.shape[1]).to(out))
-            super()._record(rows_, masked, ids)
-
-    cnt = L2Counting(model, xc, yc, 1.0, "current", stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap)
+    cnt = Counting(model, xc, yc, 1.0, "current", stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap,
+                   l2=eps_l2)
     np.random.seed(args.seed)
     atk = SignOPTAttack(art_classifier(cnt, device), targeted=False, epsilon=0.001, num_trial=100, max_iter=1000,
                         query_limit=BUDGET, k=200, alpha=0.2, beta=0.001, batch_size=1, verbose=False)
@@ -497,37 +509,14 @@ def section_boundary(args, ctx):
     import foolbox as fb
     from art.attacks.evasion import BoundaryAttack
 
-    from blackboxbench.threat import quantize
-
     l2_eps, model, device = 1.0, ctx["m20"], ctx["device"]
     x_all, y_all = ctx["data"].x.to(device), ctx["data"].y.to(device)
     first = (predict(model, x_all) == y_all).nonzero().squeeze(1)[:args.n_hsja]
     xc, yc = x_all[first], y_all[first]
 
-    class CountingL2(Counting):
-        """:class:`Counting` at Linf eps 1 (every row is attributed; no Linf rule), whose hits must also lie within
-        L2 ``l2_eps`` and stay adversarial as uint8 images (that check's forward is bookkeeping)."""
-
-        def __init__(self, mode):
-            super().__init__(model, xc, yc, 1.0, mode, stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap)
-
-        def _record(self, rows, out, ids):
-            s = ids.clamp_min(0)
-            hit = (ids >= 0) & (out.argmax(1) != self.y[s]) & (self.hit_fwd[s] == 0)
-            hit &= (rows - self.x[s]).flatten(1).norm(dim=1) <= l2_eps + TOL
-            if hit.any():
-                j = hit.nonzero().squeeze(1)
-                clean = self.x[s[j]]
-                saved = (torch.round(rows[j] * 255) / 255).clamp(0, 1)
-                d = (saved - clean).flatten(1).norm(dim=1)
-                far = d > l2_eps
-                if far.any():
-                    back = clean[far] + (saved[far] - clean[far]) * (l2_eps / d[far]).view(-1, 1, 1, 1)
-                    saved[far] = quantize(back, clean[far])
-                with torch.no_grad():
-                    hit[j] = self.model(saved).argmax(1) != self.y[s[j]]
-            judged = torch.where(hit[:, None], out, nn.functional.one_hot(self.y[s], out.shape[1]).to(out.dtype))
-            super()._record(rows, judged, ids)
+    def counting(mode):
+        return Counting(model, xc, yc, 1.0, mode, stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap,
+                        l2=l2_eps)
 
     timed = Timed(model)
     attack, t = build_ours("boundary", {"norm": "l2", "eps": l2_eps})
@@ -545,7 +534,7 @@ def section_boundary(args, ctx):
                 note=f"max L2 {max_l2:.4f}; one candidate per step, the spherical candidate also every 10th step; "
                      "stops at success; queries include the init and 1 confirmation query")]
 
-    cnt = CountingL2("current")
+    cnt = counting("current")
     np.random.seed(args.seed)
     atk = BoundaryAttack(art_classifier(cnt, device), targeted=False, delta=0.01, epsilon=0.01, step_adapt=1 / 1.5,
                          max_iter=25000, num_trial=25, sample_size=20, init_size=100, verbose=False)
@@ -555,18 +544,13 @@ def section_boundary(args, ctx):
                             "20 spherical candidates per trial, then source steps of the successful ones; each sample "
                             "stopped at its first L2 hit that survives uint8 rounding, or 10,000 queries", stopped))
 
-    cnt = CountingL2("position")
+    cnt = counting("position")
     torch.manual_seed(args.seed)
     fmodel = fb.PyTorchModel(cnt, bounds=(0, 1), device=device)
     atk = fb.attacks.BoundaryAttack(steps=25000, spherical_step=0.01, source_step=0.01, source_step_convergance=1e-7,
                                     step_adaptation=1.5, update_stats_every_k=10)
-    clock, stopped = Clock(), None
-    try:
-        atk(fmodel, xc, yc, epsilons=l2_eps)
-        stopped = "ran all steps"
-    except Stop as e:
-        stopped = "stopped when every sample had hit or used 10,000 queries" if str(e) == "decided" else \
-            f"stopped by the time cap ({args.peer_cap:.0f} s)"
+    clock = Clock()
+    stopped = run_until_stop(lambda: atk(fmodel, xc, yc, epsilons=l2_eps), args)
     rows.append(peer_result("Boundary L2", f"foolbox {fb.__version__}", cnt, clock, None, xc, yc, model,
                             "steps 25,000; whole batch queried every step (no per-sample stop); one Gaussian draw "
                             "shared by the batch; hits must survive uint8 rounding", stopped))

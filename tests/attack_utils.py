@@ -78,6 +78,27 @@ def correctly_classified(models, data_root, n, pool):
     return ds.x[idx], ds.y[idx]
 
 
+def resnet20_images(data_root, n, pool):
+    """(ResNet-20, x, y): the pretrained CIFAR-10 ResNet-20 and the first ``n`` of the first ``pool`` test images it
+    classifies correctly."""
+    from blackboxbench.prep.models import build_model
+
+    model = build_model("cifar_resnet20", data_root)
+    return (model, *correctly_classified([model], data_root, n=n, pool=pool))
+
+
+def hyperplane_toy(g, n=4, w=None):
+    """``n`` images of shape (3, 8, 8) near 0.5 on the uint8 grid and the two-class :class:`Linear2` whose hyperplane
+    ``w . (x - 0.5) = t`` lies beyond every image, at Linf distance >= 0.02 (``t`` = max score + 0.02 |w|_1).
+    ``w(g)`` (flat or image-shaped) is drawn after the images (default: Gaussian). Returns the model, the
+    images, labels 0 and each image's score gap ``t - w . (x - 0.5)``, from which the distances follow."""
+    x = torch.round((0.5 + 0.1 * (torch.rand(n, 3, 8, 8, generator=g) - 0.5)) * 255) / 255
+    w = torch.randn(3 * 8 * 8, generator=g) if w is None else w(g)
+    s = (x - 0.5).flatten(1) @ w.flatten()
+    t = s.max().item() + 0.02 * w.abs().sum().item()
+    return Linear2(w, t), x, torch.zeros(n, dtype=torch.long), t - s
+
+
 def make_ctx(model, x, y, eps, norm, budget, feedback="score", target=None, seed=0, num_classes=10, pool=None):
     """A block context over ``x`` (samples 0..n-1) with a fresh oracle and fresh random streams, for calling
     blocks and helpers directly."""

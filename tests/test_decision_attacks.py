@@ -12,7 +12,7 @@ import torch
 from blackboxbench.errors import BenchError
 from blackboxbench.query.decision import bisect, blend, find_start
 
-from attack_utils import Linear2, check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import check_outputs, hyperplane_toy, make_ctx, resnet20_images, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "decision"
 SETTINGS = [("hsja_linf", "linf"), ("hsja_l2", "l2"), ("rays", "linf")]
@@ -25,13 +25,9 @@ N_REAL = 8
 
 @pytest.fixture(scope="module")
 def toy():
-    g = torch.Generator().manual_seed(1)
-    x = torch.round((0.5 + 0.1 * (torch.rand(4, 3, 8, 8, generator=g) - 0.5)) * 255) / 255
-    w = torch.randn(3 * 8 * 8, generator=g)
-    s = (x - 0.5).flatten(1) @ w
-    t = s.max().item() + 0.02 * w.abs().sum().item()  # Linf distances 0.02-0.03; uniform noise crosses 1 in 6
-    dist = {"linf": (t - s) / w.abs().sum(), "l2": (t - s) / w.norm()}
-    return Linear2(w, t), x, torch.zeros(4, dtype=torch.long), dist
+    model, x, y, gap = hyperplane_toy(torch.Generator().manual_seed(1))  # Linf distances 0.02-0.03
+    w = model.w
+    return model, x, y, {"linf": gap / w.abs().sum(), "l2": gap / w.norm()}
 
 
 @pytest.mark.parametrize("name,norm", SETTINGS)
@@ -90,10 +86,7 @@ def test_rays_rejects_l2(toy):
 
 @pytest.fixture(scope="module")
 def cifar(data_root):
-    from blackboxbench.prep.models import build_model
-
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=N_REAL, pool=2 * N_REAL))
+    return resnet20_images(data_root, n=N_REAL, pool=2 * N_REAL)
 
 
 @pytest.mark.parametrize("name,norm", SETTINGS)

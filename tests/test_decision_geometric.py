@@ -24,7 +24,7 @@ from blackboxbench.query.ppba import idct2
 from blackboxbench.query.sfa import sfa
 from blackboxbench.query.triangle import triangle, triangle_init, vertex
 
-from attack_utils import Linear2, check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import Linear2, check_outputs, hyperplane_toy, make_ctx, resnet20_images, run_query
 from test_engine import records_by_batch_size
 
 RECIPES = ("geoda_linf", "geoda_l2", "sfa", "triangle")
@@ -265,14 +265,12 @@ def test_sfa_rejects_l2():
 
 @pytest.fixture(scope="module")
 def toy():
-    g = torch.Generator().manual_seed(1)
-    x = torch.round((0.5 + 0.1 * (torch.rand(4, 3, 8, 8, generator=g) - 0.5)) * 255) / 255
     # mostly low-frequency (the triangle only rotates towards the 3 x 3 lowest frequencies), some of everything
-    w = low_pass(torch.randn(3, 8, 8, generator=g), 3).float() + 0.1 * torch.randn(3, 8, 8, generator=g)
-    s = (x - 0.5).flatten(1) @ w.flatten()
-    t = s.max().item() + 0.02 * w.abs().sum().item()
-    dist = {"linf": (t - s) / w.abs().sum(), "l2": (t - s) / w.norm()}
-    return Linear2(w, t), x, torch.zeros(4, dtype=torch.long), dist
+    def weights(g):
+        return low_pass(torch.randn(3, 8, 8, generator=g), 3).float() + 0.1 * torch.randn(3, 8, 8, generator=g)
+
+    model, x, y, gap = hyperplane_toy(torch.Generator().manual_seed(1), w=weights)
+    return model, x, y, {"linf": gap / model.w.abs().sum(), "l2": gap / model.w.norm()}
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -311,10 +309,7 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
 
 @pytest.fixture(scope="module")
 def cifar(data_root):
-    from blackboxbench.prep.models import build_model
-
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=10, pool=30))
+    return resnet20_images(data_root, n=10, pool=30)
 
 
 # Measured on the first 10 correctly classified test images (seed 0, one thread, budget 10,000); queries per

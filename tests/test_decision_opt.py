@@ -15,7 +15,7 @@ from torch import nn
 from blackboxbench.errors import BenchError
 from blackboxbench.query.opt import g_search, nonneg_qp, ray, sign_directions, sign_opt, sign_opt_init, unit
 
-from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import check_outputs, make_ctx, resnet20_images, run_query
 from test_engine import records_by_batch_size
 
 RECIPES = ("opt", "sign_opt")
@@ -253,10 +253,7 @@ N_REAL = 4
 
 @pytest.fixture(scope="module")
 def cifar(data_root):
-    from blackboxbench.prep.models import build_model
-
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=N_REAL, pool=2 * N_REAL))
+    return resnet20_images(data_root, n=N_REAL, pool=2 * N_REAL)
 
 
 # Measured on these 4 images (seed 0, L2 1.0, 10,000 queries): sign_opt 4/4, queries 1185 / 1387 / 561 / 8;

@@ -23,7 +23,7 @@ from blackboxbench.query.probes import PROBES, draw_probes, orthonormal, reduced
 from blackboxbench.registry import PERTURB
 from blackboxbench.rng import Streams
 
-from attack_utils import Linear2, check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import Linear2, check_outputs, correctly_classified, make_ctx, resnet20_images, run_query
 from test_engine import records_by_batch_size
 from test_score_surrogate import Counting, run_surrogate
 
@@ -236,8 +236,7 @@ EPS = {"linf": 0.03, "l2": 1.0}  # Table V, CIFAR-10
 
 @pytest.fixture(scope="module")
 def resnet20(data_root):
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=4, pool=12))
+    return resnet20_images(data_root, n=4, pool=12)
 
 
 @pytest.fixture(scope="module")

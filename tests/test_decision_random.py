@@ -21,7 +21,7 @@ from blackboxbench.query.boundary import SPHERICAL_WINDOW, STEP_WINDOW, adapt, p
 from blackboxbench.query.evolutionary import WINDOW, candidates, cma_update, one_fifth, select
 from blackboxbench.rng import Streams
 
-from attack_utils import Linear2, check_outputs, correctly_classified, run_query
+from attack_utils import check_outputs, hyperplane_toy, resnet20_images, run_query
 from test_engine import records_by_batch_size
 
 RECIPES = ("boundary", "evolutionary")
@@ -203,14 +203,10 @@ def test_evolutionary_selection_is_weighted_sampling_without_replacement():
 
 @pytest.fixture(scope="module")
 def toy():
-    g = torch.Generator().manual_seed(1)
-    x = torch.round((0.5 + 0.1 * (torch.rand(4, 3, 8, 8, generator=g) - 0.5)) * 255) / 255
-    w = torch.randn(3 * 8 * 8, generator=g)
-    s = (x - 0.5).flatten(1) @ w
-    t = s.max().item() + 0.02 * w.abs().sum().item()
+    model, x, y, gap = hyperplane_toy(torch.Generator().manual_seed(1))
+    w = model.w
     # L2 distance to the hyperplane, and the Linf distance of the L2-closest point (what an L2 search reaches)
-    dist = {"l2": (t - s) / w.norm(), "linf": (t - s) * w.abs().max() / w.norm() ** 2}
-    return Linear2(w, t), x, torch.zeros(4, dtype=torch.long), dist
+    return model, x, y, {"l2": gap / w.norm(), "linf": gap * w.abs().max() / w.norm() ** 2}
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -241,10 +237,7 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
 
 @pytest.fixture(scope="module")
 def cifar(data_root):
-    from blackboxbench.prep.models import build_model
-
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=16, pool=40))
+    return resnet20_images(data_root, n=16, pool=40)
 
 
 # Measured on the first 8 correctly classified images in one run (seed 0, L2 1.0, budget 10,000, one thread):

@@ -21,7 +21,7 @@ from blackboxbench.query.square import p_schedule, pseudo_gaussian_windows, side
 from blackboxbench.registry import INIT
 from blackboxbench.rng import Streams
 
-from attack_utils import Linear, check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import Linear, check_outputs, make_ctx, resnet20_images, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "score"
 SETTINGS = [("square_linf", "linf"), ("square_l2", "l2"), ("nes", "linf"), ("nes", "l2"),
@@ -218,10 +218,7 @@ def test_square_linf_confirms_success_without_an_extra_forward(toy, monkeypatch)
 
 @pytest.fixture(scope="module")
 def cifar(data_root):
-    from blackboxbench.prep.models import build_model
-
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=16, pool=24))
+    return resnet20_images(data_root, n=16, pool=24)
 
 
 # (recipe, norm, images, budget, max median queries). Measured with seed 0 on these 8 images: every setting

@@ -18,7 +18,7 @@ from blackboxbench.query.signhunter import chunk_bounds, max_depth, next_chunk, 
 from blackboxbench.registry import ACCEPT, INIT, PERTURB
 from blackboxbench.rng import Streams
 
-from attack_utils import Linear, check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import Linear, check_outputs, make_ctx, resnet20_images, run_query
 from test_engine import records_by_batch_size
 
 SETTINGS = [("bandits_linf", "linf"), ("bandits_l2", "l2"), ("zo_signsgd", "linf"), ("zo_signsgd", "l2"),
@@ -246,10 +246,7 @@ def test_toy_unreachable_is_never_claimed(name, norm):
 
 @pytest.fixture(scope="module")
 def cifar(data_root):
-    from blackboxbench.prep.models import build_model
-
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=16, pool=24))
+    return resnet20_images(data_root, n=16, pool=24)
 
 
 # (recipe, norm, max median queries). Measured with seed 0 on these 8 images at Table VI's 10,000 queries,

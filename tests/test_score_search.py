@@ -24,7 +24,7 @@ from blackboxbench.registry import ACCEPT, INIT, PERTURB
 from blackboxbench.rng import Streams
 from blackboxbench.threat import Problem, margin_loss, project
 
-from attack_utils import check_outputs, correctly_classified, make_ctx, run_query
+from attack_utils import check_outputs, make_ctx, resnet20_images, run_query
 from test_engine import records_by_batch_size
 
 EPS = {"linf": 0.03, "l2": 1.0}  # Table VI, CIFAR-10
@@ -435,10 +435,7 @@ def test_babies_matches_a_per_sample_reference(norm, eps, targeted):
 
 @pytest.fixture(scope="module")
 def cifar(data_root):
-    from blackboxbench.prep.models import build_model
-
-    model = build_model("cifar_resnet20", data_root)
-    return (model, *correctly_classified([model], data_root, n=8, pool=16))
+    return resnet20_images(data_root, n=8, pool=16)
 
 
 # (recipe, norm, max median queries). Measured with seed 0 on these 8 images, Table VI's 10,000 queries: every

@@ -24,7 +24,7 @@ import torch
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import rows_where
-from .decision import blended_start, decision_state, has_budget, query_adv
+from .decision import blended_start, decision_state, known_dist, has_budget, query_adv
 
 PAPER = ("Brendel, Rauber, Bethge, Decision-Based Adversarial Attacks: Reliable Attacks Against Black-Box "
          "Machine Learning Models, ICLR 2018")
@@ -109,7 +109,7 @@ def boundary_init(ctx, *, spherical_step=0.01, source_step=0.01, init_tries=100)
         raise BenchError(f"boundary supports norms linf and l2, got '{problem.norm}'")
     n, dev = problem.n, problem.x.device
     x_start, found = blended_start(ctx, tries=init_tries)
-    dist = torch.where(found, problem.dist(x_start), torch.full((n,), float("inf"), device=dev))
+    dist = known_dist(problem, x_start, found)
     zero = torch.zeros(n, dtype=torch.long, device=dev)
     return decision_state(
         problem, x_start, dist,

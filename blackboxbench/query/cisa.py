@@ -59,7 +59,7 @@ from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from ..threat import flat_norm
 from .common import per_sample, rows_where
-from .decision import decision_state, find_start, has_budget, query_adv
+from .decision import decision_state, known_dist, find_start, has_budget, query_adv
 from .prgf import SURROGATE_LOSSES, surrogate_gradient, surrogate_loss
 
 PAPER = "Shi et al., Query-Efficient Black-Box Adversarial Attack With Customized Iteration and Sampling, TPAMI 2023"
@@ -192,7 +192,7 @@ def cisa_init(ctx, *, init_scale=1 / 255, scale_growth=1.5, scale_tries=20, exp_
     # 3. The intermediate adversarial example: the closer of the transfer point and the start.
     better = done & (problem.dist(x_tr) < noise_g)
     x_bd = rows_where(better, x_tr, start)
-    dist = torch.where(found, problem.dist(x_bd), torch.full_like(noise_g, float("inf")))
+    dist = known_dist(problem, x_bd, found)
     return decision_state(problem, x_bd, dist, step_scale=torch.ones(n, dtype=torch.float64, device=dev),
                           window=torch.zeros((n, 2), dtype=torch.long, device=dev),
                           failed=torch.zeros_like(x), failures=torch.zeros(n, dtype=torch.long, device=dev))

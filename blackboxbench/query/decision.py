@@ -40,6 +40,13 @@ def query_adv(ctx, images, idx=None):
     return sub.is_adv(answer) & ok, ok
 
 
+def known_dist(problem, x_bd, found):
+    """The ``dist`` state entry: each sample's threat distance of ``x_bd``, +inf where no adversarial point is
+    known (``found`` False)."""
+    d = problem.dist(x_bd)
+    return torch.where(found, d, torch.full_like(d, float("inf")))
+
+
 def has_budget(ctx):
     return ctx.oracle.remaining() > 0
 

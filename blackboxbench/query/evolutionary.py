@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
-from .decision import blended_start, decision_state, has_budget, query_adv
+from .decision import blended_start, decision_state, known_dist, has_budget, query_adv
 
 PAPER = ("Dong, Su, Wu, Li, Liu, Zhang, Zhu, Efficient Decision-based Black-box Adversarial Attacks on Face "
          "Recognition, CVPR 2019")
@@ -86,7 +86,7 @@ def evolutionary_init(ctx, *, sub=2, mu=0.01, init_tries=100):
     n, dev = problem.n, problem.x.device
     m = math.prod(reduced_shape(problem.x.shape[1:], sub))
     x_start, found = blended_start(ctx, tries=init_tries)
-    dist = torch.where(found, problem.dist(x_start), torch.full((n,), float("inf"), device=dev))
+    dist = known_dist(problem, x_start, found)
     return decision_state(
         problem, x_start, dist, mu=torch.full((n,), float(mu), dtype=torch.float64, device=dev),
         pc=torch.zeros((n, m), device=dev), cdiag=torch.ones((n, m), device=dev),

@@ -47,7 +47,8 @@ import torch
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
-from .decision import bisect, blend, claim_limit, decision_state, find_start, has_budget, query_adv, stop_radius
+from .decision import (bisect, blend, claim_limit, decision_state, find_start, has_budget, known_dist, query_adv,
+                       stop_radius)
 from .simba import dct_matrix
 
 PAPER = ("Rahmati, Moosavi-Dezfooli, Frossard, Dai, GeoDA: a geometric framework for black-box adversarial attacks, "
@@ -193,7 +194,7 @@ def geoda_init(ctx, *, tol=1e-4, init_tries=100):
     n, dev = problem.n, problem.x.device
     x0, found = find_start(ctx, tries=init_tries)
     x_bd = to_boundary(ctx, x0, found, tol, claim_limit(problem))
-    dist = torch.where(found, problem.dist(x_bd), torch.full((n,), float("inf"), device=dev))
+    dist = known_dist(problem, x_bd, found)
     return decision_state(problem, x_bd, dist, grad=torch.zeros_like(problem.x),
                           it=torch.zeros(n, dtype=torch.long, device=dev))
 

@@ -15,8 +15,8 @@ import torch
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
-from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, query_adv,
-                       stop_radius)
+from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, known_dist,
+                       query_adv, stop_radius)
 from .probes import PROBES, draw_probes
 
 PAPER = "Chen et al., HopSkipJumpAttack, IEEE S&P 2020"
@@ -132,7 +132,7 @@ def hsja_init(ctx, *, gamma=1.0, init_tries=100):
                        device=dev)
     x_start, found = blended_start(ctx, tries=init_tries)
     x_bd, d_far = to_boundary(ctx, x_start, theta, found, claim_limit(problem))
-    dist = torch.where(found, problem.dist(x_bd), torch.full_like(d_far, float("inf")))
+    dist = known_dist(problem, x_bd, found)
     return decision_state(problem, x_bd, dist, dist_post=d_far, it=torch.zeros(n, dtype=torch.long, device=dev),
                           theta=theta, probe_scale=torch.ones(n, dtype=torch.float64, device=dev))
 

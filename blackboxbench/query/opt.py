@@ -45,7 +45,7 @@ from ..registry import INIT, PERTURB
 from ..rng import rank_within_group
 from ..threat import flat_norm
 from .common import per_sample, rows_where
-from .decision import claim_limit, decision_state, has_budget, query_adv, stop_radius
+from .decision import claim_limit, decision_state, known_dist, has_budget, query_adv, stop_radius
 
 PAPER_OPT = ("Cheng, Le, Chen, Yi, Zhang, Hsieh, Query-Efficient Hard-label Black-box Attack: An "
              "Optimization-based Approach, ICLR 2019")
@@ -229,7 +229,7 @@ def _start_state(ctx, theta, g, **extra):
     problem = ctx.problem
     found = torch.isfinite(g)
     x_bd = rows_where(found, ray(problem.x, theta, torch.where(found, g, 0.0)), problem.x)
-    dist = torch.where(found, problem.dist(x_bd), torch.full_like(g, float("inf")).float())
+    dist = known_dist(problem, x_bd, found)
     n, dev = problem.n, problem.x.device
     nan = torch.full((n,), float("nan"), dtype=torch.float64, device=dev)
     return decision_state(problem, x_bd, dist, theta=theta, g=g, alpha=nan, beta_scale=torch.ones_like(nan),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
-from .decision import bisect, claim_limit, decision_state, find_start, has_budget, query_adv
+from .decision import bisect, claim_limit, decision_state, known_dist, find_start, has_budget, query_adv
 
 PAPER = ("Chen, Zhang, Hu, Wu, Boosting Decision-based Black-box Adversarial Attacks with Random Sign Flip, "
          "ECCV 2020")
@@ -73,7 +73,7 @@ def sfa_init(ctx, *, resize_factor=1.0, init_tries=100, search_steps=10):
     _, hi = bisect(ctx, lambda t, i: box(x0[i], x[i], t), torch.zeros_like(d0), d0, d0 / 2 ** search_steps, found,
                    claim_limit(problem))
     x_bd = box(x0, x, hi)
-    dist = torch.where(found, problem.dist(x_bd), torch.full((n,), float("inf"), device=dev))
+    dist = known_dist(problem, x_bd, found)
     shape = reduced_shape(x.shape[1:], resize_factor)
     return decision_state(problem, x_bd, dist, delta=x_bd - x,
                           alpha=torch.full((n,), ALPHA0, dtype=torch.float64, device=dev),

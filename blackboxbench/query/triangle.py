@@ -46,7 +46,7 @@ import torch
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
-from .decision import blended_start, decision_state, has_budget, query_adv
+from .decision import blended_start, decision_state, known_dist, has_budget, query_adv
 from .geoda import low_frequency_image
 
 PAPER = ("Wang, Zhang, Tong, Gong, He, Li, Liu, Triangle Attack: A Query-efficient Decision-based Adversarial "
@@ -96,7 +96,7 @@ def triangle_init(ctx, *, init_alpha=PI / 2, init_tries=100):
         raise BenchError(f"triangle supports norms linf and l2, got '{problem.norm}'")
     n, dev = problem.n, problem.x.device
     x_bd, found = blended_start(ctx, tries=init_tries)
-    dist = torch.where(found, problem.dist(x_bd), torch.full((n,), float("inf"), device=dev))
+    dist = known_dist(problem, x_bd, found)
     return decision_state(problem, x_bd, dist, alpha=torch.full((n,), init_alpha, dtype=torch.float64, device=dev))
 
 
