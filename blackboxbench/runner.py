@@ -317,10 +317,14 @@ class Runner:
                 assets[k] = ASSET.get(spec["name"])(data_root, self.device, **params)
             except BenchError as e:
                 raise ConfigError(str(e), source, f"assets.{k}") from None
-        self._check_classes(models, data)
-        probe = data.x[:8].to(self.device)
-        self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
-                                  if is_randomized(m, probe)})
+        self.randomized = []
+        if not fam.classifier_models:
+            fam.check_inputs(models, data, source)
+        else:
+            self._check_classes(models, data)
+            probe = data.x[:8].to(self.device)
+            self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
+                                      if is_randomized(m, probe)})
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"])
