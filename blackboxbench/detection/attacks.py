@@ -191,3 +191,238 @@ def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1):
         r = r / per_sample(flat_norm(r, "linf") + 1e-12, r)
         x_adv = ctx.problem.project(x_adv + live * gamma * r)
     return x_adv
+
+
+# ---------------------------------------------------------------- OSFD
+
+OSFD = "Ding et al., AAAI 2024 (OSFD); wakuwu/OSFD attack/ours/OSFD.py, attack/base/{MI,RRB}.py"
+
+
+def rrb(ctx, x, copies, angle, jitter, scale, sigma):
+    """OSFD's random robust transform, ``copies`` stacked copies (K*n, C, H, W): a rotation by up to ``angle``
+    degrees about the image centre moved by up to ``jitter`` pixels, a rescale by a factor in [scale[0],
+    scale[1]] and Gaussian noise of std ``sigma`` (all from the samples' streams; differentiable in ``x``)."""
+    import math
+
+    import torch.nn.functional as F
+
+    n, c, h, w = x.shape
+    rows = ctx.rows(copies * n)
+    u = ctx.rng.uniform((4,), rows=rows).to(x)
+    th = (u[:, 0] * 2 - 1) * angle * math.pi / 180
+    s = scale[0] + u[:, 1] * (scale[1] - scale[0])
+    tx, ty = (u[:, 2] * 2 - 1) * jitter * 2 / w, (u[:, 3] * 2 - 1) * jitter * 2 / h
+    cos, sin = torch.cos(th) / s, torch.sin(th) / s
+    theta = torch.stack([torch.stack([cos, -sin, tx], 1), torch.stack([sin, cos, ty], 1)], 1)
+    xs = x.repeat(copies, 1, 1, 1)
+    grid = F.affine_grid(theta, xs.shape, align_corners=False)
+    out = F.grid_sample(xs, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    return (out + sigma * ctx.rng.normal(x.shape[1:], rows=rows).to(x)).clamp(0, 1)
+
+
+@DET_CRAFT.register("osfd", paper=OSFD + " (k 3, eps 5/255, noise start randint[-2, 2], MI momentum 1, RRB: "
+                    "2 copies, 7 deg, 10 px, rescale 0.8-1.1, noise 6/255)",
+                    ranges={"k": "(0, inf)", "iterations": "int [1, inf)", "alpha": "(0, 1]", "momentum": "[0, inf)",
+                            "copies": "int [1, inf)", "angle": "[0, 180]", "jitter": "[0, inf)",
+                            "sigma": "[0, 1]", "start": "[0, 1]"})
+def osfd(ctx, objective, *, k=3.0, iterations=10, alpha=1 / 255, momentum=1.0, copies=2, angle=7.0, jitter=10.0,
+         sigma=6 / 255, start=2 / 255):
+    """Object-aware significant feature distortion: maximize sum over the backbone body's stages of
+    MSE(k * F_clean, F_adv) on RRB copies, with momentum (gradient normalized by its mean |g|) and sign steps of
+    ``alpha``, starting from integer noise in [-start, start], clipped to the eps ball. ``objective`` unused."""
+    model, p = ctx.model, ctx.problem
+    with torch.no_grad():
+        target = [k * f for f in model.features(p.x)]
+    levels = round(start * 255)
+    noise = torch.floor(ctx.rng.uniform(p.x.shape[1:]).to(p.x) * (2 * levels + 1)) - levels
+    x_adv = p.project(p.x + noise / 255)
+    g_acc = torch.zeros_like(p.x)
+    for _ in range(iterations):
+        xg = x_adv.detach().requires_grad_(True)
+        with torch.enable_grad():
+            feats = model.features(rrb(ctx, xg, copies, angle, jitter, (0.8, 1.1), sigma))
+            loss = sum(((f - t.repeat(copies, 1, 1, 1)) ** 2).mean() for f, t in zip(feats, target))
+            g = torch.autograd.grad(loss, xg)[0]
+        g_acc = momentum * g_acc + g / per_sample(g.abs().flatten(1).mean(1) + 1e-12, g)
+        x_adv = p.project(x_adv + alpha * g_acc.sign())
+    return x_adv
+
+
+# ---------------------------------------------------------------- EBAD and CAA: weighted training losses
+
+EBAD = "Cai et al., CVPR 2023 (EBAD); CSIPlab/EBAD attack_bb_det.py, utils_mmdet.py"
+CAA = "Cai et al., AAAI 2022 (context-aware attacks); CSIPlab/context-aware-attacks run_sequential_attack.py"
+
+
+def relabel_one(ctx, conf_thr, which, u=None):
+    """Targets per image: the surrogate's clean detections (score >= conf_thr) with object ``victim`` (a random
+    one, the sample's stream) relabelled to a random class absent from the image; ``which``: ``one`` relabels the
+    victim only, ``class`` every detection of the victim's class (a context-consistent plan). Returns (targets,
+    victim boxes (n, 4), target labels (n,)); images without a detection keep empty targets (label -1). ``u``:
+    the (n, 2) uniforms that pick the victim and its class (default: drawn from the samples' streams)."""
+    p, c = ctx.problem, ctx.problem.num_classes
+    dets = pseudo_truth(ctx, conf_thr)
+    u = (ctx.rng.uniform((2,)) if u is None else u).tolist()
+    out, vboxes, vlabels = [], [], []
+    for d, (u1, u2) in zip(dets, u):
+        labels = d["labels"].clone()
+        if not len(labels):
+            out.append(d)
+            vboxes.append(p.x.new_zeros(4))
+            vlabels.append(-1)
+            continue
+        v = min(int(u1 * len(labels)), len(labels) - 1)
+        absent = [j for j in range(c) if j not in set(labels.tolist())] or [j for j in range(c) if j != int(labels[v])]
+        new = absent[min(int(u2 * len(absent)), len(absent) - 1)]
+        mask = labels == labels[v] if which == "class" else torch.arange(len(labels)) == v
+        labels[mask.to(labels.device)] = new
+        out.append({"boxes": d["boxes"], "labels": labels})
+        vboxes.append(d["boxes"][v])
+        vlabels.append(new)
+    return out, torch.stack(vboxes), torch.tensor(vlabels, device=p.x.device)
+
+
+def _weighted_loss(models, weights, x, targets):
+    return sum(w * sum(m.losses(x, targets).values()) for m, w in zip(models, weights))
+
+
+def descend(ctx, models, weights, targets, x0, iterations, alpha):
+    """Projected sign-gradient descent of the weighted training losses towards ``targets`` from ``x0``."""
+    x_adv = x0
+    for _ in range(iterations):
+        xg = x_adv.detach().requires_grad_(True)
+        with torch.enable_grad():
+            g = torch.autograd.grad(_weighted_loss(models, weights, xg, targets), xg)[0]
+        x_adv = ctx.problem.project(x_adv - alpha * g.sign())
+    return x_adv
+
+
+def hit(model, x, boxes, labels, iou_thr):
+    """(n,) whether ``model`` detects label ``labels[i]`` at IoU > iou_thr with ``boxes[i]`` (label -1: no)."""
+    from torchvision.ops import box_iou
+
+    with torch.no_grad():
+        dets = model(x)
+    out = []
+    for d, b, lab in zip(dets, boxes, labels.tolist()):
+        m = d["labels"] == lab
+        out.append(lab >= 0 and bool(m.any()) and bool((box_iou(b[None], d["boxes"][m]) > iou_thr).any()))
+    return torch.tensor(out, device=x.device)
+
+
+@DET_CRAFT.register("ebad", paper=EBAD + " (eps 10/255, 20 PGD steps of 3 eps / 20, 10 queries, lr_w 0.01, "
+                    "success at IoU > 0.9)", ranges={"iterations": "int [1, inf)", "queries": "int [0, inf)",
+                                                     "lr_w": "[0, inf)", "conf_thr": "[0, 1]", "iou_thr": "[0, 1]"})
+def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, iou_thr=0.9):
+    """Ensemble-based black-box attack (mislabel): one random detected object relabelled to a class absent from
+    the image, the others kept; PGD descent (step 3 eps / 20) of the weighted training losses of the surrogates,
+    weights initialised to 1 / L_i; then up to ``queries`` weight updates, one surrogate in turn (w_i +- lr_w /
+    L_i), each PGD rerun and judged by the victim's loss (the victim is the first surrogate, as in the benchmark);
+    an image stops at success (its target label at IoU > iou_thr). Weights are shared by the batch."""
+    p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
+    victim = models[0]
+    targets, vboxes, vlabels = relabel_one(ctx, conf_thr, "one")
+    alpha = 3 * p.eps / 20
+    with torch.no_grad():
+        inv = torch.tensor([1 / max(float(sum(m.losses(p.x, targets).values())), 1e-6) for m in models])
+    w = inv / inv.sum()
+    x_adv = descend(ctx, models, w.tolist(), targets, p.x, iterations, alpha)
+    done = hit(victim, x_adv, vboxes, vlabels, iou_thr)
+    for q in range(queries if len(models) > 1 else 0):
+        if bool(done.all()):
+            break
+        i = q % len(models)
+        cands = []
+        for sgn in (1, -1):
+            wc = w.clone()
+            wc[i] = wc[i] + sgn * lr_w * inv[i] / inv.sum()
+            wc = torch.relu(wc) + 0.005
+            wc = wc / wc.sum()
+            xc = descend(ctx, models, wc.tolist(), targets, p.x, iterations, alpha)
+            with torch.no_grad():
+                cands.append((float(sum(victim.losses(xc, targets).values())), wc, xc))
+        _, w, xc = min(cands, key=lambda c: c[0])
+        x_adv = torch.where(per_sample(done, p.x).bool(), x_adv, xc)
+        done = done | hit(victim, x_adv, vboxes, vlabels, iou_thr)
+    return x_adv
+
+
+@DET_CRAFT.register("caa", paper=CAA + " (eps 30/255, step 2/255, 50 iterations per plan, loss 4 L_FRCNN + "
+                    "L_YOLOv3, success at IoU > 0.3)", ranges={"iterations": "int [1, inf)", "alpha": "(0, 1]",
+                                                              "weights": "list [0, inf)", "conf_thr": "[0, 1]",
+                                                              "iou_thr": "[0, 1]"})
+def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=0.3, iou_thr=0.3):
+    """Context-aware attack, plans ap0 (relabel the victim object) and ap1 (relabel every object of its class,
+    a context-consistent scene): each plan starts from the clean image and descends the weighted training losses
+    of the surrogates (``weights``, default 4, 1, 1, ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of
+    ``alpha`` inside the eps ball; an image keeps the first plan after which the first surrogate detects the
+    target label on the victim at IoU > iou_thr (else the last plan). The helper-box plans (ap2-ap5) need the
+    VOC co-occurrence tables and are not built."""
+    p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
+    w = list(weights) if weights is not None else [4.0] + [1.0] * (len(models) - 1)
+    x_best, done = p.x.clone(), torch.zeros(p.n, dtype=torch.bool, device=p.x.device)
+    u = ctx.rng.uniform((2,))  # one victim and target class per image for every plan
+    for plan in ("one", "class"):
+        targets, vboxes, vlabels = relabel_one(ctx, conf_thr, plan, u)
+        xc = descend(ctx, models, w[:len(models)], targets, p.x, iterations, alpha)
+        x_best = torch.where(per_sample(done, p.x).bool(), x_best, xc)
+        done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
+        if bool(done.all()):
+            break
+    return x_best
+
+
+# ---------------------------------------------------------------- PhantomSponges (universal)
+
+PS = "Shapira et al., WACV 2023 (PhantomSponges); AvishagS422/PhantomSponges attack/uap_phantom_sponge.py"
+
+
+def sponge_loss(model, x, conf):
+    """PhantomSponges' max-objects term: mean relu(conf - p) over candidates below ``conf`` (p: a candidate's best
+    class score), to minimize (more candidates pass to NMS)."""
+    p = model.candidates(x).amax(-1)
+    below = p < conf
+    return (torch.relu(conf - p) * below).sum() / below.sum().clamp_min(1)
+
+
+@DET_CRAFT.register("phantom_sponges", paper=PS + " (universal; lambda1 1 (IoU term off), step 0.0005, batch 8, "
+                    "70 epochs, patience 7, L2 70 at 640x640)", needs=("assets",),
+                    ranges={"epochs": "int [1, inf)", "patience": "int [1, inf)", "lr": "(0, 1]",
+                            "batch": "int [1, inf)", "conf": "(0, 1)"})
+def phantom_sponges(ctx, objective, *, epochs=70, patience=7, lr=0.0005, batch=8, conf=0.25, asset="train"):
+    """A universal perturbation learnt once per run on the attacker's training images (``ctx.assets[asset]``, a
+    ``detection_images`` asset) with the surrogate: per batch of ``batch`` images, uap <- clamp(uap - lr *
+    sign(grad of the max-objects loss), 0, 1) (non-negative), then projected to the threat's L2 ball; up to
+    ``epochs`` epochs, stopping after ``patience`` epochs without a lower epoch loss. Every test image gets the
+    same perturbation (x + uap, clipped to [0, 1]). The area term (lambda2) needs candidate boxes and is not
+    built."""
+    from ..errors import BenchError
+
+    p, model = ctx.problem, ctx.model
+    train = ctx.assets.get(asset)
+    if train is None or not hasattr(train, "cache"):
+        raise BenchError(f"phantom_sponges needs a detection_images asset named '{asset}' (assets: {{{asset}: "
+                         "{name: detection_images}}})")
+    key = ("phantom_sponges", id(model), p.eps, p.norm, epochs, patience, lr, batch, conf)
+    if key not in train.cache:
+        xs = train.data.x.to(p.x.device)
+        uap = torch.zeros_like(xs[:1])
+        best, stale = float("inf"), 0
+        for _ in range(epochs):
+            total = 0.0
+            for i in range(0, len(xs), batch):
+                ug = uap.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    loss = sponge_loss(model, (xs[i:i + batch] + ug).clamp(0, 1), conf)
+                    g = torch.autograd.grad(loss, ug)[0]
+                uap = (uap - lr * g.sign()).clamp(0, 1)
+                uap = uap * torch.clamp(p.eps / (flat_norm(uap, p.norm) + 1e-12), max=1.0).view(-1, 1, 1, 1)
+                total += float(loss.detach()) * len(xs[i:i + batch])
+            if total < best - 1e-9:
+                best, stale = total, 0
+            else:
+                stale += 1
+                if stale >= patience:
+                    break
+        train.cache[key] = uap.detach()
+    return p.project((p.x + train.cache[key]).clamp(0, 1))
