@@ -1,6 +1,6 @@
 """Detector zoo (registry ``MODEL``): every entry returns a :class:`Detector` taking [0, 1] NCHW images.
 
-* ``shapes_fcos``, ``shapes_fcos_b`` (another init), ``shapes_fcos_w`` (48 channels): tiny FCOS detectors
+* ``shapes_fcos``, ``shapes_fcos_b``, ``shapes_fcos_c`` (three inits): tiny FCOS detectors
   (3-conv backbone, spec sheet section 4) trained on the synthetic shapes on first use, in seconds and deterministically, then cached in
   ``BLACKBOXBENCH_CACHE`` (as the digits models are).
 * ``torchvision_det:<arch>``: any torchvision detection architecture (Faster R-CNN, RetinaNet, FCOS, SSD,
@@ -106,9 +106,16 @@ class Detector(nn.Module):
             self.net.eval()
 
     def features(self, x):
-        """The feature maps of the backbone body (before any neck), a list of (N, C, h, w)."""
+        """The feature maps of the backbone body's stages (before any neck), a list of (N, C, h, w)."""
         images, _ = self.net.transform(list(x))
         body = getattr(self.net.backbone, "body", self.net.backbone)
+        if isinstance(body, nn.Sequential):  # a plain stack (the tiny detectors): every stage's output
+            out, h = [], images.tensors
+            for layer in body:
+                h = layer(h)
+                if isinstance(layer, nn.ReLU):
+                    out.append(h)
+            return out
         out = body(images.tensors)
         return list(out.values()) if isinstance(out, dict) else [out]
 
@@ -160,7 +167,7 @@ def _tiny_net(kind, width, num_classes, size):
                 score_thresh=TINY_SCORE_THR, detections_per_img=100)
 
 
-TINY = {"shapes_fcos": ("fcos", 32, 0), "shapes_fcos_b": ("fcos", 32, 1), "shapes_fcos_w": ("fcos", 48, 2)}
+TINY = {"shapes_fcos": ("fcos", 32, 0), "shapes_fcos_b": ("fcos", 32, 1), "shapes_fcos_c": ("fcos", 32, 2)}
 
 
 def train_tiny(name, *, images=512, iterations=400, batch=8, lr=5e-3, size=64):
