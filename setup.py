@@ -23,7 +23,7 @@ setup(
     install_requires=["torch>=2.1", "torchvision", "timm", "numpy", "pyyaml", "scipy", "lpips", "pytorch-msssim", "torchmetrics", "matplotlib",
                       "tqdm", "scikit-learn"],
     extras_require={
-        "test": ["pytest", "pytest-xdist"],  # the suite runs on 2 workers (-n 2)
+        "test": ["pytest", "pytest-xdist", "pycocotools"],  # -n 2 workers; pycocotools: the detection mAP cross-check
         # torchattacks pins an old `requests`: install it with `pip install --no-deps torchattacks`.
         "bench": ["adversarial-robustness-toolbox", "foolbox"],
     },

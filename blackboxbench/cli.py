@@ -47,6 +47,9 @@ def cmd_run(args):
         print(f"leaderboard: {opts['leaderboard']} ({len(rows)} runs)")
         for line in notes(rows, skipped, opts["leaderboard"]):
             print(line, file=sys.stderr)
+        for fam in {r.family.name: r.family for r in runners}.values():
+            for path in fam.after_runs(sorted({e["output_dir"] for e in experiments}), opts["leaderboard"]):
+                print(f"{fam.name} report: {path}")
     if opts.get("robustness"):
         _robustness(sorted({e["output_dir"] for e in experiments}), opts["robustness"])
     return 0

@@ -430,7 +430,8 @@ def finish_threat(threat, recipe, family, source):
         raise ConfigError(f"attack '{recipe['name']}' does not support targeted attacks", source,
                           "threat.targeted")
     try:
-        t["eps"] = float(parse_number(t.get("eps", DEFAULT_EPS[t["norm"]])))
+        default = family.default_eps(recipe, t["norm"])
+        t["eps"] = float(parse_number(t.get("eps", DEFAULT_EPS[t["norm"]] if default is None else default)))
     except ValueError as e:
         raise ConfigError(str(e), source, "threat.eps") from None
     lo, hi = EPS_RANGE[t["norm"]]

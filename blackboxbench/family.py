@@ -91,10 +91,22 @@ class Family:
     record_fields = {}
     columns = ()
     surrogate_may_be_target = False  # a white-box surrogate equal to a black-box target is a config error
+    classifier_models = True  # the runner checks class counts and randomness on logits; else check_inputs does
 
     def finish_threat(self, threat, recipe, source):
         """Fill this family's threat defaults and check its threat keys; returns the threat dict."""
         return threat
+
+    def default_eps(self, recipe, norm):
+        """The eps a recipe of this family uses when the config gives none (None: the paper tables' default)."""
+        return None
+
+    def check_inputs(self, models, data, source):
+        """Check the loaded models and data before a run (families whose models are not classifiers)."""
+
+    def after_runs(self, results_dirs, leaderboard):
+        """Reports written after a config's runs (next to its leaderboard); returns the paths written."""
+        return []
 
     def build(self, name, blocks, hyper, meta):
         raise NotImplementedError

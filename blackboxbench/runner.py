@@ -355,13 +355,17 @@ class Runner:
                 assets[k] = ASSET.get(spec["name"])(data_root, self.device, **params)
             except BenchError as e:
                 raise ConfigError(str(e), source, f"assets.{k}") from None
-        self._check_classes(models, data)
-        probe = data.x[:8].to(self.device)
         defenses = run_defenses(exp, fam, source)
-        self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
-                                  if is_randomized(m, probe)} |
-                                 {f"{n}+{'+'.join(map(str, ds))}" for key, per in defenses.items()
-                                  for n, ds in zip(names[key], per) if any(d.randomized for d in ds)})
+        self.randomized = []
+        if not fam.classifier_models:
+            fam.check_inputs(models, data, source)
+        else:
+            self._check_classes(models, data)
+            probe = data.x[:8].to(self.device)
+            self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
+                                      if is_randomized(m, probe)} |
+                                     {f"{n}+{'+'.join(map(str, ds))}" for key, per in defenses.items()
+                                      for n, ds in zip(names[key], per) if any(d.randomized for d in ds)})
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],

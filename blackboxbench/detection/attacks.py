@@ -1,0 +1,428 @@
+"""Detection attack blocks: TOG's four objectives and its sign-gradient loop (Chow et al. 2020), DAG (Xie et al.
+2017). Settings from the authors' code as the spec sheet (detection.md section 2) records them; the recipes in
+``attacks/detection/`` cite them.
+
+Objectives (registry ``det_objective``) are ``fn(ctx, x_adv, *, params) -> (N,)`` per-image losses to maximize.
+The torchvision training losses are batch means; an objective built on them returns the batch loss for every
+image, which keeps each image's gradient direction (the steps are sign or per-image normalized), so a sample's
+result does not depend on its neighbours' images up to that positive scale.
+"""
+import torch
+
+from ..registry import DET_CRAFT, DET_OBJECTIVE
+from ..threat import flat_norm, per_sample
+
+TOG = "Chow et al., TPS-ISA 2020 (TOG); git-disl/TOG tog/attacks.py"
+
+
+# ---------------------------------------------------------------- shared steps
+
+def ascent_step(problem, x_adv, grad, alpha):
+    """One ascent step of size ``alpha`` (Linf: sign; L2: per-image unit gradient), projected to the ball."""
+    if problem.norm == "linf":
+        step = grad.sign()
+    else:
+        step = grad / per_sample(flat_norm(grad, "l2") + 1e-12, grad)
+    return problem.project(x_adv + alpha * step)
+
+
+def objective_grad(ctx, objective, x):
+    """Gradient of the summed objective at ``x``."""
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = objective(ctx, x).sum()
+        return torch.autograd.grad(loss, x)[0]
+
+
+def random_start(ctx, x):
+    """A uniform start inside the Linf ball (L2: a uniform direction of radius eps * u), per sample's stream."""
+    p = ctx.problem
+    u = ctx.rng.uniform(x.shape[1:]).to(x) * 2 - 1
+    if p.norm == "l2":
+        u = u / per_sample(flat_norm(u, "l2") + 1e-12, u) * per_sample(ctx.rng.uniform(()).to(x).flatten(), u)
+    return p.project(x + p.eps * u)
+
+
+@DET_CRAFT.register("sign_pgd", paper=TOG + " (update: eps 8/255, step 2/255, 10 iterations, uniform start)",
+                    ranges={"iterations": "int [1, inf)", "alpha": "(0, 1]"})
+def sign_pgd(ctx, objective, *, iterations=10, alpha=2 / 255, random_init=True):
+    """TOG's loop: optional uniform random start, then ``iterations`` sign-gradient ascent steps of the
+    objective, each projected to the eps ball and [0, 1]."""
+    x_adv = random_start(ctx, ctx.problem.x) if random_init else ctx.problem.x.clone()
+    for t in range(iterations):
+        c = ctx.at(t=t, iterations=iterations, alpha=alpha)
+        x_adv = ascent_step(ctx.problem, x_adv, objective_grad(c, objective, x_adv), alpha)
+    return x_adv
+
+
+# ---------------------------------------------------------------- TOG objectives
+
+@DET_OBJECTIVE.register("none", paper="no objective: for craft blocks that carry their own (DAG, EBAD, CAA, OSFD, "
+                        "PhantomSponges)")
+def no_objective(ctx, x):
+    """A constant zero: the craft block optimizes its own loss."""
+    return (x * 0).flatten(1).sum(1)
+
+
+def pseudo_truth(ctx, conf_thr):
+    """The surrogate's clean detections with score >= ``conf_thr`` as targets (TOG's pseudo ground truth)."""
+    out = []
+    for d in ctx.problem.clean:
+        keep = d["scores"] >= conf_thr
+        out.append({"boxes": d["boxes"][keep], "labels": d["labels"][keep]})
+    return out
+
+
+def _per_image(total, n):
+    return total.expand(n)
+
+
+def _vanish_loss(model, x):
+    """log(1 - p) over every candidate and class (maximize: every score to 0); R-CNN: minus the classification
+    losses with no object (CE of the RPN and the RoI head towards background)."""
+    if model.kind in ("fcos", "retinanet", "ssd"):
+        p = model.candidates(x).clamp(1e-6, 1 - 1e-6)
+        return torch.log1p(-p).flatten(1).mean(1)
+    empty = [{"boxes": x.new_zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long, device=x.device)}] * len(x)
+    losses = model.losses(x, empty)
+    return _per_image(-sum(v for k, v in losses.items() if "class" in k or "objectness" in k), len(x))
+
+
+@DET_OBJECTIVE.register("tog_vanishing", paper=TOG + " (object-vanishing: every objectness towards 0)")
+def tog_vanishing(ctx, x):
+    """Object vanishing: every candidate's class scores towards 0."""
+    return _vanish_loss(ctx.model, x)
+
+
+@DET_OBJECTIVE.register("tog_fabrication", paper=TOG + " (object-fabrication: every objectness towards 1)")
+def tog_fabrication(ctx, x):
+    """Object fabrication: every candidate's best class score towards 1 (log p, one-stage heads)."""
+    p = ctx.model.candidates(x).clamp(1e-6, 1 - 1e-6)
+    return torch.log(p.amax(-1)).flatten(1).mean(1)
+
+
+@DET_OBJECTIVE.register("tog_untargeted", paper=TOG + " (untargeted: ascend the training loss on the clean "
+                        "detections, threshold 0.2)", ranges={"conf_thr": "[0, 1]"})
+def tog_untargeted(ctx, x, *, conf_thr=0.2):
+    """Untargeted: ascend the training loss with the clean detections (score >= conf_thr) as ground truth."""
+    return _per_image(sum(ctx.model.losses(x, pseudo_truth(ctx, conf_thr)).values()), len(x))
+
+
+def mislabel_targets(ctx, conf_thr, mode):
+    """The clean detections relabelled: ``ml`` the best other class among detections on (nearly) the same box
+    (the same candidate, IoU >= 0.9), ``ll`` a class absent there (else the lowest-scored other one); with no
+    other class on the box, ``ml`` takes the next class id and ``ll`` the previous one."""
+    from torchvision.ops import box_iou
+
+    out, c = [], ctx.problem.num_classes
+    for d, t in zip(ctx.problem.clean, pseudo_truth(ctx, conf_thr)):
+        labels = t["labels"].clone()
+        if len(labels):
+            same = box_iou(t["boxes"], d["boxes"]) >= 0.9  # (kept, all)
+            for k in range(len(labels)):
+                cls = d["labels"][same[k]]
+                sc = d["scores"][same[k]]
+                score = torch.full((c,), -1.0, device=sc.device).scatter_reduce(0, cls, sc, "amax")
+                score[labels[k]] = float("nan")
+                others = [j for j in range(c) if j != int(labels[k])]
+                if mode == "ml":
+                    found = [j for j in others if score[j] >= 0]
+                    labels[k] = max(found, key=lambda j: float(score[j])) if found else (int(labels[k]) + 1) % c
+                else:
+                    absent = [j for j in others if score[j] < 0]
+                    labels[k] = absent[-1] if absent else min(others, key=lambda j: float(score[j]))
+        out.append({"boxes": t["boxes"], "labels": labels})
+    return out
+
+
+def candidate_targets(model, x, conf_thr, mode):
+    """For a one-stage head: the candidates whose best clean class score is >= ``conf_thr`` (N, A) bool, their
+    class (N, A) and their mislabel class (``ml``: the candidate's second most likely class; ``ll``: its least
+    likely), from the clean image ``x`` (TOG's ML / LL selection per detection)."""
+    with torch.no_grad():
+        p = model.candidates(x)
+    top2 = p.topk(2, -1).indices
+    return p.amax(-1) >= conf_thr, top2[..., 0], top2[..., 1] if mode == "ml" else p.argmin(-1)
+
+
+@DET_OBJECTIVE.register("tog_mislabel", paper=TOG + " (mislabel: every detection towards its ML or LL class)",
+                        ranges={"conf_thr": "[0, 1]", "mode": ("ml", "ll")})
+def tog_mislabel(ctx, x, *, conf_thr=0.2, mode="ml"):
+    """Mislabel: every detected candidate (clean best score >= conf_thr) towards its ``ml`` (second most likely)
+    or ``ll`` (least likely) class and away from its own: log p_target + log(1 - p_own) (one-stage heads). R-CNN:
+    descend the training loss towards the clean detections relabelled (:func:`mislabel_targets`)."""
+    model = ctx.model
+    if model.kind not in ("fcos", "retinanet", "ssd"):
+        return _per_image(-sum(model.losses(x, mislabel_targets(ctx, conf_thr, mode)).values()), len(x))
+    det, own, tgt = candidate_targets(model, ctx.problem.x, conf_thr, mode)
+    p = model.candidates(x).clamp(1e-6, 1 - 1e-6)
+    gain = torch.log(p.gather(-1, tgt[..., None]))[..., 0] + torch.log1p(-p.gather(-1, own[..., None]))[..., 0]
+    return (gain * det).sum(1)
+
+
+# ---------------------------------------------------------------- DAG
+
+@DET_CRAFT.register("dag", paper="Xie et al., ICCV 2017 (DAG); reference port yizhe-ang/detectron2-1 adv.py",
+                    ranges={"iterations": "int [1, inf)", "gamma": "(0, 1]", "score_thr": "[0, 1)"})
+def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1):
+    """Dense Adversary Generation on a one-stage head's candidates: the targets are the candidates whose best
+    class score exceeds ``score_thr`` on the clean image, each with a random wrong label (the sample's stream);
+    while some target of an image is not yet predicted as its label, x += gamma * r / ||r||_inf with
+    r = grad sum over active targets (log p_adv - log p_true). ``objective`` is unused (DAG has its own)."""
+    model, x = ctx.model, ctx.problem.x
+    with torch.no_grad():
+        p0 = model.candidates(x)
+    n, a, c = p0.shape
+    true = p0.argmax(-1)
+    target = p0.amax(-1) > score_thr
+    shift = 1 + (ctx.rng.uniform((a,)).to(x.device) * (c - 1)).long().clamp_max(c - 2)
+    adv = (true + shift) % c
+    x_adv = x.clone()
+    for _ in range(iterations):
+        xg = x_adv.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logp = torch.log(model.candidates(xg).clamp_min(1e-8))
+            active = target & (logp.argmax(-1) != adv)
+            if not bool(active.any()):
+                break
+            gain = (logp.gather(-1, adv[..., None]) - logp.gather(-1, true[..., None]))[..., 0]
+            r = torch.autograd.grad((gain * active).sum(), xg)[0]
+        live = per_sample(active.any(1).to(x.dtype), x)
+        r = r / per_sample(flat_norm(r, "linf") + 1e-12, r)
+        x_adv = ctx.problem.project(x_adv + live * gamma * r)
+    return x_adv
+
+
+# ---------------------------------------------------------------- OSFD
+
+OSFD = "Ding et al., AAAI 2024 (OSFD); wakuwu/OSFD attack/ours/OSFD.py, attack/base/{MI,RRB}.py"
+
+
+def rrb(ctx, x, copies, angle, jitter, scale, sigma):
+    """OSFD's random robust transform, ``copies`` stacked copies (K*n, C, H, W): a rotation by up to ``angle``
+    degrees about the image centre moved by up to ``jitter`` pixels, a rescale by a factor in [scale[0],
+    scale[1]] and Gaussian noise of std ``sigma`` (all from the samples' streams; differentiable in ``x``)."""
+    import math
+
+    import torch.nn.functional as F
+
+    n, c, h, w = x.shape
+    rows = ctx.rows(copies * n)
+    u = ctx.rng.uniform((4,), rows=rows).to(x)
+    th = (u[:, 0] * 2 - 1) * angle * math.pi / 180
+    s = scale[0] + u[:, 1] * (scale[1] - scale[0])
+    tx, ty = (u[:, 2] * 2 - 1) * jitter * 2 / w, (u[:, 3] * 2 - 1) * jitter * 2 / h
+    cos, sin = torch.cos(th) / s, torch.sin(th) / s
+    theta = torch.stack([torch.stack([cos, -sin, tx], 1), torch.stack([sin, cos, ty], 1)], 1)
+    xs = x.repeat(copies, 1, 1, 1)
+    grid = F.affine_grid(theta, xs.shape, align_corners=False)
+    out = F.grid_sample(xs, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    return (out + sigma * ctx.rng.normal(x.shape[1:], rows=rows).to(x)).clamp(0, 1)
+
+
+@DET_CRAFT.register("osfd", paper=OSFD + " (k 3, eps 5/255, noise start randint[-2, 2], MI momentum 1, RRB: "
+                    "2 copies, 7 deg, 10 px, rescale 0.8-1.1, noise 6/255)",
+                    ranges={"k": "(0, inf)", "iterations": "int [1, inf)", "alpha": "(0, 1]", "momentum": "[0, inf)",
+                            "copies": "int [1, inf)", "angle": "[0, 180]", "jitter": "[0, inf)",
+                            "sigma": "[0, 1]", "start": "[0, 1]"})
+def osfd(ctx, objective, *, k=3.0, iterations=10, alpha=1 / 255, momentum=1.0, copies=2, angle=7.0, jitter=10.0,
+         sigma=6 / 255, start=2 / 255):
+    """Object-aware significant feature distortion: maximize sum over the backbone body's stages of
+    MSE(k * F_clean, F_adv) on RRB copies, with momentum (gradient normalized by its mean |g|) and sign steps of
+    ``alpha``, starting from integer noise in [-start, start], clipped to the eps ball. ``objective`` unused."""
+    model, p = ctx.model, ctx.problem
+    with torch.no_grad():
+        target = [k * f for f in model.features(p.x)]
+    levels = round(start * 255)
+    noise = torch.floor(ctx.rng.uniform(p.x.shape[1:]).to(p.x) * (2 * levels + 1)) - levels
+    x_adv = p.project(p.x + noise / 255)
+    g_acc = torch.zeros_like(p.x)
+    for _ in range(iterations):
+        xg = x_adv.detach().requires_grad_(True)
+        with torch.enable_grad():
+            feats = model.features(rrb(ctx, xg, copies, angle, jitter, (0.8, 1.1), sigma))
+            loss = sum(((f - t.repeat(copies, 1, 1, 1)) ** 2).mean() for f, t in zip(feats, target))
+            g = torch.autograd.grad(loss, xg)[0]
+        g_acc = momentum * g_acc + g / per_sample(g.abs().flatten(1).mean(1) + 1e-12, g)
+        x_adv = p.project(x_adv + alpha * g_acc.sign())
+    return x_adv
+
+
+# ---------------------------------------------------------------- EBAD and CAA: weighted training losses
+
+EBAD = "Cai et al., CVPR 2023 (EBAD); CSIPlab/EBAD attack_bb_det.py, utils_mmdet.py"
+CAA = "Cai et al., AAAI 2022 (context-aware attacks); CSIPlab/context-aware-attacks run_sequential_attack.py"
+
+
+def relabel_one(ctx, conf_thr, which, u=None):
+    """Targets per image: the surrogate's clean detections (score >= conf_thr) with object ``victim`` (a random
+    one, the sample's stream) relabelled to a random class absent from the image; ``which``: ``one`` relabels the
+    victim only, ``class`` every detection of the victim's class (a context-consistent plan). Returns (targets,
+    victim boxes (n, 4), target labels (n,)); images without a detection keep empty targets (label -1). ``u``:
+    the (n, 2) uniforms that pick the victim and its class (default: drawn from the samples' streams)."""
+    p, c = ctx.problem, ctx.problem.num_classes
+    dets = pseudo_truth(ctx, conf_thr)
+    u = (ctx.rng.uniform((2,)) if u is None else u).tolist()
+    out, vboxes, vlabels = [], [], []
+    for d, (u1, u2) in zip(dets, u):
+        labels = d["labels"].clone()
+        if not len(labels):
+            out.append(d)
+            vboxes.append(p.x.new_zeros(4))
+            vlabels.append(-1)
+            continue
+        v = min(int(u1 * len(labels)), len(labels) - 1)
+        absent = [j for j in range(c) if j not in set(labels.tolist())] or [j for j in range(c) if j != int(labels[v])]
+        new = absent[min(int(u2 * len(absent)), len(absent) - 1)]
+        mask = labels == labels[v] if which == "class" else torch.arange(len(labels)) == v
+        labels[mask.to(labels.device)] = new
+        out.append({"boxes": d["boxes"], "labels": labels})
+        vboxes.append(d["boxes"][v])
+        vlabels.append(new)
+    return out, torch.stack(vboxes), torch.tensor(vlabels, device=p.x.device)
+
+
+def _weighted_loss(models, weights, x, targets):
+    return sum(w * sum(m.losses(x, targets).values()) for m, w in zip(models, weights))
+
+
+def descend(ctx, models, weights, targets, x0, iterations, alpha):
+    """Projected sign-gradient descent of the weighted training losses towards ``targets`` from ``x0``."""
+    x_adv = x0
+    for _ in range(iterations):
+        xg = x_adv.detach().requires_grad_(True)
+        with torch.enable_grad():
+            g = torch.autograd.grad(_weighted_loss(models, weights, xg, targets), xg)[0]
+        x_adv = ctx.problem.project(x_adv - alpha * g.sign())
+    return x_adv
+
+
+def hit(model, x, boxes, labels, iou_thr):
+    """(n,) whether ``model`` detects label ``labels[i]`` at IoU > iou_thr with ``boxes[i]`` (label -1: no)."""
+    from torchvision.ops import box_iou
+
+    with torch.no_grad():
+        dets = model(x)
+    out = []
+    for d, b, lab in zip(dets, boxes, labels.tolist()):
+        m = d["labels"] == lab
+        out.append(lab >= 0 and bool(m.any()) and bool((box_iou(b[None], d["boxes"][m]) > iou_thr).any()))
+    return torch.tensor(out, device=x.device)
+
+
+@DET_CRAFT.register("ebad", paper=EBAD + " (eps 10/255, 20 PGD steps of 3 eps / 20, 10 queries, lr_w 0.01, "
+                    "success at IoU > 0.9)", ranges={"iterations": "int [1, inf)", "queries": "int [0, inf)",
+                                                     "lr_w": "[0, inf)", "conf_thr": "[0, 1]", "iou_thr": "[0, 1]"})
+def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, iou_thr=0.9):
+    """Ensemble-based black-box attack (mislabel): one random detected object relabelled to a class absent from
+    the image, the others kept; PGD descent (step 3 eps / 20) of the weighted training losses of the surrogates,
+    weights initialised to 1 / L_i; then up to ``queries`` weight updates, one surrogate in turn (w_i +- lr_w /
+    L_i), each PGD rerun and judged by the victim's loss (the victim is the first surrogate, as in the benchmark);
+    an image stops at success (its target label at IoU > iou_thr). Weights are shared by the batch."""
+    p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
+    victim = models[0]
+    targets, vboxes, vlabels = relabel_one(ctx, conf_thr, "one")
+    alpha = 3 * p.eps / 20
+    with torch.no_grad():
+        inv = torch.tensor([1 / max(float(sum(m.losses(p.x, targets).values())), 1e-6) for m in models])
+    w = inv / inv.sum()
+    x_adv = descend(ctx, models, w.tolist(), targets, p.x, iterations, alpha)
+    done = hit(victim, x_adv, vboxes, vlabels, iou_thr)
+    for q in range(queries if len(models) > 1 else 0):
+        if bool(done.all()):
+            break
+        i = q % len(models)
+        cands = []
+        for sgn in (1, -1):
+            wc = w.clone()
+            wc[i] = wc[i] + sgn * lr_w * inv[i] / inv.sum()
+            wc = torch.relu(wc) + 0.005
+            wc = wc / wc.sum()
+            xc = descend(ctx, models, wc.tolist(), targets, p.x, iterations, alpha)
+            with torch.no_grad():
+                cands.append((float(sum(victim.losses(xc, targets).values())), wc, xc))
+        _, w, xc = min(cands, key=lambda c: c[0])
+        x_adv = torch.where(per_sample(done, p.x).bool(), x_adv, xc)
+        done = done | hit(victim, x_adv, vboxes, vlabels, iou_thr)
+    return x_adv
+
+
+@DET_CRAFT.register("caa", paper=CAA + " (eps 30/255, step 2/255, 50 iterations per plan, loss 4 L_FRCNN + "
+                    "L_YOLOv3, success at IoU > 0.3)", ranges={"iterations": "int [1, inf)", "alpha": "(0, 1]",
+                                                              "weights": "list [0, inf)", "conf_thr": "[0, 1]",
+                                                              "iou_thr": "[0, 1]"})
+def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=0.3, iou_thr=0.3):
+    """Context-aware attack, plans ap0 (relabel the victim object) and ap1 (relabel every object of its class,
+    a context-consistent scene): each plan starts from the clean image and descends the weighted training losses
+    of the surrogates (``weights``, default 4, 1, 1, ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of
+    ``alpha`` inside the eps ball; an image keeps the first plan after which the first surrogate detects the
+    target label on the victim at IoU > iou_thr (else the last plan). The helper-box plans (ap2-ap5) need the
+    VOC co-occurrence tables and are not built."""
+    p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
+    w = list(weights) if weights is not None else [4.0] + [1.0] * (len(models) - 1)
+    x_best, done = p.x.clone(), torch.zeros(p.n, dtype=torch.bool, device=p.x.device)
+    u = ctx.rng.uniform((2,))  # one victim and target class per image for every plan
+    for plan in ("one", "class"):
+        targets, vboxes, vlabels = relabel_one(ctx, conf_thr, plan, u)
+        xc = descend(ctx, models, w[:len(models)], targets, p.x, iterations, alpha)
+        x_best = torch.where(per_sample(done, p.x).bool(), x_best, xc)
+        done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
+        if bool(done.all()):
+            break
+    return x_best
+
+
+# ---------------------------------------------------------------- PhantomSponges (universal)
+
+PS = "Shapira et al., WACV 2023 (PhantomSponges); AvishagS422/PhantomSponges attack/uap_phantom_sponge.py"
+
+
+def sponge_loss(model, x, conf):
+    """PhantomSponges' max-objects term: mean relu(conf - p) over candidates below ``conf`` (p: a candidate's best
+    class score), to minimize (more candidates pass to NMS)."""
+    p = model.candidates(x).amax(-1)
+    below = p < conf
+    return (torch.relu(conf - p) * below).sum() / below.sum().clamp_min(1)
+
+
+@DET_CRAFT.register("phantom_sponges", paper=PS + " (universal; lambda1 1 (IoU term off), step 0.0005, batch 8, "
+                    "70 epochs, patience 7, L2 70 at 640x640)", needs=("assets",),
+                    ranges={"epochs": "int [1, inf)", "patience": "int [1, inf)", "lr": "(0, 1]",
+                            "batch": "int [1, inf)", "conf": "(0, 1)"})
+def phantom_sponges(ctx, objective, *, epochs=70, patience=7, lr=0.0005, batch=8, conf=0.25, asset="train"):
+    """A universal perturbation learnt once per run on the attacker's training images (``ctx.assets[asset]``, a
+    ``detection_images`` asset) with the surrogate: per batch of ``batch`` images, uap <- clamp(uap - lr *
+    sign(grad of the max-objects loss), 0, 1) (non-negative), then projected to the threat's L2 ball; up to
+    ``epochs`` epochs, stopping after ``patience`` epochs without a lower epoch loss. Every test image gets the
+    same perturbation (x + uap, clipped to [0, 1]). The area term (lambda2) needs candidate boxes and is not
+    built."""
+    from ..errors import BenchError
+
+    p, model = ctx.problem, ctx.model
+    train = ctx.assets.get(asset)
+    if train is None or not hasattr(train, "cache"):
+        raise BenchError(f"phantom_sponges needs a detection_images asset named '{asset}' (assets: {{{asset}: "
+                         "{name: detection_images}}})")
+    key = ("phantom_sponges", id(model), p.eps, p.norm, epochs, patience, lr, batch, conf)
+    if key not in train.cache:
+        xs = train.data.x.to(p.x.device)
+        uap = torch.zeros_like(xs[:1])
+        best, stale = float("inf"), 0
+        for _ in range(epochs):
+            total = 0.0
+            for i in range(0, len(xs), batch):
+                ug = uap.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    loss = sponge_loss(model, (xs[i:i + batch] + ug).clamp(0, 1), conf)
+                    g = torch.autograd.grad(loss, ug)[0]
+                uap = (uap - lr * g.sign()).clamp(0, 1)
+                uap = uap * torch.clamp(p.eps / (flat_norm(uap, p.norm) + 1e-12), max=1.0).view(-1, 1, 1, 1)
+                total += float(loss.detach()) * len(xs[i:i + batch])
+            if total < best - 1e-9:
+                best, stale = total, 0
+            else:
+                stale += 1
+                if stale >= patience:
+                    break
+        train.cache[key] = uap.detach()
+    return p.project((p.x + train.cache[key]).clamp(0, 1))

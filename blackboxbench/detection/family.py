@@ -1,0 +1,329 @@
+"""The ``detection`` family: attacks crafted white-box on a surrogate detector, evaluated on every target detector
+(a transfer matrix), with mAP@0.5, AP_loc, CSR and the perceptual cost per image (od-robustness benchmark, Sec. 3).
+
+A recipe names a ``craft`` block (registry ``det_craft``: how a batch's adversarial images are made, e.g. the
+sign-gradient loop of TOG, DAG's unbounded loop, EBAD's weight search, a universal perturbation) and an
+``objective`` block (registry ``det_objective``: the per-image loss the craft maximizes, e.g. TOG vanishing).
+
+Block contracts (``ctx`` is the :class:`~blackboxbench.context.BlockContext`; ``ctx.problem`` is a
+:class:`DetProblem`: clean images, eps, norm, the ground truth ``gt`` and the surrogate's clean detections
+``clean``; ``ctx.model`` the white-box surrogate :class:`~blackboxbench.detection.models.Detector`,
+``ctx.surrogates`` all of them; ``ctx.assets["train"]`` the attacker's training images when the recipe needs them):
+
+* ``objective(ctx, x_adv) -> (N,)``: a per-image loss to *maximize* (differentiable in ``x_adv``).
+* ``craft(ctx, objective) -> x_adv``: adversarial images for the batch inside the eps ball and [0, 1]; the worker
+  quantizes them to uint8 towards the clean image and checks the threat model.
+
+Every sample takes the same work, so a unit of work is one whole batch (as the transfer family). Records hold,
+per target detector, the matching of the clean and the adversarial image (per detection: score, label, TP/FP/
+ignored flag, for the class-aware and the fused matching), so the summary computes mAP, AP_loc and CSR over the
+run as a pure function of the records. Threat keys of the family: ``score_thr`` and ``max_det`` (harmonized
+post-processing of every detector; None keeps each one's own, both logged), ``count_thr`` (score at which
+detections are counted, the fabrication measure; None: every detection the detector returns). Summaries give mAP and AP_loc with VOC2007 11-point
+interpolation (``map``, ``ap_loc``) and all-point (``map_area``, ``ap_loc_area``).
+"""
+import time
+from dataclasses import dataclass, field, fields
+from typing import Callable, List, Optional
+
+import torch
+
+from ..builder import resolve_setting
+from ..context import BlockContext, Pool
+from ..errors import BenchError, ConfigError
+from ..family import BlockKind, Family, ModelKey, check_outputs, to_uint8
+from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY
+from ..threat import Problem, flat_norm
+from .data import DetectionDataset
+from .metrics import match_image, pool_matches
+from .models import Detector
+
+ROUND = 5  # decimals of the scores kept in records
+
+
+@dataclass
+class DetProblem(Problem):
+    """A batch under a detection attack: :class:`~blackboxbench.threat.Problem` plus the ground truth ``gt`` and
+    the surrogate's detections of the clean images ``clean`` (one dict per image, dataset labels)."""
+
+    gt: List[dict] = field(default_factory=list)
+    clean: List[dict] = field(default_factory=list)
+
+    def sub(self, idx):
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        rows = [int(i) for i in idx.tolist()]
+        kw.update(x=self.x[idx], y=self.y[idx], target=None, gt=[self.gt[i] for i in rows],
+                  clean=[self.clean[i] for i in rows])
+        return DetProblem(**kw)
+
+
+@dataclass
+class DetectionAttack:
+    name: str
+    craft: Callable
+    objective: Optional[Callable]
+    meta: dict = field(default_factory=dict)
+    needs_train: bool = False
+
+
+def _to_dev(t, dev):
+    return {k: v.to(dev) for k, v in t.items()}
+
+
+def _detach(d):
+    return {k: v.detach() for k, v in d.items()}
+
+
+def forward_dets(model, x, name, chunk=32):
+    """A detector's detections on ``x`` under no_grad, in chunks; non-finite boxes or scores are refused."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, x.shape[0], chunk):
+            out += [_detach(d) for d in model(x[i:i + chunk])]
+    for d in out:
+        if not (torch.isfinite(d["boxes"]).all() and torch.isfinite(d["scores"]).all()):
+            raise BenchError(f"{name} returned non-finite boxes or scores")
+    return out
+
+
+def match_record(det, gt, count_thr, legacy):
+    """The JSON form of one image's matching (class-aware ``c``: [score, label, flag]; fused ``l``: [score,
+    flag]; ``npos`` per label; ``n``: detections with score >= count_thr)."""
+    s, lab, f, npos = match_image(det, gt, legacy=legacy)
+    s2, _, f2, _ = match_image(det, gt, fuse=True, legacy=legacy)
+    return {"c": [[round(float(a), ROUND), int(b), int(c)] for a, b, c in zip(s, lab, f)],
+            "l": [[round(float(a), ROUND), int(c)] for a, c in zip(s2, f2)],
+            "npos": {str(k): v for k, v in npos.items()},
+            "n": int((det["scores"] >= (count_thr or 0)).sum())}
+
+
+def _matches(recs, fused):
+    out = []
+    for r in recs:
+        if fused:
+            rows = r["l"]
+            out.append(([a for a, _ in rows], [0] * len(rows), [c for _, c in rows],
+                        {0: sum(r["npos"].values())}))
+        else:
+            rows = r["c"]
+            out.append(([a for a, _, _ in rows], [b for _, b, _ in rows], [c for _, _, c in rows],
+                        {int(k): v for k, v in r["npos"].items()}))
+    return out
+
+
+METRICS = ("map", "ap_loc", "csr", "map_area", "ap_loc_area", "n_det")
+
+
+def metrics_of(recs):
+    """{"map", "ap_loc" (11-point), "map_area", "ap_loc_area" (all-point), "csr", "n_det"} pooled over the
+    per-image match records ``recs``."""
+    if not recs:
+        return dict.fromkeys(METRICS)
+    cls, loc = _matches(recs, False), _matches(recs, True)
+    c11, l11 = pool_matches(cls, "11points"), pool_matches(loc, "11points")
+    return {"map": c11["map"], "ap_loc": l11["map"], "csr": c11["tp"] / c11["npos"] if c11["npos"] else None,
+            "map_area": pool_matches(cls, "area")["map"], "ap_loc_area": pool_matches(loc, "area")["map"],
+            "n_det": sum(r["n"] for r in recs) / len(recs)}
+
+
+def _mean(v):
+    v = [a for a in v if a is not None]
+    return float(sum(v) / len(v)) if v else None
+
+
+def _drop(clean, adv):
+    return None if clean in (None, 0) or adv is None else (clean - adv) / clean
+
+
+def summarize_detection(records):
+    """Per target detector: clean and adversarial mAP, AP_loc, CSR, detections per image and the relative
+    drops; the run's perceptual cost (means over attacked images) and time per image. ``asr`` is the mean
+    relative mAP drop over the targets (the leaderboard's sort key)."""
+    attacked = [r for r in records if r["attacked"]]
+    names = list(records[0]["targets"]) if records else []
+    per = {}
+    for t in names:
+        clean = metrics_of([r["targets"][t]["clean"] for r in attacked])
+        adv = metrics_of([r["targets"][t]["adv"] for r in attacked])
+        per[t] = {**{f"clean_{k}": v for k, v in clean.items()}, **{f"adv_{k}": v for k, v in adv.items()},
+                  **{f"drop_{k}": _drop(clean[k], adv[k]) for k in ("map", "ap_loc", "csr")},
+                  "det_ratio": None if not clean["n_det"] else adv["n_det"] / clean["n_det"],
+                  "score_thr": attacked[0]["targets"][t]["score_thr"] if attacked else None,
+                  "max_det": attacked[0]["targets"][t]["max_det"] if attacked else None}
+    out = {"n": len(records), "n_attacked": len(attacked), "per_target": per,
+           "clean_acc": _mean([p["clean_map"] for p in per.values()]),
+           "asr": _mean([p["drop_map"] for p in per.values()]), "aqn": None, "mqn": None,
+           "attack_time": sum(r["time"] for r in records),
+           "time_per_image": _mean([r["time"] for r in attacked])}
+    for k in ("map", "ap_loc", "csr"):
+        out[f"mean_drop_{k}"] = _mean([p[f"drop_{k}"] for p in per.values()])
+    for k in ("l2", "linf", "ssim", "lpips"):
+        out[f"mean_{k}"] = _mean([r[k] for r in attacked])
+        vals = sorted(r[k] for r in attacked if r[k] is not None)
+        out[f"median_{k}"] = vals[len(vals) // 2] if vals else None
+    return out
+
+
+class Perceptual:
+    """SSIM and LPIPS per image from :mod:`blackboxbench.perceptual` (LPIPS None when its AlexNet trunk is not
+    cached: one warning, never a download)."""
+
+    def __init__(self, device):
+        try:
+            from .. import perceptual
+        except ImportError:
+            perceptual = None
+        self.mod = perceptual
+        self.net = perceptual.load_lpips(device=device) if perceptual is not None else None
+
+    def __call__(self, x_adv, x):
+        n = x.shape[0]
+        if self.mod is None:
+            return [None] * n, [None] * n
+        with torch.no_grad():
+            ssim = self.mod.ssim(x_adv, x).float().cpu().tolist()
+            lp = self.mod.lpips_distance(self.net, x_adv, x).float().cpu().tolist() if self.net is not None \
+                else [None] * n
+        return ssim, lp
+
+
+class DetectionWorker:
+    """One whole batch per step: the surrogate's clean detections, the craft, then every target detector."""
+
+    def __init__(self, family, run):
+        self.run, self.attack, self.threat = run, run.attack, run.threat
+        t = run.threat
+        self.surrogates = run.models["surrogates"]
+        self.targets = list(zip(run.model_names["targets"], run.models["targets"]))
+        for m in [*self.surrogates, *(m for _, m in self.targets)]:
+            m.harmonize(t["score_thr"], t["max_det"])
+        self.model = self.surrogates[0]
+        self.pool = Pool(run.data.x, run.data.y)
+        self.perceptual = Perceptual(run.device)
+        self.batch = None
+        self.clean_cache = {}
+
+    @property
+    def busy(self):
+        return self.batch is not None
+
+    def fill(self, feed):
+        if self.batch is None:
+            chunk = [i for _, i in zip(range(self.run.slots), feed)]
+            self.batch = chunk or None
+        return []
+
+    def step(self):
+        index, self.batch = self.batch, None
+        if not index:
+            return []
+        run, t, dev = self.run, self.threat, self.run.device
+        data = run.data
+        t0 = time.perf_counter()
+        idx = torch.tensor(index, dtype=torch.long)
+        x = data.x[idx].to(dev)
+        y = data.y[idx].to(dev)
+        gt = [_to_dev(data.targets[i], dev) for i in index]
+        clean = forward_dets(self.model, x, "the surrogate")
+        problem = DetProblem(x, y, t["eps"], t["norm"], None, data.num_classes, gt=gt, clean=clean)
+        ctx = BlockContext(problem=problem, rng=run.streams.view(idx), surrogates=tuple(self.surrogates),
+                           assets=run.assets, pool=self.pool, model=self.model)
+        x_adv = self.attack.craft(ctx, self.attack.objective)
+        x_adv = problem.quantize(problem.project(x_adv.detach()))
+        check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
+        per = (time.perf_counter() - t0) / len(index)  # the attack's time (evaluation excluded)
+        legacy, count_thr = getattr(data, "legacy_coords", False), t["count_thr"]
+        results = {}
+        for name, m in self.targets:
+            c = forward_dets(m, x, name)
+            a = forward_dets(m, x_adv, name)
+            results[name] = [{"clean": match_record(c[k], gt[k], count_thr, legacy),
+                              "adv": match_record(a[k], gt[k], count_thr, legacy)} for k in range(len(index))]
+        ssim, lp = self.perceptual(x_adv, x)
+        l2, linf = flat_norm(x_adv - x, "l2").tolist(), flat_norm(x_adv - x, "linf").tolist()
+        images = to_uint8(x_adv) if run.save_adv else None
+        records = []
+        for k, i in enumerate(index):
+            r = {"index": int(i), "label": 0, "target": None, "clean_correct": True, "attacked": True,
+                 "l2": float(l2[k]), "linf": float(linf[k]), "ssim": ssim[k], "lpips": lp[k], "time": per,
+                 "n_gt": int((~gt[k]["difficult"]).sum()),
+                 "targets": {name: dict(res[k], score_thr=m.score_thr, max_det=m.max_det)
+                             for (name, m), res in zip(self.targets, results.values())}}
+            if images is not None:
+                r["_image"] = images[k]
+            records.append(r)
+        return records
+
+
+class DetectionFamily(Family):
+    name = "detection"
+    blocks = {"craft": BlockKind(DET_CRAFT, default="sign_pgd"), "objective": BlockKind(DET_OBJECTIVE, default="none")}
+    hyper = {"eps": None}
+    model_keys = {"surrogates": ModelKey("surrogate", True, True), "targets": ModelKey("target", True, True)}
+    threat_keys = {"score_thr": (int, float, type(None)), "max_det": (int, type(None)),
+                   "count_thr": (int, float, type(None))}
+    record_fields = {"targets": (dict,), "ssim": (float, int, type(None)), "lpips": (float, int, type(None)),
+                     "n_gt": (int,)}
+    surrogate_may_be_target = True  # a target equal to the surrogate is the white-box result
+    classifier_models = False
+    columns = (("mean_drop_map", "higher"), ("mean_drop_ap_loc", "higher"), ("mean_drop_csr", "higher"),
+               ("mean_ssim", "higher"), ("mean_lpips", "lower"), ("time_per_image", "lower"))
+
+    def default_eps(self, recipe, norm):
+        eps = (recipe.get("hyper") or {}).get("eps")
+        try:
+            return resolve_setting(eps, {"norm": norm, "targeted": False}) if eps is not None else None
+        except ValueError:
+            return None
+
+    def finish_threat(self, threat, recipe, source):
+        t = dict(threat)
+        t.setdefault("score_thr", None)
+        t.setdefault("max_det", None)
+        t.setdefault("count_thr", None)
+        if t["score_thr"] is not None and not 0 <= t["score_thr"] < 1:
+            raise ConfigError(f"must be in [0, 1), got {t['score_thr']}", source, "threat.score_thr")
+        if t["max_det"] is not None and t["max_det"] < 1:
+            raise ConfigError(f"must be >= 1, got {t['max_det']}", source, "threat.max_det")
+        if t["count_thr"] is not None and not 0 <= t["count_thr"] <= 1:
+            raise ConfigError(f"must be in [0, 1], got {t['count_thr']}", source, "threat.count_thr")
+        if t["targeted"]:
+            raise ConfigError("detection attacks choose their own targets (mislabel recipes); set targeted: false",
+                              source, "threat.targeted")
+        return t
+
+    def build(self, name, blocks, hyper, meta):
+        craft = blocks["craft"]
+        needs = craft.func.registry_meta.get("needs", ())
+        return DetectionAttack(name, craft, blocks.get("objective"), meta, needs_train="train" in needs)
+
+    def check_inputs(self, models, data, source):
+        if not isinstance(data, DetectionDataset):
+            raise ConfigError(f"dataset {data.name} has no boxes: the detection family needs a detection dataset "
+                              "(shapes, voc2007, coco_json)", source, "dataset")
+        for key, ms in models.items():
+            for i, m in enumerate(ms):
+                if not isinstance(m, Detector):
+                    raise ConfigError("not a detector (use shapes_fcos, shapes_retinanet, torchvision_det:<arch>, "
+                                      "...)", source, f"{key}[{i}]")
+                if int(m.label_map.max()) >= data.num_classes:
+                    raise ConfigError(f"the detector outputs class ids up to {int(m.label_map.max())} but dataset "
+                                      f"{data.name} has {data.num_classes} classes", source, f"{key}[{i}]")
+        bad = [int(t["labels"].max()) for t in data.targets if len(t["labels"]) and
+               int(t["labels"].max()) >= data.num_classes]
+        if bad:
+            raise ConfigError(f"box labels must be in [0, {data.num_classes}), got {bad[0]}", source, "dataset")
+
+    def worker(self, run):
+        return DetectionWorker(self, run)
+
+    def summarize(self, records):
+        return summarize_detection(records)
+
+    def after_runs(self, results_dirs, leaderboard):
+        from .report import write_reports
+
+        return write_reports(results_dirs, leaderboard)
+
+
+FAMILY.register("detection", paper="od-robustness benchmark (arXiv 2602.16494), Sec. 3")(DetectionFamily())

@@ -1,0 +1,289 @@
+"""Detector zoo (registry ``MODEL``): every entry returns a :class:`Detector` taking [0, 1] NCHW images.
+
+* ``shapes_fcos``, ``shapes_fcos_b``, ``shapes_fcos_c`` (three inits): tiny FCOS detectors
+  (3-conv backbone, spec sheet section 4) trained on the synthetic shapes on first use, in seconds and deterministically, then cached in
+  ``BLACKBOXBENCH_CACHE`` (as the digits models are).
+* ``torchvision_det:<arch>``: any torchvision detection architecture (Faster R-CNN, RetinaNet, FCOS, SSD,
+  SSDlite, ...): random init, a local ``checkpoint``, or the COCO weights when torch.hub already caches them
+  (never downloaded; a one-line error says where to put them). COCO labels are mapped to the dataset's classes
+  (``label_map: voc``, spec sheet section 3; the other COCO classes are dropped).
+
+The score threshold and the detection cap are harmonized per run by the detection family (threat keys
+``score_thr`` and ``max_det``) and logged in every summary.
+"""
+import os
+import tempfile
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ..errors import BenchError
+from ..prep.data import data_path
+from ..prep.models import _hub_checkpoint, _load_into, cache_dir, load_state
+from ..registry import MODEL, close_matches
+from .data import SHAPES, VOC_CLASSES, shapes
+
+TINY_VERSION = "v1"  # bump when a tiny detector or its training changes (names the cache file)
+TINY_SCORE_THR = 0.3  # the tiny detectors' own operating point (their scores are not calibrated like COCO models')
+# VOC class -> torchvision COCO category id (91-entry numbering), spec sheet section 3
+VOC_TO_COCO = (5, 2, 16, 9, 44, 6, 3, 17, 62, 21, 67, 18, 19, 4, 1, 64, 20, 63, 7, 72)
+
+
+def _rng_free(fn, *args):
+    """Run ``fn`` under a forked, seeded global RNG (R-CNN heads sample proposals from it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return fn(*args)
+
+
+class Detector(nn.Module):
+    """A torchvision detection model behind [0, 1] NCHW input, with labels mapped to the dataset's class ids.
+
+    ``label_map[k]``: the dataset class of model label k (-1: dropped). ``forward(x)`` returns one dict per image
+    (``boxes`` xyxy in input pixels, ``scores``, ``labels``) with at most ``max_det`` detections of score
+    >= ``score_thr``. For attacks: ``losses(x, targets)`` (the training losses, BatchNorm frozen, seeded),
+    ``features(x)`` (the backbone body's feature maps) and ``candidates(x)`` (pre-NMS class scores (N, A, C) over
+    the dataset's classes, for the one-stage heads)."""
+
+    def __init__(self, net, label_map, kind):
+        super().__init__()
+        self.net, self.kind = net, kind
+        self.register_buffer("label_map", torch.as_tensor(label_map, dtype=torch.long))
+        inv = torch.zeros(int(self.label_map.max()) + 1, dtype=torch.long)
+        for k, c in enumerate(self.label_map.tolist()):
+            if c >= 0 and inv[c] == 0:
+                inv[c] = k
+        self.register_buffer("inverse_map", inv)
+        self.own = self.defaults()  # the architecture's own post-processing (restored by harmonize(None, None))
+        self.score_thr, self.max_det = self.own
+        self.requires_grad_(False)
+        self.eval()
+
+    # ---------------------------------------------------------------- post-processing settings
+    def _holder(self):
+        return self.net.roi_heads if hasattr(self.net, "roi_heads") else self.net
+
+    def defaults(self):
+        h = self._holder()
+        return float(getattr(h, "score_thresh", 0.0)), int(getattr(h, "detections_per_img", 100))
+
+    def harmonize(self, score_thr=None, max_det=None):
+        """Set the post-processing threshold and cap (None: the architecture's own); returns the pair."""
+        h = self._holder()
+        h.score_thresh = self.score_thr = float(self.own[0] if score_thr is None else score_thr)
+        h.detections_per_img = self.max_det = int(self.own[1] if max_det is None else max_det)
+        return self.score_thr, self.max_det
+
+    # ---------------------------------------------------------------- inference
+    def _map(self, out):
+        labels = self.label_map[out["labels"].clamp(0, len(self.label_map) - 1)]
+        keep = labels >= 0
+        return {"boxes": out["boxes"][keep], "scores": out["scores"][keep], "labels": labels[keep]}
+
+    def forward(self, x):
+        self.net.eval()
+        return [self._map(o) for o in self.net(list(x))]
+
+    # ---------------------------------------------------------------- attack hooks
+    def _train_mode(self):
+        self.net.train()
+        for m in self.net.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+    def to_model_targets(self, targets):
+        return [{"boxes": t["boxes"].to(self.label_map.device).float().view(-1, 4),
+                 "labels": self.inverse_map[t["labels"].to(self.label_map.device)]} for t in targets]
+
+    def losses(self, x, targets):
+        """{name: loss} of the model's training objective on images ``x`` and ``targets`` (dataset labels;
+        empty targets allowed); differentiable in ``x``."""
+        self._train_mode()
+        try:
+            return _rng_free(self.net, list(x), self.to_model_targets(targets))
+        finally:
+            self.net.eval()
+
+    def features(self, x):
+        """The feature maps of the backbone body's stages (before any neck), a list of (N, C, h, w)."""
+        images, _ = self.net.transform(list(x))
+        body = getattr(self.net.backbone, "body", self.net.backbone)
+        if isinstance(body, nn.Sequential):  # a plain stack (the tiny detectors): every stage's output
+            out, h = [], images.tensors
+            for layer in body:
+                h = layer(h)
+                if isinstance(layer, nn.ReLU):
+                    out.append(h)
+            return out
+        out = body(images.tensors)
+        return list(out.values()) if isinstance(out, dict) else [out]
+
+    def candidates(self, x):
+        """Pre-NMS per-candidate class scores over the dataset's classes, (N, A, C), differentiable."""
+        if self.kind not in ("fcos", "retinanet", "ssd"):
+            raise BenchError(f"this attack needs a one-stage head's candidate scores (FCOS, RetinaNet, SSD); the "
+                             f"{self.kind} detector has none")
+        images, _ = self.net.transform(list(x))
+        feats = self.net.backbone(images.tensors)
+        feats = list(feats.values()) if isinstance(feats, dict) else [feats]
+        head = self.net.head(feats)
+        logits = head["cls_logits"]
+        if self.kind == "fcos":
+            probs = torch.sqrt(torch.sigmoid(logits) * torch.sigmoid(head["bbox_ctrness"]))
+        elif self.kind == "retinanet":
+            probs = torch.sigmoid(logits)
+        else:
+            probs = torch.softmax(logits, -1)
+        cols = (self.label_map >= 0).nonzero().flatten()
+        return probs[..., cols]
+
+
+# ---------------------------------------------------------------- tiny detectors on the synthetic shapes
+
+class TinyBackbone(nn.Module):
+    """3 stride-2 3x3 convolutions with ``width`` channels (stride 8); ``body`` is the part OSFD distorts."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        layers, c = [], 3
+        for _ in range(3):
+            layers += [nn.Conv2d(c, width, 3, stride=2, padding=1), nn.ReLU(inplace=False)]
+            c = width
+        self.body = nn.Sequential(*layers)
+        self.out_channels = width
+
+    def forward(self, x):
+        return OrderedDict([("0", self.body(x))])
+
+
+def _tiny_net(kind, width, num_classes, size):
+    from torchvision.models.detection import FCOS
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+
+    anchors = AnchorGenerator(sizes=((16,),), aspect_ratios=((1.0,),))
+    return FCOS(TinyBackbone(width), num_classes, anchor_generator=anchors, center_sampling_radius=2.0,
+                min_size=size, max_size=size, image_mean=[0.5, 0.5, 0.5], image_std=[0.25, 0.25, 0.25],
+                score_thresh=TINY_SCORE_THR, detections_per_img=100)
+
+
+TINY = {"shapes_fcos": ("fcos", 32, 0), "shapes_fcos_b": ("fcos", 32, 1), "shapes_fcos_c": ("fcos", 32, 2)}
+
+
+def train_tiny(name, *, images=512, iterations=400, batch=8, lr=5e-3, size=64):
+    """Train tiny detector ``name`` on the shapes train split, deterministically (seeded init and shuffling, one
+    CPU thread): Adam with a one-cycle schedule, the torchvision training losses."""
+    kind, width, seed = TINY[name]
+    data = shapes(None, n=images, size=size, split="train")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = _tiny_net(kind, width, len(SHAPES) + 1, size)
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.Adam(net.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=iterations)
+        targets = [{"boxes": t["boxes"], "labels": t["labels"] + 1} for t in data.targets]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            net.train()
+            for _ in range(iterations):
+                idx = torch.randint(0, images, (batch,), generator=gen).tolist()
+                losses = net([data.x[i] for i in idx], [targets[i] for i in idx])
+                opt.zero_grad()
+                sum(losses.values()).backward()
+                opt.step()
+                sched.step()
+        finally:
+            torch.set_num_threads(threads)
+    return net.eval()
+
+
+def tiny_detector(name, pretrained=True):
+    kind, width, _ = TINY[name]
+    net = _tiny_net(kind, width, len(SHAPES) + 1, 64)
+    if pretrained:
+        path = cache_dir() / f"{name}-{TINY_VERSION}.pt"
+        if path.is_file():
+            net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        else:
+            net = train_tiny(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+                torch.save(net.state_dict(), f)
+            os.replace(f.name, path)  # atomic: a concurrent reader never sees a partial file
+    return Detector(net, [-1, 0, 1, 2], kind)
+
+
+def _register_tiny(name):
+    kind, width, seed = TINY[name]
+
+    def build(data_root=None, *, pretrained=True):
+        return tiny_detector(name, pretrained)
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = (f"Tiny {kind.upper()} ({width}-channel 3-conv backbone, init seed {seed}) trained on the "
+                     "synthetic shapes train split on first use (seconds) and cached; ``pretrained=False``: random "
+                     "init.")
+    MODEL.register(name, dataset="shapes", task="detection")(build)
+
+
+for _name in TINY:
+    _register_tiny(_name)
+
+
+# ---------------------------------------------------------------- torchvision detectors
+
+def _kind(arch):
+    for k in ("fcos", "retinanet", "ssdlite", "ssd", "fasterrcnn", "maskrcnn", "keypointrcnn"):
+        if arch.startswith(k):
+            return "ssd" if k == "ssdlite" else k
+    return arch
+
+
+@MODEL.register("torchvision_det", source="torchvision.models.detection", task="detection",
+                ranges={"num_classes": "int [2, inf)", "label_map": ("voc", "coco", "identity")})
+def torchvision_det(data_root, *, arch, pretrained=False, checkpoint=None, num_classes=91, label_map="voc"):
+    """A torchvision detection architecture: random init, a local ``checkpoint`` (path relative to the data root
+    or absolute), or its DEFAULT COCO weights when torch.hub already caches them (never downloaded).
+    ``label_map``: ``voc`` keeps the 20 VOC classes (COCO ids of spec sheet section 3, in VOC order), ``coco``
+    the 80 COCO classes (contiguous), ``identity`` label k -> class k - 1 (a model trained on the dataset)."""
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models.detection)
+    if arch not in names:
+        raise BenchError(f"unknown torchvision detection arch '{arch}'{close_matches(arch, names)}")
+    weights = None
+    if pretrained and checkpoint is None:
+        weights = torchvision.models.get_model_weights(arch).DEFAULT
+        if not _hub_checkpoint(weights.url).is_file():
+            raise BenchError(f"torchvision_det:{arch} COCO weights are not available offline: put "
+                             f"{weights.url.rsplit('/', 1)[-1]} in {_hub_checkpoint(weights.url).parent}, or pass "
+                             f"checkpoint=<path>")
+    kw = {"weights_backbone": None}
+    if weights is None:
+        kw["num_classes"] = num_classes
+    try:
+        net = torchvision.models.get_model(arch, weights=weights, **kw)
+    except (ValueError, TypeError) as err:
+        raise BenchError(f"torchvision_det:{arch}: {err}") from None
+    if checkpoint is not None:
+        path = data_path(data_root, checkpoint)
+        _load_into(net, load_state(path), path)
+    n = num_classes if weights is None else 91
+    if label_map == "voc":
+        lm = [-1] * n
+        for c, coco in enumerate(VOC_TO_COCO):
+            if coco < n:
+                lm[coco] = c
+    elif label_map == "coco":
+        cats = [k for k, name in enumerate(torchvision.models.detection.FasterRCNN_ResNet50_FPN_Weights.DEFAULT
+                                           .meta["categories"]) if name not in ("__background__", "N/A")]
+        lm = [cats.index(k) if k in cats else -1 for k in range(n)]
+    else:
+        lm = [-1] + list(range(n - 1))
+    if max(lm) < 0:
+        raise BenchError(f"torchvision_det:{arch}: label_map '{label_map}' keeps no class of a {n}-class model")
+    return Detector(net, lm, _kind(arch))
+
+
+VOC_NAMES = VOC_CLASSES  # re-exported for configs/docs

@@ -1,0 +1,157 @@
+"""Detection attacks through the detection family on the synthetic shapes and the tiny FCOS (white-box): each
+lowers its own target metric by at least 30 % relative at its recipe's default budget (vanishing: AP_loc;
+mislabel: CSR; fabrication: detections per image up; untargeted: mAP), and its quantized output respects the norm
+bound. The family runs end to end from a config (records, summary, leaderboard, detection CSV, heatmaps), and a
+classification dataset or model is a one-line config error."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from blackboxbench.builder import build_attack, load_recipe
+from blackboxbench.config import ConfigError, finish_threat, validate_experiment
+from blackboxbench.detection.data import shapes
+from blackboxbench.family import RunInputs
+from blackboxbench.prep.models import build_model
+from blackboxbench.registry import FAMILY
+from blackboxbench.rng import Streams
+from blackboxbench.runner import run_experiment, schedule
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return build_model("shapes_fcos"), shapes(None, n=N)
+
+
+def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None):
+    """Records and summary of a detection recipe on ``data`` with ``model`` as surrogate and target."""
+    recipe, src = load_recipe({"recipe": attack, **(overrides or {})}, "test")
+    fam = FAMILY.get("detection")
+    t = finish_threat(threat or {}, recipe, fam, "test")
+    atk = build_attack(recipe, t, src)
+    run = RunInputs(attack=atk, threat=t, data=data, models={"surrogates": [model], "targets": [model]},
+                    model_names={"surrogates": ["m"], "targets": ["m"]}, streams=Streams(seed, len(data.y), "cpu"),
+                    device=torch.device("cpu"), slots=slots, assets={}, save_adv=True)
+    records = []
+    schedule(fam.worker(run), range(len(data.y)), records.extend, lambda _: None)
+    return sorted(records, key=lambda r: r["index"]), fam.summarize(records), t
+
+
+def _check_bound(records, data, t):
+    for r in records:
+        img = r["_image"].float() / 255
+        d = (img - data.x[r["index"]]).flatten()
+        assert d.abs().max() <= t["eps"] + 1e-6 and abs(d.abs().max().item() - r["linf"]) < 1e-6
+
+
+@pytest.mark.parametrize("attack,metric", [("tog_vanishing", "ap_loc"), ("tog_untargeted", "map"),
+                                           ("tog_mislabel_ml", "csr"), ("tog_mislabel_ll", "csr")])
+def test_tog_lowers_its_metric(setup, attack, metric):
+    model, data = setup
+    records, s, t = run_recipe(attack, model, data)
+    assert t["eps"] == pytest.approx(8 / 255)  # the recipe's default budget
+    p = s["per_target"]["m"]
+    assert p[f"drop_{metric}"] >= 0.30, p
+    _check_bound(records, data, t)
+
+
+def test_tog_fabrication_adds_detections(setup):
+    model, data = setup
+    records, s, t = run_recipe("tog_fabrication", model, data)
+    p = s["per_target"]["m"]
+    assert p["adv_n_det"] >= 1.3 * p["clean_n_det"], p
+    _check_bound(records, data, t)
+
+
+def test_dag_mislabels(setup):
+    model, data = setup
+    records, s, _ = run_recipe("dag", model, data)
+    p = s["per_target"]["m"]
+    assert p["drop_map"] >= 0.3 and p["drop_csr"] > 0, p
+    assert max(r["linf"] for r in records) < 0.5  # unbounded in principle, small in practice
+
+
+def test_records_do_not_depend_on_batch_size(setup):
+    model, data = setup
+    a, _, _ = run_recipe("tog_vanishing", model, data.subset(range(4)), slots=4)
+    b, _, _ = run_recipe("tog_vanishing", model, data.subset(range(4)), slots=1)
+    for r, q in zip(a, b):
+        assert torch.equal(r["_image"], q["_image"]) or (r["_image"].int() - q["_image"].int()).abs().max() <= 1
+
+
+def test_family_end_to_end_with_reports(tmp_path):
+    exp = validate_experiment({"dataset": {"name": "shapes", "n": 4}, "attack": "tog_untargeted",
+                               "surrogates": ["shapes_fcos"], "targets": ["shapes_fcos", {"name": "shapes_fcos_b", "pretrained": False}],
+                               "device": "cpu", "batch_size": 4, "output_dir": str(tmp_path), "save_adv": True,
+                               "threat": {"score_thr": 0.25, "max_det": 50}}, "test")
+    exp.update(_source="test", _base_dir=".")
+    run_dir, summary = run_experiment(exp, progress=False)
+    assert summary["family"] == "detection" and summary["eps"] == pytest.approx(8 / 255)
+    assert set(summary["per_target"]) == {"shapes_fcos", "shapes_fcos_b"}
+    assert summary["per_target"]["shapes_fcos"]["score_thr"] == 0.25
+    rec = [json.loads(line) for line in (Path(run_dir) / "records.jsonl").read_text().splitlines()]
+    assert len(rec) == 4 and all(0 < r["ssim"] <= 1 for r in rec)
+    fam = FAMILY.get("detection")
+    from blackboxbench.leaderboard import export_csv
+    export_csv(tmp_path, tmp_path / "board.csv")
+    paths = fam.after_runs([str(tmp_path)], str(tmp_path / "board.csv"))
+    assert {Path(p).name for p in paths} == {"board_detection.csv", "board_transfer.png", "board_robustness.png",
+                                            "board_examples.png"}
+    rows = list(csv.DictReader(open(tmp_path / "board_detection.csv")))
+    assert [r["target"] for r in rows] == ["shapes_fcos", "shapes_fcos_b"]
+    white = summary["per_target"]["shapes_fcos"]
+    assert float(rows[0]["adv_map"]) == pytest.approx(white["adv_map"])
+
+
+@pytest.mark.parametrize("change,match", [({"dataset": {"name": "digits", "n": 4}}, "has no boxes"),
+                                          ({"targets": ["digits_mlp"]}, "not a detector"),
+                                          ({"threat": {"targeted": True}}, "does not support targeted")])
+def test_config_errors(tmp_path, change, match):
+    base = {"dataset": {"name": "shapes", "n": 4}, "attack": "tog_vanishing", "surrogates": ["shapes_fcos"],
+            "targets": ["shapes_fcos"], "device": "cpu", "output_dir": str(tmp_path)}
+    exp = validate_experiment({**base, **change}, "test")
+    exp.update(_source="test", _base_dir=".")
+    with pytest.raises(ConfigError, match=match):
+        run_experiment(exp, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("attack,overrides,metric", [
+    ("ebad_10", {}, "map"),
+    ("caa_30", {"blocks": {"craft": {"iterations": 10}}}, None),  # 50 per plan in the recipe
+    ("osfd", {}, None)])
+def test_benchmark_attacks_bound_and_effect(setup, attack, overrides, metric):
+    model, data = setup
+    records, s, t = run_recipe(attack, model, data.subset(range(4)), slots=4, overrides=overrides)
+    _check_bound(records, data, t)
+    assert t["eps"] == pytest.approx({"ebad_10": 10, "caa_30": 30, "osfd": 5}[attack] / 255)
+    if metric:
+        assert s["per_target"]["m"][f"drop_{metric}"] >= 0.3, s["per_target"]
+
+
+def test_phantom_sponges_is_universal_and_fabricates(setup):
+    from blackboxbench.detection.data import detection_images
+
+    model, data = setup
+    # 16 steps of 0.005 instead of up to 560 of 0.0005 (70 epochs of 8 batches), to keep the test short
+    recipe, src = load_recipe({"recipe": "phantom_sponges", "blocks": {"craft": {"epochs": 8, "lr": 0.005}}}, "test")
+    fam = FAMILY.get("detection")
+    t = finish_threat({}, recipe, fam, "test")
+    train = detection_images(None, "cpu", spec={"name": "shapes", "split": "train", "n": 16})
+    run = RunInputs(attack=build_attack(recipe, t, src), threat=t, data=data, models={"surrogates": [model],
+                    "targets": [model]}, model_names={"surrogates": ["m"], "targets": ["m"]},
+                    streams=Streams(0, N, "cpu"), device=torch.device("cpu"), slots=4, assets={"train": train},
+                    save_adv=True)
+    records = []
+    schedule(fam.worker(run), range(N), records.extend, lambda _: None)
+    assert len(train.cache) == 1  # learnt once, reused by the second batch
+    uap = next(iter(train.cache.values()))
+    assert uap.min() >= 0 and float(uap.flatten().norm()) <= t["eps"] + 1e-4
+    p = fam.summarize(records)["per_target"]["m"]
+    assert p["adv_n_det"] > p["clean_n_det"], p
+    for r in records:
+        assert r["l2"] <= t["eps"] + 1e-5

@@ -1,0 +1,149 @@
+"""Detection data and models: the synthetic shapes (deterministic from a seed), the VOC and COCO-json loaders on
+tiny generated fixtures, the torchvision detector zoo offline, and the tiny detector trained on first use, whose
+all-point mAP agrees with torchmetrics (pycocotools) within 0.01."""
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from blackboxbench.detection.data import coco_json, detection_images, shapes, voc2007
+from blackboxbench.detection.metrics import eval_map
+from blackboxbench.errors import BenchError
+from blackboxbench.prep.models import build_model
+
+
+def test_shapes_are_deterministic_and_prefix_stable():
+    a, b = shapes(None, n=6, seed=3), shapes(None, n=3, seed=3)
+    assert torch.equal(a.x[:3], b.x) and all(torch.equal(s["boxes"], t["boxes"]) for s, t in zip(a.targets, b.targets))
+    c = shapes(None, n=3, seed=4)
+    assert not torch.equal(c.x, b.x)
+    train = shapes(None, n=3, seed=3, split="train")
+    assert not torch.equal(train.x, b.x)
+    assert a.x.shape == (6, 3, 64, 64) and a.classes == ("square", "circle", "triangle")
+    assert torch.equal(torch.round(a.x * 255), a.x * 255)  # on the uint8 grid
+    for t in a.targets:
+        assert 1 <= len(t["labels"]) <= 3 and t["labels"].max() <= 2 and not t["difficult"].any()
+        assert (t["boxes"] >= 0).all() and (t["boxes"] <= 64).all() and (t["boxes"][:, 2:] > t["boxes"][:, :2]).all()
+
+
+def test_shapes_square_box_is_its_drawn_extent():
+    """Inside a square's box the image is one flat colour (up to the background's noise) that differs from the
+    ring of pixels just outside it; every class occurs; larger sizes work."""
+    from blackboxbench.detection.data import shapes_image
+
+    found = 0
+    for i in range(30):
+        img, t = shapes_image(0, i, 96)
+        for b, lab in zip(t["boxes"].tolist(), t["labels"].tolist()):
+            if lab != 0:
+                continue
+            x1, y1, x2, y2 = [int(round(v)) for v in b]
+            inside = img[y1 + 1:y2 - 1, x1 + 1:x2 - 1].reshape(-1, 3)
+            colours, counts = np.unique(inside, axis=0, return_counts=True)
+            assert counts.max() >= 0.85 * len(inside)  # flat (another shape may overlap it a little)
+            ring = np.concatenate([img[max(y1 - 2, 0), x1:x2], img[min(y2 + 1, 95), x1:x2]])
+            assert (np.abs(ring.astype(int) - colours[counts.argmax()]).max(1) > 10).mean() > 0.5
+            found += 1
+    assert found >= 5
+    labels = torch.cat([t["labels"] for t in shapes(None, n=20, seed=0, size=96).targets])
+    assert set(labels.tolist()) == {0, 1, 2}
+
+
+def _voc_fixture(root):
+    base = root / "VOCdevkit" / "VOC2007"
+    for sub in ("JPEGImages", "Annotations", "ImageSets/Main"):
+        (base / sub).mkdir(parents=True)
+    objects = {"000001": [("dog", (11, 21, 50, 60), 0), ("person", (1, 1, 10, 30), 1)],
+               "000002": [("car", (5, 5, 80, 40), 0)]}
+    for name, objs in objects.items():
+        Image.fromarray(np.full((60, 100, 3), 128, np.uint8)).save(base / "JPEGImages" / f"{name}.jpg")
+        ann = ET.Element("annotation")
+        ET.SubElement(ann, "filename").text = f"{name}.jpg"
+        for cls, (x1, y1, x2, y2), diff in objs:
+            o = ET.SubElement(ann, "object")
+            ET.SubElement(o, "name").text = cls
+            ET.SubElement(o, "difficult").text = str(diff)
+            bb = ET.SubElement(o, "bndbox")
+            for k, v in zip(("xmin", "ymin", "xmax", "ymax"), (x1, y1, x2, y2)):
+                ET.SubElement(bb, k).text = str(v)
+        ET.ElementTree(ann).write(base / "Annotations" / f"{name}.xml")
+    (base / "ImageSets" / "Main" / "test.txt").write_text("000001\n000002\n")
+
+
+def test_voc_loader_keeps_difficult_and_scales_boxes(tmp_path):
+    _voc_fixture(tmp_path)
+    d = voc2007(None, root=str(tmp_path), size=50)
+    assert d.x.shape == (2, 3, 50, 50) and d.legacy_coords and len(d.classes) == 20
+    t = d.targets[0]
+    assert t["labels"].tolist() == [d.classes.index("dog"), d.classes.index("person")]
+    assert t["difficult"].tolist() == [False, True]
+    assert torch.allclose(t["boxes"][0], torch.tensor([10 * 0.5, 20 * 50 / 60, 49 * 0.5, 59 * 50 / 60]))
+    assert len(voc2007(None, root=str(tmp_path), size=50, keep_difficult=False).targets[0]["labels"]) == 1
+    with pytest.raises(BenchError, match="no VOC2007 test"):
+        voc2007(None, root=str(tmp_path / "nowhere"))
+
+
+def test_coco_json_loader(tmp_path):
+    (tmp_path / "img").mkdir()
+    for k in (1, 2):
+        Image.fromarray(np.zeros((40, 80, 3), np.uint8)).save(tmp_path / "img" / f"{k}.png")
+    doc = {"images": [{"id": 7, "file_name": "1.png"}, {"id": 9, "file_name": "2.png"}],
+           "categories": [{"id": 3, "name": "car"}, {"id": 1, "name": "person"}],
+           "annotations": [{"image_id": 7, "category_id": 1, "bbox": [8, 4, 16, 8]},
+                           {"image_id": 7, "category_id": 3, "bbox": [0, 0, 40, 20], "iscrowd": 1}]}
+    (tmp_path / "ann.json").write_text(json.dumps(doc))
+    d = coco_json(None, annotations=str(tmp_path / "ann.json"), images=str(tmp_path / "img"), size=40)
+    assert d.classes == ("car", "person") and d.x.shape == (2, 3, 40, 40)
+    t = d.targets[0]
+    assert t["labels"].tolist() == [1, 0] and t["difficult"].tolist() == [False, True]
+    assert torch.allclose(t["boxes"][0], torch.tensor([4.0, 4.0, 12.0, 12.0]))
+    assert len(d.targets[1]["labels"]) == 0
+    only = coco_json(None, annotations=str(tmp_path / "ann.json"), images=str(tmp_path / "img"), size=40,
+                     classes=["person"])
+    assert only.targets[0]["labels"].tolist() == [0]
+    with pytest.raises(BenchError, match="no category named 'cat'"):
+        coco_json(None, annotations=str(tmp_path / "ann.json"), images=str(tmp_path / "img"), classes=["cat"])
+
+
+def test_torchvision_detectors_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    with pytest.raises(BenchError, match=r"not available offline: put ssdlite320.*\.pth in "):
+        build_model({"name": "torchvision_det", "arch": "ssdlite320_mobilenet_v3_large", "pretrained": True})
+    with pytest.raises(BenchError, match="unknown torchvision detection arch 'fcos_resnet5'"):
+        build_model("torchvision_det:fcos_resnet5")
+    det = build_model({"name": "torchvision_det", "arch": "ssdlite320_mobilenet_v3_large", "num_classes": 91})
+    assert det.kind == "ssd" and det.label_map[1] == 14 and int((det.label_map >= 0).sum()) == 20  # person
+    assert det.harmonize(0.3, 50) == (0.3, 50) and det.net.score_thresh == 0.3 and det.net.detections_per_img == 50
+    assert det.harmonize() == det.own  # None restores the architecture's own post-processing
+    out = det(torch.rand(1, 3, 64, 64))
+    assert set(out[0]) == {"boxes", "scores", "labels"}
+    assert det.candidates(torch.rand(1, 3, 64, 64)).shape[-1] == 20
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return build_model("shapes_fcos")
+
+
+def test_tiny_detector_map_and_cross_check(tiny):
+    pytest.importorskip("pycocotools")
+    from torchmetrics.detection import MeanAveragePrecision
+
+    d = shapes(None, n=48)
+    with torch.no_grad():
+        dets = tiny(d.x)
+    ours = eval_map(dets, d.targets, mode="area")["map"]
+    assert ours > 0.6
+    m = MeanAveragePrecision(iou_thresholds=[0.5], backend="pycocotools")
+    m.update(dets, [{"boxes": t["boxes"], "labels": t["labels"]} for t in d.targets])
+    assert abs(ours - float(m.compute()["map_50"])) <= 0.01
+
+
+def test_detection_images_asset():
+    a = detection_images(None, "cpu", spec={"name": "shapes", "split": "train", "n": 4})
+    assert len(a.data.targets) == 4 and a.cache == {}
+    with pytest.raises(BenchError, match="has no boxes"):
+        detection_images(None, "cpu", spec={"name": "digits", "n": 4})
