@@ -28,7 +28,7 @@ output_dir: OUT
 
 TRANSFER = """
 dataset: {name: digits, n: 24}
-attack: mi_fgsm
+attack: {recipe: mi_fgsm, name: mi_fgsm_ce, blocks: {loss: {name: ce}}}  # CE also targeted (white-box bar below)
 surrogates: [digits_cnn]
 targets: [digits_mlp, digits_cnn]
 threat: {norm: linf, eps: 0.2, targeted: TARGETED}
