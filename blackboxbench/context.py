@@ -15,6 +15,8 @@ use, and nothing else reaches it:
   from an image of another (or the target) class.
 * ``model``, ``t``, ``iterations``, ``alpha``: transfer attacks only, the refined surrogate being attacked and
   the position in the loop (iteration ``t`` of ``iterations``, step size ``alpha``).
+* ``aux``: transfer attacks only, what the ``auxiliary`` blocks computed once for the batch before the loop
+  (Alg. 3 line 2: ILA's baseline features, FIA's aggregate gradient, NAA's integrated attention), by name.
 
 ``ctx.sub(rows)`` is the same context restricted to local samples ``rows`` (distinct), with the problem, the
 oracle view and the random streams restricted alike.
@@ -48,6 +50,7 @@ class BlockContext:
     t: int = 0
     iterations: int = 0
     alpha: float = 0.0
+    aux: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def device(self):
