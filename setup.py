@@ -20,7 +20,7 @@ setup(
     + [f"blackboxbench._catalogs.{c}" for c in CATALOGS],
     package_dir={f"blackboxbench._catalogs.{c}": c for c in CATALOGS},
     package_data={f"blackboxbench._catalogs.{c}": ["*.yaml", "*/*.yaml", "*/*/*.yaml", "*.md"] for c in CATALOGS},
-    install_requires=["torch>=2.1", "torchvision", "timm", "numpy", "pyyaml", "scipy", "lpips", "matplotlib",
+    install_requires=["torch>=2.1", "torchvision", "timm", "numpy", "pyyaml", "scipy", "lpips", "pytorch-msssim", "torchmetrics", "matplotlib",
                       "tqdm", "scikit-learn"],
     extras_require={
         "test": ["pytest", "pytest-xdist"],  # the suite runs on 2 workers (-n 2)

@@ -1,0 +1,87 @@
+"""SSIM and LPIPS per sample (blackboxbench/perceptual.py). SSIM is checked against an independent NumPy
+implementation of Wang et al. 2004 (Gaussian 11x11, sigma 1.5, K1 0.01, K2 0.03, valid region) and known values;
+LPIPS' plumbing runs with a random trunk, and the trunk loader with a torchvision AlexNet state dict."""
+import numpy as np
+import pytest
+import torch
+from scipy.signal import convolve2d
+
+from blackboxbench.errors import BenchError
+from blackboxbench.perceptual import load_lpips, lpips_distance, ssim, ssim_window
+
+
+def ssim_reference(a, b, win=11, sigma=1.5, k1=0.01, k2=0.03):
+    """Per-channel SSIM map over the valid region, averaged; one image (C, H, W) in [0, 1]."""
+    g = np.exp(-((np.arange(win) - win // 2) ** 2) / (2 * sigma ** 2))
+    w = np.outer(g, g) / np.outer(g, g).sum()
+    c1, c2 = k1 ** 2, k2 ** 2
+    out = []
+    for x, y in zip(a.astype(np.float64), b.astype(np.float64)):
+        f = lambda v: convolve2d(v, w, mode="valid")  # noqa: E731
+        mx, my = f(x), f(y)
+        vx, vy, cxy = f(x * x) - mx ** 2, f(y * y) - my ** 2, f(x * y) - mx * my
+        s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))
+        out.append(s.mean())
+    return float(np.mean(out))
+
+
+def test_ssim_matches_independent_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(4, 3, 32, 32, generator=g)
+    adv = (x + 0.03 * torch.randn(x.shape, generator=g)).clamp(0, 1)
+    got = ssim(adv, x)
+    want = [ssim_reference(adv[i].numpy(), x[i].numpy()) for i in range(4)]
+    assert got.shape == (4,)
+    assert np.allclose(got.numpy(), want, atol=1e-5)
+
+
+def test_ssim_known_values_and_per_sample():
+    x = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(ssim(x, x), torch.ones(3))
+    # a constant image against itself shifted by d: luminance term only, (2 m (m + d) + c1) / (m^2 + (m+d)^2 + c1)
+    a, b = torch.full((1, 1, 16, 16), 0.5), torch.full((1, 1, 16, 16), 0.6)
+    c1 = 0.01 ** 2
+    assert ssim(b, a).item() == pytest.approx((2 * 0.5 * 0.6 + c1) / (0.25 + 0.36 + c1), abs=1e-6)
+    noisy = (x + 0.1).clamp(0, 1)
+    assert torch.allclose(ssim(noisy, x)[1:], ssim(noisy[1:], x[1:]))  # a sample's value ignores its batch
+
+
+def test_ssim_small_images_and_bad_shapes():
+    assert ssim_window(8, 8) == 7 and ssim_window(32, 32) == 11 and ssim_window(10, 12) == 9
+    x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    y = (x + 0.05).clamp(0, 1)
+    assert ssim(y, x).numpy() == pytest.approx([ssim_reference(y[i].numpy(), x[i].numpy(), win=7)
+                                                for i in range(2)], abs=1e-5)
+    with pytest.raises(BenchError, match="ssim"):
+        ssim(x, x[:1])
+
+
+def test_lpips_plumbing_with_random_trunk():
+    net = load_lpips(random_trunk=True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(3, 3, 32, 32, generator=g)
+    y = (x + 0.2 * torch.randn(x.shape, generator=g)).clamp(0, 1)
+    d = lpips_distance(net, y, x)
+    assert d.shape == (3,) and (d > 0).all()
+    assert torch.allclose(lpips_distance(net, x, x), torch.zeros(3), atol=1e-6)
+    assert torch.allclose(lpips_distance(net, y[:1], x[:1]), d[:1], atol=1e-5)
+
+
+def test_lpips_trunk_loading_and_missing_trunk(tmp_path, monkeypatch):
+    import torchvision
+
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    with pytest.warns(UserWarning, match="LPIPS column left empty"):
+        assert load_lpips() is None
+    with pytest.raises(BenchError, match="not found"):
+        load_lpips(path=tmp_path / "nope.pth")
+    alex = torchvision.models.alexnet()
+    file = tmp_path / "hub" / "checkpoints" / "alexnet-owt-7be5be79.pth"
+    file.parent.mkdir(parents=True)
+    torch.save(alex.state_dict(), file)
+    net = load_lpips()
+    assert torch.equal(net.net.slice1[0].weight, alex.features[0].weight)
+    assert torch.equal(getattr(net.net.slice5, "10").weight, alex.features[10].weight)
+    torch.save({"x": torch.zeros(1)}, tmp_path / "bad.pth")
+    with pytest.raises(BenchError, match="not torchvision's AlexNet"):
+        load_lpips(path=tmp_path / "bad.pth")
