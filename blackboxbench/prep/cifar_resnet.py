@@ -61,21 +61,21 @@ class BasicBlock(nn.Module):
 
 
 class CifarResNet(nn.Module):
-    def __init__(self, depth=20, num_classes=10):
+    def __init__(self, depth=20, num_classes=10, in_channels=3, blocks=None, widths=(16, 32, 64)):
         super().__init__()
-        n = DEPTH_BLOCKS[depth]
-        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(16)
+        n = blocks or DEPTH_BLOCKS[depth]  # blocks per stage (``blocks`` overrides the depth: the digits ResNet)
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
         self.relu = nn.ReLU()
-        planes, layers = 16, []
-        for i, width in enumerate((16, 32, 64)):
+        planes, layers = widths[0], []
+        for i, width in enumerate(widths):
             blocks = []
             for j in range(n):
                 blocks.append(BasicBlock(planes, width, 2 if (i > 0 and j == 0) else 1))
                 planes = width
             layers.append(nn.Sequential(*blocks))
         self.layer1, self.layer2, self.layer3 = layers
-        self.linear = nn.Linear(64, num_classes)
+        self.linear = nn.Linear(widths[-1], num_classes)
 
     def forward(self, x):
         out = self.relu(self.bn1(self.conv1(x)))

@@ -9,10 +9,11 @@ network) a :class:`LayerMap` of portable names:
 * plain sequential networks (the digits models, the small CNNs of the data root): ``layer{i}`` (child ``i``) and
   ``stage1`` .. ``stageK``: the output of the k-th activation (conv/linear + activation = one stage);
 * other timm / torchvision models with a ``stages``, ``features`` or ``blocks`` container: ``stage1`` ..
-  ``stageK`` = its children.
+  ``stageK`` = its activations when it holds some (VGG), else its children;
+* any other network (LeNet-5 of the data root): ``stage1`` .. ``stageK`` = its activation modules in order.
 
-Every map has the roles ``mid`` (the feature layer of ILA, FIA and NAA: Table VII's ResNet-50 "2nd stage", the
-middle stage of a plain network) and ``late`` (LinBP's position: Table VII's CIFAR ResNet-50 "1st bottleneck of
+Every map has the roles ``mid`` (the feature layer of ILA, FIA and NAA: Table VII's ResNet-50 "2nd stage",
+stage (S + 1) // 2 of S, the middle stage of a plain network) and ``late`` (LinBP's position: Table VII's CIFAR ResNet-50 "1st bottleneck of
 the 4th stage" = the first block of the last stage; the second half of a plain network). Any module is also
 reachable by its dotted path (``layer2.0.conv1``, ``net.`` prefix of the wrapper omitted). An unknown name is
 a one-line error listing the valid names.
@@ -70,7 +71,7 @@ def _stage_roles(k, layers):
 def _resnet_layout(net):
     stages = [getattr(net, f"layer{i}") for i in range(1, 5) if isinstance(getattr(net, f"layer{i}", None),
                                                                              nn.Sequential)]
-    if len(stages) < 2:
+    if not stages:
         return None
     layers = {}
     if isinstance(getattr(net, "relu", None), nn.Module):
@@ -79,7 +80,7 @@ def _resnet_layout(net):
         layers[f"stage{s}"] = stage
         for j, block in enumerate(stage):
             layers[f"block{s}_{j}"] = block
-    return layers, {"mid": "stage2", "late": f"block{len(stages)}_0"}
+    return layers, {"mid": f"stage{(len(stages) + 1) // 2}", "late": f"block{len(stages)}_0"}
 
 
 def _container_layout(net):
@@ -102,7 +103,15 @@ def _sequential_layout(net):
     return layers, _stage_roles(len(acts), layers)
 
 
-LAYOUTS = (_resnet_layout, _sequential_layout, _container_layout)
+def _activation_layout(net):
+    acts = [m for m in net.modules() if isinstance(m, ACTIVATIONS)]
+    if not acts:
+        return None
+    layers = {f"stage{k}": m for k, m in enumerate(acts, 1)}
+    return layers, _stage_roles(len(acts), layers)
+
+
+LAYOUTS = (_resnet_layout, _sequential_layout, _container_layout, _activation_layout)
 
 
 def layer_map(model):
