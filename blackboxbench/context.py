@@ -17,6 +17,8 @@ use, and nothing else reaches it:
   the position in the loop (iteration ``t`` of ``iterations``, step size ``alpha``).
 * ``raw_grad``: transfer gradient blocks only, ``raw_grad(x)``: the gradient of the summed attack loss at ``x``
   *without* the input transformations (RAP's inner loop).
+* ``aux``: transfer attacks only, what the ``auxiliary`` blocks computed once for the batch before the loop
+  (Alg. 3 line 2: ILA's baseline features, FIA's aggregate gradient, NAA's integrated attention), by name.
 
 ``ctx.sub(rows)`` is the same context restricted to local samples ``rows`` (distinct), with the problem, the
 oracle view and the random streams restricted alike.
@@ -51,6 +53,7 @@ class BlockContext:
     iterations: int = 0
     alpha: float = 0.0
     raw_grad: Optional[Callable] = None
+    aux: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def device(self):

@@ -234,6 +234,7 @@ GRADIENT = Registry("gradient")      # transfer: gradient calculation
 DIRECTION = Registry("direction")    # transfer: update direction
 UPDATE = Registry("update")          # transfer: update step
 REFINE = Registry("refine")          # transfer: surrogate refinement
+AUXILIARY = Registry("auxiliary")    # transfer: once-per-batch precompute before the loop (Alg. 3 line 2)
 DATASET = Registry("dataset")
 MODEL = Registry("model")
 TARGET_LABEL = Registry("target_label")

@@ -161,7 +161,12 @@ def _digits_lenet():
                          nn.Linear(64, 10))
 
 
-DIGITS_ARCHS = {"digits_mlp": _digits_mlp, "digits_cnn": _digits_cnn, "digits_lenet": _digits_lenet}
+def _digits_resnet():
+    return CifarResNet(in_channels=1, blocks=1, widths=(8, 16, 32))
+
+
+DIGITS_ARCHS = {"digits_mlp": _digits_mlp, "digits_cnn": _digits_cnn, "digits_lenet": _digits_lenet,
+                "digits_resnet": _digits_resnet}
 
 
 def cache_dir():
@@ -228,6 +233,14 @@ def digits_cnn(data_root=None, *, pretrained=True):
 def digits_lenet(data_root=None, *, pretrained=True):
     """LeNet-style conv3x3(16)-maxpool-conv3x3(32)-maxpool-fc64-fc10 (ReLU), trained on first use and cached."""
     return _digits_model("digits_lenet", pretrained)
+
+
+@MODEL.register("digits_resnet", dataset="digits")
+def digits_resnet(data_root=None, *, pretrained=True):
+    """A residual net for the digits (the CIFAR ResNet layout with one BasicBlock per stage, 8/16/32 channels,
+    1-channel input), so that skip-connection attacks (SGM, IAA, GhostNet) run on the embedded data; trained on
+    first use and cached."""
+    return _digits_model("digits_resnet", pretrained)
 
 
 # ---------------------------------------------------------------- ImageNet architectures (timm, torchvision)

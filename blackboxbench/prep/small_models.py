@@ -10,6 +10,7 @@ from torch import nn
 
 from ..errors import BenchError
 from ..registry import MODEL
+from .cifar_resnet import ResidualAdd
 from .data import data_path
 from .models import Normalized, _load_into, load_state
 
@@ -55,10 +56,14 @@ class Block(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1)
         proj = stride != 1 or cin != cout
         self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride)) if proj else nn.Sequential()
+        self.merge = ResidualAdd()  # the residual sum as a module (surgery reaches it; no state-dict key)
         self.relu2 = nn.ReLU()
 
+    def branch(self, x):
+        return self.conv2(self.relu1(self.conv1(x)))
+
     def forward(self, x):
-        return self.relu2(self.conv2(self.relu1(self.conv1(x))) + self.shortcut(x))
+        return self.relu2(self.merge(self.branch(x), self.shortcut(x)))
 
 
 class SmallResNet(nn.Module):

@@ -6,6 +6,10 @@ blocks may use to keep per-sample tensors such as momentum):
 
 * ``refine(ctx, models, **params) -> models``: surrogate refinement on the list of surrogates, once per run
   before any sample; it must end with one model (e.g. ``logit_ensemble`` fuses several).
+* ``auxiliary(ctx, **params) -> {name: value}``: auxiliary information I (Alg. 3 line 2), once per batch before
+  the loop, on the batch's context (``ctx.aux`` holds what earlier auxiliary blocks returned). The merged mapping
+  is ``ctx.aux`` of every later block; a value with a ``close()`` method (a feature hook) is closed when the
+  batch ends, even on an error.
 * ``transform(ctx, x, **params) -> x'``: input transformation. It may return K stacked copies (K*n, C, H, W); the
   loss then sees the label repeated K times. Listed transforms compose in order.
 * ``loss(ctx, logits, label, **params) -> (N,)``: per-sample loss that the attack *maximizes*.
@@ -37,7 +41,7 @@ from ..errors import BenchError, ConfigError
 from ..evaluation import sample_metrics, summarize_transfer
 from ..family import BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets, \
     to_uint8
-from ..registry import DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
+from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
 from ..rng import run_stream
 from ..threat import Problem
 from .compat import check_compatible
@@ -64,6 +68,7 @@ class TransferAttack:
     gradients: List[Callable] = field(default_factory=list)
     directions: List[Callable] = field(default_factory=list)
     refiners: List[Callable] = field(default_factory=list)
+    auxiliaries: List[Callable] = field(default_factory=list)
     random_start: float = 0.0
     meta: dict = field(default_factory=dict)
 
@@ -101,6 +106,17 @@ class TransferAttack:
 
     def run(self, ctx):
         """Craft adversarial images for ``ctx.problem`` on the refined surrogate ``ctx.model``."""
+        aux = {}
+        try:
+            for a in self.auxiliaries:
+                aux.update(a(ctx.at(aux=dict(aux))))
+            return self._loop(ctx.at(aux=aux))
+        finally:
+            for value in aux.values():
+                if callable(getattr(value, "close", None)):
+                    value.close()
+
+    def _loop(self, ctx):
         problem, state = ctx.problem, {}
         x_adv = problem.x.clone()
         if self.random_start > 0:
@@ -186,8 +202,9 @@ class TransferWorker:
 
 class TransferFamily(Family):
     name = "transfer"
-    blocks = {"refine": BlockKind(REFINE, many=True), "transform": BlockKind(TRANSFORM, many=True),
-              "loss": BlockKind(LOSS, default="ce"), "gradient": BlockKind(GRADIENT, many=True),
+    blocks = {"refine": BlockKind(REFINE, many=True), "auxiliary": BlockKind(AUXILIARY, many=True),
+              "transform": BlockKind(TRANSFORM, many=True), "loss": BlockKind(LOSS, default="ce"),
+              "gradient": BlockKind(GRADIENT, many=True),
               "direction": BlockKind(DIRECTION, many=True), "update": BlockKind(UPDATE, default="step")}
     hyper = {"iterations": 1, "alpha": "eps/10", "random_start": 0}
     model_keys = {"surrogates": ModelKey("surrogate", True, True), "targets": ModelKey("target", True, True)}
@@ -206,6 +223,7 @@ class TransferFamily(Family):
         return TransferAttack(name, int(hyper["iterations"]), float(hyper["alpha"]), blocks["loss"],
                               blocks["update"], transforms=blocks["transform"], gradients=blocks["gradient"],
                               directions=blocks["direction"], refiners=blocks["refine"],
+                              auxiliaries=blocks["auxiliary"],
                               random_start=float(hyper["random_start"]), meta=meta)
 
     def worker(self, run):
