@@ -97,6 +97,11 @@ def peers():
                                                                                    diversity_prob=0.5)),
         "DI (peer 0.9, nearest)": (ours_recipe("di2_fgsm"), lambda m: nearest_di(torchattacks)(
             m, EPS, ALPHA, STEPS, 0.0, resize_rate=0.9, diversity_prob=0.5)),
+        # The same transform as torchattacks' default DI: our di_shrink block (bilinear shrink into the 32 x 32
+        # canvas, no resize back), drawn per sample instead of per batch.
+        "DI (di_shrink 0.9)": (ours_recipe("di2_fgsm", blocks={"transform": [
+            {"name": "di_shrink", "resize_rate": 0.9, "prob": 0.5}]}),
+            lambda m: torchattacks.DIFGSM(m, EPS, ALPHA, STEPS, 0.0, resize_rate=0.9, diversity_prob=0.5)),
         "TI": (ours_recipe("ti_fgsm"), lambda m: torchattacks.TIFGSM(m, EPS, ALPHA, STEPS, 0.0, len_kernel=3,
                                                                         nsig=3, diversity_prob=0.0)),
     }

@@ -15,7 +15,9 @@ from blackboxbench.runner import run_experiment
 
 RECIPES = catalog.entries("attacks")
 EPS = {False: {"linf": 0.2, "l2": 1.5}, True: {"linf": 0.3, "l2": 2.0}}  # 8x8 digits; targeted needs more
-BUDGET = 10_000  # Table VI untargeted budget; targeted runs get the same (the paper: 100,000)
+# Table VI's untargeted budget; targeted runs 8,000 (the paper: 100,000), within which every recipe meets the
+# contract's ASR bar (40 %) on the digits (NES L2 needs the most): the samples that fail cost CI time.
+BUDGET = {False: 10_000, True: 8_000}
 NON_NATIVE_BUDGET = 2_000  # a norm a block declares non-native: threat-model checks only
 TRANSFER_ITERATIONS = {False: 20, True: 50}  # untargeted, targeted
 FAMILIES = {name: registry.FAMILY.get(name) for name in registry.FAMILY.names()}
@@ -103,7 +105,7 @@ def _experiment(name, norm, targeted, out, blocks=None):
         exp.update(model="digits_mlp")
         # Under a non-native norm only the threat model is checked (no ASR bar): a smaller budget keeps the
         # samples that fail from costing CI time.
-        exp["threat"]["max_queries"] = BUDGET if _native(recipe, norm) else NON_NATIVE_BUDGET
+        exp["threat"]["max_queries"] = BUDGET[targeted] if _native(recipe, norm) else NON_NATIVE_BUDGET
         if _needs_surrogates(recipe):  # PRGF-like attacks: white-box surrogates, never the target
             exp.update(surrogates=["digits_cnn"])
     exp = validate_experiment(exp, "contract")

@@ -177,7 +177,7 @@ def test_a_conflicting_duplicate_is_refused(tmp_path, capsys):
 def test_two_processes_on_one_run(tmp_path, capsys):
     """A second process on the same run folder gets a one-line error naming the holder; the first finishes with
     every sample recorded once."""
-    text = RUN.replace("n: 16", "n: 300").replace("max_queries: 100", "max_queries: 2000")
+    text = RUN.replace("n: 16", "n: 120").replace("max_queries: 100", "max_queries: 2000")
     path = config(tmp_path, text)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "run.py"), str(path), "--quiet"], env=env,
@@ -191,7 +191,7 @@ def test_two_processes_on_one_run(tmp_path, capsys):
     one_line_error(capsys, "is in use by pid")
     assert proc.wait(timeout=300) == 0
     indices = [json.loads(line)["index"] for line in _lines(_run_dir(tmp_path))]
-    assert sorted(indices) == list(range(300))
+    assert sorted(indices) == list(range(120))
 
 
 def test_rerun_keeps_the_cumulative_wall_time(tmp_path):

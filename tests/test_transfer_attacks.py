@@ -25,7 +25,7 @@ from blackboxbench.threat import Problem
 from attack_utils import build as build_recipe
 from attack_utils import check_output, correctly_classified, refine_ctx, transfer_ctx
 from blackboxbench.transfer.gradients import gaussian_kernel
-from blackboxbench.transfer.transforms import apply_di, draw_di
+from blackboxbench.transfer.transforms import apply_di, apply_di_shrink, draw_di, draw_di_shrink
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE_DIR = REPO / "attacks" / "transfer"
@@ -202,6 +202,32 @@ def test_di_draws_per_sample():
     twice = draw_di(transfer_ctx(x, y), (12, 3, 32, 32), prob=0.5)  # two stacked copies: rows 0-5, 6-11
     assert not torch.equal(twice["top"][:6], twice["top"][6:]) or not torch.equal(twice["size"][0][:6],
                                                                                     twice["size"][0][6:])
+
+
+def test_di_shrink_matches_torchattacks_ops_per_sample():
+    """``di_shrink``: each row equals torchattacks' DIFGSM ops (bilinear ``F.interpolate`` to its size, ``F.pad``
+    at its offsets, no resize back), offsets in [0, 32 - size) as torchattacks draws them; parameters per sample."""
+    x = torch.rand(8, 3, 32, 32, generator=gen(10))
+    y = torch.zeros(8, dtype=torch.long)
+    sizes = set()
+    for seed in range(10):
+        p = draw_di_shrink(transfer_ctx(x, y, seed=seed), x.shape, prob=1.0)
+        size, top, left = p["size"][0], p["top"], p["left"]
+        sizes.update(size.tolist())
+        assert ((28 <= size) & (size < 32)).all() and (top < 32 - size).all() and (left < 32 - size).all()
+        ref = torch.cat([F.pad(F.interpolate(x[i:i + 1], size=[int(s), int(s)], mode="bilinear",
+                                             align_corners=False), [int(lf), 32 - int(s) - int(lf), int(t),
+                                                                    32 - int(s) - int(t)])
+                         for i, (s, t, lf) in enumerate(zip(size, top, left))])
+        assert torch.allclose(apply_di_shrink(x, p), ref, atol=1e-5)
+    assert sizes == {28, 29, 30, 31}
+    assert torch.equal(TRANSFORM.get("di_shrink")(transfer_ctx(x, y), x, prob=0.0), x)
+    whole = draw_di_shrink(transfer_ctx(x, y), x.shape)
+    part = draw_di_shrink(transfer_ctx(x, y).sub(torch.tensor([5, 2])), (2, 3, 32, 32))
+    for key in ("top", "left", "apply"):
+        assert torch.equal(whole[key][[5, 2]], part[key])
+    with pytest.raises(BenchError):
+        draw_di_shrink(transfer_ctx(x, y), (1, 1, 1, 1))
 
 
 # --------------------------------------------------------------------------------------------- ensemble ----

@@ -6,6 +6,7 @@ one call, from the samples' streams ``ctx.rng``) and ``apply_*`` (deterministic 
 call can be replayed exactly.
 """
 import torch
+import torch.nn.functional as F
 
 from ..errors import BenchError
 from ..registry import TRANSFORM
@@ -128,3 +129,56 @@ def admix(ctx, x, *, strength=0.2, n_samples=3):
     of its batch (and works for a batch of one)."""
     index = draw_admix(ctx, x.shape[0], n_samples=n_samples)
     return apply_admix(x, ctx.pool.x, index, strength)
+
+
+def draw_di_shrink(ctx, shape, *, resize_rate=0.9, prob=0.5):
+    """Random parameters of one ``di_shrink`` call for ``shape`` (m, C, H, W): per row, from its sample's stream, a
+    height uniform in [int(H * resize_rate), H) (the width scales with it), offsets uniform in [0, H - size) as
+    torchattacks draws them, and a coin (transformed with probability ``prob``)."""
+    m, _, h, w = shape
+    lo = int(h * resize_rate)
+    if not 0.0 < resize_rate < 1.0 or lo < 1 or not 0.0 <= prob <= 1.0:
+        raise BenchError(f"transform 'di_shrink': need resize_rate in (0, 1) with int(H * resize_rate) >= 1 (got "
+                         f"{resize_rate}, image height {h}) and prob in [0, 1] (got {prob})")
+    u = ctx.rng.uniform((4,), rows=ctx.rows(m), dtype=torch.float64)
+    size_h = lo + (u[:, 0] * (h - lo)).long()
+    size_w = torch.clamp(torch.round(size_h * (w / h)).long(), max=w - 1)
+    top = (u[:, 1] * (h - size_h)).long()
+    left = (u[:, 2] * (w - size_w)).long()
+    return {"size": (size_h, size_w), "top": top, "left": left, "apply": u[:, 3] < prob}
+
+
+def _bilinear_axis(n, size, offset):
+    """Per row: the normalized ``grid_sample`` coordinate (align_corners False) of each output index along one
+    axis of a bilinear resize of ``n`` pixels to ``size`` placed at ``offset``, and whether it falls on the image.
+    Source coordinates follow ``F.interpolate(mode="bilinear", align_corners=False)``: ``(k + 0.5) n / size -
+    0.5``, clamped at 0 (``padding_mode="border"`` clamps the far end as it does)."""
+    k = torch.arange(n, device=size.device, dtype=torch.float64)[None] - offset[:, None]
+    inside = (k >= 0) & (k < size[:, None])
+    src = ((k + 0.5) * (n / size[:, None].double()) - 0.5).clamp(min=0)
+    return (2 * src + 1) / n - 1, inside
+
+
+def apply_di_shrink(x, params):
+    """Bilinear resize of each row to its size, zero-padded at its offsets into the input's own canvas (no resize
+    back), all rows in one ``grid_sample``; rows whose coin is off pass unchanged."""
+    m, _, h, w = x.shape
+    dev = x.device
+    (size_h, size_w), top, left = params["size"], params["top"].to(dev), params["left"].to(dev)
+    gy, in_y = _bilinear_axis(h, size_h.to(dev), top)
+    gx, in_x = _bilinear_axis(w, size_w.to(dev), left)
+    grid = torch.stack([gx[:, None, :].expand(m, h, w), gy[:, :, None].expand(m, h, w)], -1).to(x.dtype)
+    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    out = out * (in_y[:, :, None] & in_x[:, None, :])[:, None].to(x.dtype)
+    return torch.where(params["apply"].to(dev).view(-1, 1, 1, 1), out, x)
+
+
+@TRANSFORM.register("di_shrink", paper="Xie et al., DI2-FGSM, CVPR 2019, as torchattacks' DIFGSM implements it "
+                                       "(resize_rate < 1)", norms=("linf", "l2"),
+                    ranges={"resize_rate": "(0, 1)", "prob": "[0, 1]"})
+def di_shrink(ctx, x, *, resize_rate=0.9, prob=0.5):
+    """Input diversity inside the input's own canvas: a bilinear shrink to [int(H * resize_rate), H), zero-padded
+    back to H x W at a random offset, never resized back (torchattacks' DIFGSM at its default resize_rate 0.9, for
+    side-by-side checks; the paper's DI is ``di``: a larger canvas, nearest resizes, resized back). Each sample
+    draws its own size, offset and coin (torchattacks draws one per batch)."""
+    return apply_di_shrink(x, draw_di_shrink(ctx, x.shape, resize_rate=resize_rate, prob=prob))
