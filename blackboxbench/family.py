@@ -130,6 +130,30 @@ class Family:
         return out
 
 
+class WholeBatchWorker:
+    """Scheduling of a family whose unit of work is one whole batch of up to ``run.slots`` samples that all take
+    the same number of steps (transfer, detection): ``fill`` takes the next batch from the feed when idle, and
+    the subclass's ``step`` starts with :meth:`take`. Subclasses set ``self.run`` and call ``super().__init__()``."""
+
+    def __init__(self):
+        self.batch = None
+
+    @property
+    def busy(self):
+        return self.batch is not None
+
+    def fill(self, feed):
+        if self.batch is None:
+            chunk = [i for _, i in zip(range(self.run.slots), feed)]
+            self.batch = chunk or None
+        return []
+
+    def take(self):
+        """The batch's sample indices (empty when idle); the worker is idle again after it."""
+        index, self.batch = self.batch, None
+        return index or []
+
+
 def base_records(index, y, target, clean_correct):
     """The common part of the records of samples ``index`` (one device sync for the batch)."""
     y, ok = y.tolist(), clean_correct.tolist()

@@ -31,7 +31,7 @@ import torch
 from ..builder import resolve_setting
 from ..context import BlockContext, Pool
 from ..errors import BenchError, ConfigError
-from ..family import BlockKind, Family, ModelKey, check_outputs, to_uint8
+from ..family import BlockKind, Family, ModelKey, WholeBatchWorker, check_outputs, to_uint8
 from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY
 from ..threat import Problem, flat_norm
 from .data import DetectionDataset
@@ -187,7 +187,7 @@ class Perceptual:
         return ssim, lp
 
 
-class DetectionWorker:
+class DetectionWorker(WholeBatchWorker):
     """One whole batch per step: the surrogate's clean detections, the craft, then every target detector."""
 
     def __init__(self, family, run):
@@ -200,21 +200,11 @@ class DetectionWorker:
         self.model = self.surrogates[0]
         self.pool = Pool(run.data.x, run.data.y)
         self.perceptual = Perceptual(run.device)
-        self.batch = None
+        super().__init__()
         self.clean_cache = {}
 
-    @property
-    def busy(self):
-        return self.batch is not None
-
-    def fill(self, feed):
-        if self.batch is None:
-            chunk = [i for _, i in zip(range(self.run.slots), feed)]
-            self.batch = chunk or None
-        return []
-
     def step(self):
-        index, self.batch = self.batch, None
+        index = self.take()
         if not index:
             return []
         run, t, dev = self.run, self.threat, self.run.device

@@ -11,8 +11,6 @@
 The score threshold and the detection cap are harmonized per run by the detection family (threat keys
 ``score_thr`` and ``max_det``) and logged in every summary.
 """
-import os
-import tempfile
 from collections import OrderedDict
 
 import torch
@@ -20,8 +18,8 @@ from torch import nn
 
 from ..errors import BenchError
 from ..prep.data import data_path
-from ..prep.models import _hub_checkpoint, _load_into, cache_dir, load_state
-from ..registry import MODEL, close_matches
+from ..prep.models import _load_into, cached_or_trained, load_state, torchvision_weights
+from ..registry import MODEL
 from .data import SHAPES, VOC_CLASSES, shapes
 
 TINY_VERSION = "v1"  # bump when a tiny detector or its training changes (names the cache file)
@@ -202,15 +200,7 @@ def tiny_detector(name, pretrained=True):
     kind, width, _ = TINY[name]
     net = _tiny_net(kind, width, len(SHAPES) + 1, 64)
     if pretrained:
-        path = cache_dir() / f"{name}-{TINY_VERSION}.pt"
-        if path.is_file():
-            net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        else:
-            net = train_tiny(name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-                torch.save(net.state_dict(), f)
-            os.replace(f.name, path)  # atomic: a concurrent reader never sees a partial file
+        net = cached_or_trained(net, f"{name}-{TINY_VERSION}.pt", lambda: train_tiny(name))
     return Detector(net, [-1, 0, 1, 2], kind)
 
 
@@ -250,15 +240,7 @@ def torchvision_det(data_root, *, arch, pretrained=False, checkpoint=None, num_c
     import torchvision
 
     names = torchvision.models.list_models(module=torchvision.models.detection)
-    if arch not in names:
-        raise BenchError(f"unknown torchvision detection arch '{arch}'{close_matches(arch, names)}")
-    weights = None
-    if pretrained and checkpoint is None:
-        weights = torchvision.models.get_model_weights(arch).DEFAULT
-        if not _hub_checkpoint(weights.url).is_file():
-            raise BenchError(f"torchvision_det:{arch} COCO weights are not available offline: put "
-                             f"{weights.url.rsplit('/', 1)[-1]} in {_hub_checkpoint(weights.url).parent}, or pass "
-                             f"checkpoint=<path>")
+    weights = torchvision_weights(arch, names, "torchvision detection", pretrained and checkpoint is None)
     kw = {"weights_backbone": None}
     if weights is None:
         kw["num_classes"] = num_classes

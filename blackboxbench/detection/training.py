@@ -12,13 +12,11 @@ cached in ``BLACKBOXBENCH_CACHE`` under a hash of its settings.
 import copy
 import hashlib
 import json
-import os
-import tempfile
 
 import torch
 
 from ..errors import BenchError
-from ..prep.models import build_model, cache_dir
+from ..prep.models import build_model, cached_or_trained
 from ..registry import MODEL
 from .data import detection_images, shapes
 from .models import TINY_VERSION, Detector
@@ -109,22 +107,18 @@ def adv_finetuned(data_root=None, *, arch="variant", base="shapes_fcos", attacks
     settings = {"base": base, "attacks": attacks, "fraction": fraction if attacks else 0.0, "n_train": n_train,
                 "steps": steps, "lr": lr, "seed": seed, "version": TINY_VERSION}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"adv_finetuned-{digest}.pt"
     model = build_model(base, data_root=data_root)
     if not isinstance(model, Detector):
         raise BenchError(f"adv_finetuned: base '{base}' is not a detector")
-    if path.is_file():
-        model = copy.deepcopy(model)
-        model.net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model
-    data = shapes(None, n=n_train, split="train")
-    x = data.x.clone()
-    for name, index in split_plan(n_train, attacks, settings["fraction"]):
-        if name is not None and index:
-            x[index] = adversarial_images(model, data, name, index, seed, data_root)
-    tuned = finetune(model, x, data.targets, steps=steps, lr=lr, seed=seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-        torch.save(tuned.net.state_dict(), f)
-    os.replace(f.name, path)
+
+    def train():
+        data = shapes(None, n=n_train, split="train")
+        x = data.x.clone()
+        for name, index in split_plan(n_train, attacks, settings["fraction"]):
+            if name is not None and index:
+                x[index] = adversarial_images(model, data, name, index, seed, data_root)
+        return finetune(model, x, data.targets, steps=steps, lr=lr, seed=seed).net
+
+    tuned = copy.deepcopy(model)
+    tuned.net = cached_or_trained(tuned.net, f"adv_finetuned-{digest}.pt", train)
     return tuned

@@ -202,18 +202,25 @@ def train_digits(name, *, epochs=30, batch=64, lr=3e-3, seed=0):
     return net.eval()
 
 
+def cached_or_trained(net, file, train):
+    """``net`` with the weights cached as ``file`` in :func:`cache_dir`; on first use ``train()`` returns the trained
+    net, whose weights are saved (atomically: a concurrent reader never sees a partial file)."""
+    path = cache_dir() / file
+    if path.is_file():
+        net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return net
+    net = train()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        torch.save(net.state_dict(), f)
+    os.replace(f.name, path)
+    return net
+
+
 def _digits_model(name, pretrained):
     net = DIGITS_ARCHS[name]()
     if pretrained:
-        path = cache_dir() / f"{name}-{DIGITS_VERSION}.pt"
-        if path.is_file():
-            net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        else:
-            net = train_digits(name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-                torch.save(net.state_dict(), f)
-            os.replace(f.name, path)  # atomic: a concurrent reader never sees a partial file
+        net = cached_or_trained(net, f"{name}-{DIGITS_VERSION}.pt", lambda: train_digits(name))
     return Normalized(net, DIGITS_MEAN, DIGITS_STD)
 
 
@@ -299,6 +306,23 @@ def timm_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoin
     return Normalized(net, mean or cfg.get("mean", IMAGENET_MEAN), std or cfg.get("std", IMAGENET_STD), resize)
 
 
+def torchvision_weights(arch, names, kind, pretrained):
+    """torchvision's DEFAULT weights of ``arch`` (one of ``names``) when ``pretrained`` and torch.hub already caches
+    them (never downloaded), else None (random init); one-line errors name ``kind`` ("torchvision", ...)."""
+    import torchvision
+
+    if arch not in names:
+        raise BenchError(f"unknown {kind} arch '{arch}'{close_matches(arch, names)}")
+    if not pretrained:
+        return None
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    if not _hub_checkpoint(weights.url).is_file():
+        raise BenchError(f"{kind}:{arch} pretrained weights are not available offline: put "
+                         f"{weights.url.rsplit('/', 1)[-1]} in {_hub_checkpoint(weights.url).parent}, "
+                         f"or pass checkpoint=<path>")
+    return weights
+
+
 @MODEL.register("torchvision", source="torchvision.models.get_model", ranges={"num_classes": "int [1, inf)",
                 "mean": "list (-inf, inf)", "std": "list (0, inf)", "resize": "int [1, inf)"})
 def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoint=None, mean=None,
@@ -307,16 +331,8 @@ def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, ch
     when torch.hub already caches them (never downloaded). mean/std default to ImageNet's."""
     import torchvision
 
-    names = torchvision.models.list_models()
-    if arch not in names:
-        raise BenchError(f"unknown torchvision arch '{arch}'{close_matches(arch, names)}")
-    weights = None
-    if pretrained and checkpoint is None:
-        weights = torchvision.models.get_model_weights(arch).DEFAULT
-        if not _hub_checkpoint(weights.url).is_file():
-            raise BenchError(f"torchvision:{arch} pretrained weights are not available offline: put "
-                             f"{weights.url.rsplit('/', 1)[-1]} in {_hub_checkpoint(weights.url).parent}, "
-                             f"or pass checkpoint=<path>")
+    weights = torchvision_weights(arch, torchvision.models.list_models(), "torchvision",
+                                  pretrained and checkpoint is None)
     try:
         net = torchvision.models.get_model(arch, weights=weights, num_classes=num_classes)
     except ValueError as err:

@@ -39,8 +39,8 @@ from ..context import BlockContext, Pool
 from ..defense import EVAL_SALT, DefendedTarget, defense_streams, label
 from ..errors import BenchError, ConfigError
 from ..evaluation import sample_metrics, summarize_transfer
-from ..family import BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets, \
-    to_uint8
+from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, base_records, check_outputs, forward_logits,
+                      pick_targets, to_uint8)
 from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
 from ..rng import run_stream
 from ..threat import Problem
@@ -131,7 +131,7 @@ class TransferAttack:
         return problem.quantize(x_adv)
 
 
-class TransferWorker:
+class TransferWorker(WholeBatchWorker):
     """One whole batch per step: clean check and targets on the surrogate, the attack, every target model."""
 
     def __init__(self, family, run):
@@ -147,20 +147,10 @@ class TransferWorker:
                             surrogates=tuple(self.surrogates), assets=run.assets)
         self.model = self.attack.refine(base, list(self.surrogates))
         self.pool = Pool(run.data.x, run.data.y)
-        self.batch = None
-
-    @property
-    def busy(self):
-        return self.batch is not None
-
-    def fill(self, feed):
-        if self.batch is None:
-            chunk = [i for _, i in zip(range(self.run.slots), feed)]
-            self.batch = chunk or None
-        return []
+        super().__init__()
 
     def step(self):
-        index, self.batch = self.batch, None
+        index = self.take()
         if not index:
             return []
         run, t, dev = self.run, self.threat, self.run.device
