@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .errors import BenchError
+
 NORMS = ("linf", "l2")
 
 
@@ -111,6 +113,10 @@ class Problem:
     norm: str
     target: Optional[torch.Tensor] = None
     num_classes: int = 10
+
+    def __post_init__(self):
+        if self.norm not in NORMS:  # flat_norm would read any other name as L2
+            raise BenchError(f"unknown norm '{self.norm}': one of {', '.join(NORMS)}")
 
     @property
     def targeted(self):

@@ -83,10 +83,12 @@ def test_step_l2_moves_alpha_per_sample_and_stays_in_ball():
         assert ((x_adv - x).flatten(1).norm(dim=1) <= 1.0 + 1e-5).all()
 
 
-def test_step_unknown_norm_is_a_bench_error():
+def test_unknown_norm_is_a_bench_error():
+    """A problem with a norm outside the threat model's is refused where it is made, before any block (whose
+    distances would read it as L2) sees it."""
     x = torch.rand(1, 3, 4, 4)
-    with pytest.raises(BenchError, match="unsupported norm"):
-        step(x, x, Problem(x=x, y=torch.zeros(1, dtype=torch.long), eps=1, norm="l1"), alpha=0.1)
+    with pytest.raises(BenchError, match="unknown norm 'l1'"):
+        Problem(x=x, y=torch.zeros(1, dtype=torch.long), eps=1, norm="l1")
 
 
 # ----------------------------------------------------------------------------------------------- losses ----

@@ -21,7 +21,6 @@ one oracle call for the candidates and, of the samples at a statistics step, the
 """
 import torch
 
-from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import rows_where
 from .decision import blended_start, decision_state, known_dist, has_budget, query_adv
@@ -105,8 +104,6 @@ def boundary_init(ctx, *, spherical_step=0.01, source_step=0.01, init_tries=100)
     targeted: the pool's images of the target class first), and the initial step sizes (Table V: 0.01 and 0.01)
     and empty success windows of every sample."""
     problem = ctx.problem
-    if problem.norm not in ("linf", "l2"):
-        raise BenchError(f"boundary supports norms linf and l2, got '{problem.norm}'")
     n, dev = problem.n, problem.x.device
     x_start, found = blended_start(ctx, tries=init_tries)
     dist = known_dist(problem, x_start, found)

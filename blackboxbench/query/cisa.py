@@ -55,7 +55,6 @@ out; the paper's MSE-based stopping is replaced by the benchmark's: stop once in
 """
 import torch
 
-from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from ..threat import flat_norm
 from .common import per_sample, rows_where
@@ -126,8 +125,6 @@ def cisa_init(ctx, *, init_scale=1 / 255, scale_growth=1.5, scale_tries=20, exp_
     example (``dist`` +inf where none was found) with the compression's per-sample state. ``init_tries`` bounds
     the random-noise draws of the fallback start (``decision.find_start``, as ``hsja_init``)."""
     problem = ctx.problem
-    if problem.norm not in ("linf", "l2"):
-        raise BenchError(f"cisa supports norms linf and l2, got '{problem.norm}'")
     x, n, dev = problem.x, problem.n, problem.x.device
     shape = tuple(x.shape[1:])
 

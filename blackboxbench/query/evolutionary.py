@@ -81,8 +81,6 @@ def evolutionary_init(ctx, *, sub=2, mu=0.01, init_tries=100):
     paper), an empty evolution path, an identity covariance over the reduced space of factor ``sub`` (Table V: 2)
     and an empty success window."""
     problem = ctx.problem
-    if problem.norm not in ("linf", "l2"):
-        raise BenchError(f"evolutionary supports norms linf and l2, got '{problem.norm}'")
     n, dev = problem.n, problem.x.device
     m = math.prod(reduced_shape(problem.x.shape[1:], sub))
     x_start, found = blended_start(ctx, tries=init_tries)

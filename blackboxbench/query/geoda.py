@@ -189,8 +189,6 @@ def geoda_init(ctx, *, tol=1e-4, init_tries=100):
     classes, targeted the pool's images of the target class first, see ``decision.find_start``), then the
     bisection towards ``x`` to an L2 bracket of ``tol``."""
     problem = ctx.problem
-    if problem.norm not in ("linf", "l2"):
-        raise BenchError(f"geoda supports norms linf and l2, got '{problem.norm}'")
     n, dev = problem.n, problem.x.device
     x0, found = find_start(ctx, tries=init_tries)
     x_bd = to_boundary(ctx, x0, found, tol, claim_limit(problem))

@@ -125,8 +125,6 @@ def hsja_init(ctx, *, gamma=1.0, init_tries=100):
     samples with no hit fall back to the batch's images of other classes (see ``decision.find_start``).
     """
     problem = ctx.problem
-    if problem.norm not in ("linf", "l2"):
-        raise BenchError(f"hsja supports norms linf and l2, got '{problem.norm}'")
     d, n, dev = _dim(problem), problem.n, problem.x.device
     theta = torch.full((n,), gamma / (d ** 2 if problem.norm == "linf" else d ** 1.5), dtype=torch.float64,
                        device=dev)

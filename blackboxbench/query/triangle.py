@@ -43,7 +43,6 @@ import math
 
 import torch
 
-from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
 from .decision import blended_start, decision_state, known_dist, has_budget, query_adv
@@ -92,8 +91,6 @@ def triangle_init(ctx, *, init_alpha=PI / 2, init_tries=100):
     """``decision.blended_start`` (uniform noise up to ``init_tries`` draws, then the pool; a blend bisection
     towards ``x``); every sample's ``alpha`` starts at ``init_alpha`` (pi/2, the authors' value)."""
     problem = ctx.problem
-    if problem.norm not in ("linf", "l2"):
-        raise BenchError(f"triangle supports norms linf and l2, got '{problem.norm}'")
     n, dev = problem.n, problem.x.device
     x_bd, found = blended_start(ctx, tries=init_tries)
     dist = known_dist(problem, x_bd, found)
