@@ -85,8 +85,10 @@ def _records(run_dir, drop=("time", "check")):
 
 def records_by_batch_size(tmp_path, attack, norm, eps, targeted, budget=1000, model="test_digits_mlp_f64", **kw):
     """The records of one query run at batch sizes 1, 7 and 100 (more slots than samples) on a batch-invariant
-    model (random target labels when targeted); ``kw`` adds experiment keys (e.g. ``surrogates``)."""
+    model (random target labels when targeted), on 16 digits unless ``kw`` names a dataset; ``kw`` adds
+    experiment keys (e.g. ``surrogates``)."""
     runs = []
+    kw.setdefault("dataset", {"name": "digits", "n": 16})
     for bs in (1, 7, 100):
         threat = {"norm": norm, "eps": eps, "max_queries": budget, "targeted": targeted}
         if targeted:
@@ -107,7 +109,7 @@ def test_query_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, e
     targeted runs with random target labels included."""
     runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted)
     assert runs[0] == runs[1] == runs[2]
-    assert sum(r["success"] for r in runs[0]) >= 10  # the attack did something worth comparing
+    assert sum(r["success"] for r in runs[0]) >= 6  # the attack did something worth comparing
 
 
 def test_transfer_records_do_not_depend_on_the_batch_size(tmp_path):
@@ -261,15 +263,12 @@ class Jitter(nn.Module):
 @pytest.mark.parametrize("name,norm,eps", [("hsja_linf", "linf", 8 / 255), ("hsja_l2", "l2", 1.0),
                                            ("rays", "linf", 8 / 255)])
 def test_decision_attacks_survive_batch_dependent_logits(data_root, name, norm, eps):
-    """10 CIFAR-10 images, ResNet-20, 10,000 queries: with logits that move by 1e-3 with the batch size the ASR
-    stays within 2 points of the clean model's (measured: 10/10 both, for all three), and every recorded success
-    is adversarial again when each returned image is forwarded alone (batch size 1)."""
-    model = build_model("cifar_resnet20", data_root)
-    x, y = correctly_classified([model], data_root, n=10, pool=30)
-    asr = {}
-    for label, m in (("clean", model), ("jitter", Jitter(model))):
-        problem, res = run_query(name, m, x, y, eps, norm, budget=10_000)
-        check_outputs(problem, res, m, 10_000)  # every success again at batch size 1, on the same model
-        asr[label] = res.success.float().mean().item()
-    assert asr["jitter"] >= asr["clean"] - 0.02, asr
-    assert asr["clean"] >= 0.9
+    """6 CIFAR-10 images, ResNet-20, 10,000 queries, logits that move by 1e-3 with the batch size: every image is
+    fooled, as on the clean model (measured on the first 10: 10/10 with and without the jitter for all three; the
+    engine before the fix fooled 2/8 and 5/8 with HSJA), and every recorded success is adversarial again when each
+    returned image is forwarded alone (batch size 1). The clean model's success is tests/test_decision_attacks.py's."""
+    model = Jitter(build_model("cifar_resnet20", data_root))
+    x, y = correctly_classified([model.model], data_root, n=6, pool=30)
+    problem, res = run_query(name, model, x, y, eps, norm, budget=10_000)
+    check_outputs(problem, res, model, 10_000)  # every success again at batch size 1, on the same model
+    assert res.success.all(), res.queries

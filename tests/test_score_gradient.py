@@ -315,4 +315,4 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
     included): every sample's priors, sign vectors and chunk positions live in its own state rows."""
     runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted)
     assert runs[0] == runs[1] == runs[2]
-    assert sum(r["success"] for r in runs[0]) >= 10  # the attack did something worth comparing
+    assert sum(r["success"] for r in runs[0]) >= 6  # the attack did something worth comparing

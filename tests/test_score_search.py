@@ -485,4 +485,4 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
     """batch_size 1, 7 and 100 (more slots than samples) give identical records on a batch-invariant model."""
     runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted)
     assert runs[0] == runs[1] == runs[2]
-    assert sum(r["success"] for r in runs[0]) >= 10
+    assert sum(r["success"] for r in runs[0]) >= 6

@@ -291,7 +291,7 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
     runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted, budget,
                                  surrogates=["test_digits_cnn_f64"])
     assert runs[0] == runs[1] == runs[2]
-    assert sum(r["success"] for r in runs[0]) >= 10
+    assert sum(r["success"] for r in runs[0]) >= 6
 
 
 # ---------------------------------------------------------------- CIFAR-10 ResNet-56 with ResNet-20/32/44

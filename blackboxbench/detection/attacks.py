@@ -311,14 +311,16 @@ def hit(model, x, boxes, labels, iou_thr):
 
 
 @DET_CRAFT.register("ebad", paper=EBAD + " (eps 10/255, 20 PGD steps of 3 eps / 20, 10 queries, lr_w 0.01, "
-                    "success at IoU > 0.9)", ranges={"iterations": "int [1, inf)", "queries": "int [0, inf)",
-                                                     "lr_w": "[0, inf)", "conf_thr": "[0, 1]", "iou_thr": "[0, 1]"})
+                    "success at IoU > 0.9)", per_image=True,
+                    ranges={"iterations": "int [1, inf)", "queries": "int [0, inf)", "lr_w": "[0, inf)",
+                            "conf_thr": "[0, 1]", "iou_thr": "[0, 1]"})
 def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, iou_thr=0.9):
     """Ensemble-based black-box attack (mislabel): one random detected object relabelled to a class absent from
     the image, the others kept; PGD descent (step 3 eps / 20) of the weighted training losses of the surrogates,
     weights initialised to 1 / L_i; then up to ``queries`` weight updates, one surrogate in turn (w_i +- lr_w /
     L_i), each PGD rerun and judged by the victim's loss (the victim is the first surrogate, as in the benchmark);
-    an image stops at success (its target label at IoU > iou_thr). Weights are shared by the batch."""
+    an image stops at success (its target label at IoU > iou_thr). Runs one image at a time (``per_image``): each
+    image has its own weights, as in the authors' code."""
     p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
     victim = models[0]
     targets, vboxes, vlabels = relabel_one(ctx, conf_thr, "one")
@@ -348,9 +350,9 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
 
 
 @DET_CRAFT.register("caa", paper=CAA + " (eps 30/255, step 2/255, 50 iterations per plan, loss 4 L_FRCNN + "
-                    "L_YOLOv3, success at IoU > 0.3)", ranges={"iterations": "int [1, inf)", "alpha": "(0, 1]",
-                                                              "weights": "list [0, inf)", "conf_thr": "[0, 1]",
-                                                              "iou_thr": "[0, 1]"})
+                    "L_YOLOv3, success at IoU > 0.3)", per_image=True,
+                    ranges={"iterations": "int [1, inf)", "alpha": "(0, 1]", "weights": "list [0, inf)",
+                            "conf_thr": "[0, 1]", "iou_thr": "[0, 1]"})
 def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=0.3, iou_thr=0.3):
     """Context-aware attack, plans ap0 (relabel the victim object) and ap1 (relabel every object of its class,
     a context-consistent scene): each plan starts from the clean image and descends the weighted training losses
