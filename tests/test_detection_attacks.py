@@ -127,38 +127,16 @@ def test_config_errors(tmp_path, change, match):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("attack,overrides,metric", [
-    ("ebad_10", {}, "map"),
-    ("caa_30", {"blocks": {"craft": {"iterations": 10}}}, None),  # 50 per plan in the recipe
-    ("osfd", {}, None)])
-def test_benchmark_attacks_bound_and_effect(setup, attack, overrides, metric):
+# EBAD at eps 30 (the od benchmark's Tables 4-5) and CAA mislabel one object per image: CSR (recall at the
+# detector's operating point) must drop, AP_loc need not. Measured on these 4 images with the first surrogate
+# only: ebad_30 CSR -37.5 % (mAP -56.8 %), caa_30 -37.5 % (-47.7 %); on 16 images with two surrogates
+# (benchmarks/RESULTS.md): ebad_10 -27.6 %, ebad_30 -37.9 %, caa_10 -41.4 %, caa_30 -44.8 %. OSFD is held to its
+# bound only: it distorts the backbone's features, and the tiny detector's backbone is three convolutions.
+@pytest.mark.parametrize("attack,metric", [("ebad_30", "csr"), ("caa_30", "csr"), ("osfd", None)])
+def test_benchmark_attacks_bound_and_effect(setup, attack, metric):
     model, data = setup
-    records, s, t = run_recipe(attack, model, data.subset(range(4)), slots=4, overrides=overrides)
+    records, s, t = run_recipe(attack, model, data.subset(range(4)), slots=4)
     _check_bound(records, data, t)
-    assert t["eps"] == pytest.approx({"ebad_10": 10, "caa_30": 30, "osfd": 5}[attack] / 255)
+    assert t["eps"] == pytest.approx({"ebad_30": 30, "caa_30": 30, "osfd": 5}[attack] / 255)
     if metric:
         assert s["per_target"]["m"][f"drop_{metric}"] >= 0.3, s["per_target"]
-
-
-def test_phantom_sponges_is_universal_and_fabricates(setup):
-    from blackboxbench.detection.data import detection_images
-
-    model, data = setup
-    # 16 steps of 0.005 instead of up to 560 of 0.0005 (70 epochs of 8 batches), to keep the test short
-    recipe, src = load_recipe({"recipe": "phantom_sponges", "blocks": {"craft": {"epochs": 8, "lr": 0.005}}}, "test")
-    fam = FAMILY.get("detection")
-    t = finish_threat({}, recipe, fam, "test")
-    train = detection_images(None, "cpu", spec={"name": "shapes", "split": "train", "n": 16})
-    run = RunInputs(attack=build_attack(recipe, t, src), threat=t, data=data, models={"surrogates": [model],
-                    "targets": [model]}, model_names={"surrogates": ["m"], "targets": ["m"]},
-                    streams=Streams(0, N, "cpu"), device=torch.device("cpu"), slots=4, assets={"train": train},
-                    save_adv=True)
-    records = []
-    schedule(fam.worker(run), range(N), records.extend, lambda _: None)
-    assert len(train.cache) == 1  # learnt once, reused by the second batch
-    uap = next(iter(train.cache.values()))
-    assert uap.min() >= 0 and float(uap.flatten().norm()) <= t["eps"] + 1e-4
-    p = fam.summarize(records)["per_target"]["m"]
-    assert p["adv_n_det"] > p["clean_n_det"], p
-    for r in records:
-        assert r["l2"] <= t["eps"] + 1e-5

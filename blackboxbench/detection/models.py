@@ -22,7 +22,7 @@ from ..prep.models import _load_into, cached_or_trained, load_state, torchvision
 from ..registry import MODEL
 from .data import SHAPES, VOC_CLASSES, shapes
 
-TINY_VERSION = "v1"  # bump when a tiny detector or its training changes (names the cache file)
+TINY_VERSION = "v2"  # bump when a tiny detector or its training changes (names the cache file)
 TINY_SCORE_THR = 0.3  # the tiny detectors' own operating point (their scores are not calibrated like COCO models')
 # VOC class -> torchvision COCO category id (91-entry numbering), spec sheet section 3
 VOC_TO_COCO = (5, 2, 16, 9, 44, 6, 3, 17, 62, 21, 67, 18, 19, 4, 1, 64, 20, 63, 7, 72)
@@ -168,9 +168,12 @@ def _tiny_net(kind, width, num_classes, size):
 TINY = {"shapes_fcos": ("fcos", 32, 0), "shapes_fcos_b": ("fcos", 32, 1), "shapes_fcos_c": ("fcos", 32, 2)}
 
 
-def train_tiny(name, *, images=512, iterations=400, batch=8, lr=5e-3, size=64):
+def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
     """Train tiny detector ``name`` on the shapes train split, deterministically (seeded init and shuffling, one
-    CPU thread): Adam with a one-cycle schedule, the torchvision training losses."""
+    CPU thread): Adam with a one-cycle schedule, the torchvision training losses. 800 steps: at 400 the detector
+    found the boxes but barely told the classes apart (top label right on 62 % of the test objects, a median
+    score gap of 0.06 to the next label on the same box), so every box carried every class above the score
+    threshold and a mislabel attack could not lower CSR; at 800: 91 %, gap 0.45 (64 test images)."""
     kind, width, seed = TINY[name]
     data = shapes(None, n=images, size=size, split="train")
     with torch.random.fork_rng(devices=[]):
