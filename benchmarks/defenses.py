@@ -9,6 +9,9 @@ Sections (``--only`` runs one; otherwise all run; each prints a markdown table, 
   ``square_linf``, ``defense: jpeg``) vs ART's ``SquareAttack`` on a ``PyTorchClassifier`` with ART's
   ``JpegCompression`` preprocessor; ASR judged by each library's own defended model on its returned image.
   Target: within 5 pp.
+* ``aaa_decision``: why decision attacks move under AAA: ``--attacks`` (default hsja_linf, rays; Linf 8/255,
+  ``--budget`` queries, the first ``--n`` images) against no defense, AAA-Linear with 0 Adam steps (only its
+  ``floor(255 x) / 255`` input quantization), AAA-Linear and AAA-Sine.
 * ``board``: runs of ``configs/cifar10_defenses.yaml`` (``--attacks`` keeps a subset, ``--set`` overrides keys,
   e.g. ``--set dataset.n=16``), then the robustness leaderboard (CSV and PNG) and its wall time.
 
@@ -33,7 +36,7 @@ from blackboxbench.prep.data import resolve_data_root  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import DATASET  # noqa: E402
 
-SECTIONS = ("aaa_cost", "jpeg_art", "board")
+SECTIONS = ("aaa_cost", "jpeg_art", "aaa_decision", "board")
 
 
 def table(head, rows):
@@ -128,6 +131,29 @@ def section_jpeg_art(args, ctx):
             + f"\n\nASR gap: {'; '.join(gaps)} (target <= 5 pp)")
 
 
+def section_aaa_decision(args, ctx):
+    from blackboxbench.runner import run_tensors
+
+    model, data = ctx["m20"], ctx["data"]
+    x, y = data.x[:args.n], data.y[:args.n]
+    variants = [("none", None), ("quantization only (aaa_linear, 0 steps)", ("aaa_linear", {"iterations": 0})),
+                ("aaa_linear", ("aaa_linear", {})), ("aaa_sine", ("aaa_sine", {}))]
+    rows = []
+    for name in (args.attacks or "hsja_linf,rays").split(","):
+        attack, threat = _build(name, 8 / 255, args.budget)
+        for label, d in variants:
+            defenses = None if d is None else {"model": [[DEFENSE.get(d[0])(**d[1])]]}
+            t0 = time.perf_counter()
+            rec = [r for r in run_tensors(attack, threat, x, y, {"model": [model]}, seed=args.seed,
+                                          defenses=defenses) if r["attacked"]]
+            ok = [r["queries"] for r in rec if r["success"]]
+            rows.append((name, label, f"{len(ok)}/{len(rec)}", f"{statistics.mean(ok):.0f}" if ok else "-",
+                         f"{time.perf_counter() - t0:.0f}"))
+            print("  " + " | ".join(rows[-1]), flush=True)
+    return (f"Decision attacks under AAA: Linf 8/255, {args.budget} queries, the first {args.n} CIFAR-10 images "
+            f"(ResNet-20), seed {args.seed}\n\n" + table(("attack", "defense", "successes", "AQN", "wall s"), rows))
+
+
 def section_board(args, ctx):
     from blackboxbench.config import load_config
     from blackboxbench.robustness import export
@@ -180,7 +206,8 @@ def main():
     torch.set_num_threads(args.threads)
     root = resolve_data_root(None)
     ctx = {"m20": build_model("cifar_resnet20", data_root=root), "data": DATASET.get("cifar10")(root)}
-    impl = {"aaa_cost": section_aaa_cost, "jpeg_art": section_jpeg_art, "board": section_board}
+    impl = {"aaa_cost": section_aaa_cost, "jpeg_art": section_jpeg_art, "aaa_decision": section_aaa_decision,
+            "board": section_board}
     for name in args.only or SECTIONS:
         text = f"### {name}\n\n`python benchmarks/defenses.py {' '.join(sys.argv[1:])}`\n\n" + impl[name](args, ctx)
         print(text, flush=True)

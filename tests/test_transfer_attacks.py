@@ -308,8 +308,8 @@ def zoo(data_root):
 
 @pytest.fixture(scope="module")
 def batch(data_root, zoo):
-    """16 CIFAR-10 test images classified correctly by ResNet-20, -32 and -56 (clean error 0 on the batch)."""
-    return correctly_classified(list(zoo.values()), data_root, n=16, pool=300)
+    """10 CIFAR-10 test images classified correctly by ResNet-20, -32 and -56 (clean error 0 on the batch)."""
+    return correctly_classified(list(zoo.values()), data_root, n=10, pool=300)
 
 
 @pytest.fixture(scope="module")
