@@ -133,9 +133,9 @@ def test_aaa_keeps_top1_on_the_300_cifar_images(data_root):
 def test_aaa_near_ties_where_decision_attacks_work():
     """Where a decision attack works (top-2 margin near 0), AAA's Adam steps can swap the top two: AAA-Sine's
     target margin there is about 5.4 m, which the lr-0.1 steps overshoot, so about half the near ties flip;
-    AAA-Linear's reflected target keeps almost all. From a margin of 0.1 up neither flips. This (with the
-    floor(255 x) / 255 input quantization) is why HSJA's ASR moves under AAA on the robustness board, against
-    the paper's reading that AAA leaves decision attacks unchanged (benchmarks/RESULTS.md, issue 12)."""
+    AAA-Linear's reflected target keeps almost all. From a margin of 0.1 up neither flips. On HSJA's and RayS's
+    paths such ties are rare: what moves them under AAA is its floor(255 x) / 255 input quantization
+    (benchmarks/RESULTS.md, "Decision attacks under AAA")."""
     g = torch.Generator().manual_seed(0)
     z = torch.randn(4000, 10, generator=g) * 3
     top = z.topk(2, 1)
