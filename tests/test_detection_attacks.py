@@ -81,10 +81,13 @@ def test_dag_mislabels(setup):
     ("tog_vanishing", {}),
     # EBAD adapts its surrogate weights per image on batch-mean losses: a second, different surrogate makes the
     # weights matter, so a batched run would mix the images (it did before EBAD ran per image)
-    ("ebad_10", {"blocks": {"craft": {"iterations": 4, "queries": 2}}})])
+    ("ebad_10", {"blocks": {"craft": {"iterations": 4, "queries": 2}}}),
+    ("caa_10", {"blocks": {"craft": {"iterations": 4}}}),
+    ("dag", {"blocks": {"craft": {"iterations": 5}}}),
+    ("osfd", {"blocks": {"craft": {"iterations": 3}}})])
 def test_records_do_not_depend_on_batch_size(setup, attack, overrides):
     model, data = setup
-    extra = [build_model({"name": "shapes_fcos_b", "pretrained": False})] if attack.startswith("ebad") else []
+    extra = [build_model({"name": "shapes_fcos_b", "pretrained": False})] if attack[:4] in ("ebad", "caa_") else []
     a, _, _ = run_recipe(attack, model, data.subset(range(4)), slots=4, overrides=overrides, extra=extra)
     b, _, _ = run_recipe(attack, model, data.subset(range(4)), slots=1, overrides=overrides, extra=extra)
     assert all(torch.equal(r["_image"], q["_image"]) for r, q in zip(a, b))
