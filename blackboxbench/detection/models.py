@@ -215,8 +215,8 @@ def _register_tiny(name):
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = (f"Tiny {kind.upper()} ({width}-channel 3-conv backbone, init seed {seed}) trained on the "
-                     "synthetic shapes train split on first use (800 steps, ~25 s on one core) and cached; ``pretrained=False``: random "
-                     "init.")
+                     "synthetic shapes train split on first use (800 steps, ~25 s on one core) and cached; "
+                     "``pretrained=False``: random init.")
     MODEL.register(name, dataset="shapes", task="detection")(build)
 
 
