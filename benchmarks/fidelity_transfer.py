@@ -124,31 +124,49 @@ def nearest_di(torchattacks):
     return NearestDI
 
 
-def fidelity(models, surrogate, x, y, pool, md, only=None):
+def mean_sd(dicts):
+    """Per key: the mean and the (population) standard deviation over a list of {target: ASR} dicts."""
+    out = {}
+    for k in dicts[0]:
+        v = [d[k] for d in dicts]
+        m = sum(v) / len(v)
+        out[k] = (m, (sum((a - m) ** 2 for a in v) / len(v)) ** 0.5)
+    return out
+
+
+def fidelity(models, surrogate, x, y, pool, md, only=None, seeds=1):
+    """Ours and torchattacks' on the same images; with ``seeds`` > 1 both run once per seed (ours: the per-sample
+    streams of that seed; torchattacks: ``torch.manual_seed``) and the table gives mean ASRs, so a randomized
+    attack (DI draws one size and one coin per batch in torchattacks) is compared on its mean, not one draw."""
     rows = []
     for label, (recipe, peer) in peers().items():
         if only and label not in only:
             continue
-        atk = build(recipe)
-        t0 = time.perf_counter()
-        ours = run_ours(atk, surrogate, x, y, pool)
-        t_ours = time.perf_counter() - t0
-        torch.manual_seed(0)
-        ta = peer(surrogate)
-        t0 = time.perf_counter()
-        theirs = ta(x, y).detach()
-        t_ta = time.perf_counter() - t0
-        a, b = asr(models, ours, x, y), asr(models, quantize(theirs.clamp(0, 1), x), x, y)
-        rows.append((label, a, b, t_ours, t_ta))
-        print(label, {k: round(a[k] - b[k], 3) for k in a}, f"{t_ours:.1f}s / {t_ta:.1f}s", flush=True)
+        atk, a_runs, b_runs, t_ours, t_ta = build(recipe), [], [], 0.0, 0.0
+        for seed in range(seeds):
+            t0 = time.perf_counter()
+            ours = run_ours(atk, surrogate, x, y, pool, seed=seed)
+            t_ours += time.perf_counter() - t0
+            torch.manual_seed(seed)
+            ta = peer(surrogate)
+            t0 = time.perf_counter()
+            theirs = ta(x, y).detach()
+            t_ta += time.perf_counter() - t0
+            a_runs.append(asr(models, ours, x, y))
+            b_runs.append(asr(models, quantize(theirs.clamp(0, 1), x), x, y))
+        a, b = mean_sd(a_runs), mean_sd(b_runs)
+        rows.append((label, a, b, t_ours / seeds, t_ta / seeds))
+        print(label, {k: round(a[k][0] - b[k][0], 3) for k in a}, f"{t_ours:.1f}s / {t_ta:.1f}s", flush=True)
     names = list(models)
+    over = f", mean of {seeds} seeds (+- the seed-to-seed sd, pp)" if seeds > 1 else ""
     lines = ["", f"### Fidelity vs torchattacks 3.5.1 ({len(x)} CIFAR-10 images, surrogate ResNet-20, untargeted Linf "
-             f"{EPS}, step {ALPHA}, {STEPS} steps; ASR ours / torchattacks (difference, pp))", "",
+             f"{EPS}, step {ALPHA}, {STEPS} steps; ASR ours / torchattacks (difference, pp){over})", "",
              "| attack | " + " | ".join(names) + " | max abs diff pp | time ours s | time torchattacks s | ratio |",
              "|---|" + "---|" * (len(names) + 4)]
     for label, a, b, t1, t2 in rows:
-        diffs = [100 * (a[n] - b[n]) for n in names]
-        cells = [f"{a[n]:.2f} / {b[n]:.2f} ({d:+.0f})" for n, d in zip(names, diffs)]
+        diffs = [100 * (a[n][0] - b[n][0]) for n in names]
+        sd = (lambda n: f" +-{100 * a[n][1]:.0f}/{100 * b[n][1]:.0f}") if seeds > 1 else (lambda n: "")
+        cells = [f"{a[n][0]:.2f} / {b[n][0]:.2f} ({d:+.0f}{sd(n)})" for n, d in zip(names, diffs)]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {max(abs(d) for d in diffs):.0f} | {t1:.1f} | "
                      f"{t2:.1f} | {t1 / t2:.2f} |")
     write(md, lines)
@@ -322,6 +340,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", nargs="*", help="only these attacks (fidelity, timing: the labels; direction: recipes, i_fgsm always run)")
     ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--seeds", type=int, default=1, help="fidelity: run both sides once per seed, compare means")
     ap.add_argument("--composite-n", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--md", default=str(HERE / "transfer_fidelity.md"))
@@ -334,7 +353,7 @@ def main():
     surrogate = build_model("cifar_resnet20", root)
     models = {name: build_model(name, root) for name in TARGETS}
     if args.part in ("all", "fidelity"):
-        fidelity(models, surrogate, x, y, pool, args.md, only=args.only)
+        fidelity(models, surrogate, x, y, pool, args.md, only=args.only, seeds=args.seeds)
     if args.part in ("all", "timing"):
         k = args.timing_n
         timing(surrogate, x[:k], y[:k], pool, args.md, repeats=args.repeats, only=args.only)

@@ -37,6 +37,24 @@ from blackboxbench.threat import Problem  # noqa: E402
 ATTACKS = ["i_fgsm", "ila", "fia", "naa", "linbp", "sgm", "iaa", "ghostnet"]
 FEATURE = ("ila", "fia", "naa")
 TARGETS = ["cifar_resnet32", "cifar_resnet44", "cifar_resnet56", "oval_cifar_wide", "cifar_cnn_a_mix"]
+IMAGES = {"first100": "cifar10/cifar10_test_first100.npz", "sdp200": "cifar10/cifar10_test_sdp200.npz"}
+
+
+def refine(name, **params):
+    return {"blocks": {"refine": [{"name": name, **params}]}}
+
+
+# Parameter sweeps for the values Table VII gives only for ResNet-50 / VGG-19 / DenseNet (run them with
+# --images sdp200: values are chosen on the 200 extra images, never on the evaluation images)
+VARIANTS = {
+    **{f"sgm (gamma {g})": ("sgm", refine("sgm", gamma=g)) for g in (0.2, 0.5, 0.7, 0.8, 0.9)},
+    **{f"linbp ({pos})": ("linbp", refine("linbp", position=pos))
+       for pos in ("block2_0", "block2_2", "block3_0", "block3_1", "block3_2")},
+    **{f"ghostnet (r {r})": ("ghostnet", refine("ghost", r=r, p=0.1)) for r in (0.1, 0.22, 0.5, 1.0)},
+    **{f"fia ({layer})": ("fia", {"blocks": {"auxiliary": [{"name": "fia_aggregate", "layer": layer, "n_ens": 30,
+                                                              "drop": 0.3}]}})
+       for layer in ("stage1", "block2_0", "stage2", "block3_0")},
+}
 
 
 def build(name, eps, overrides=None):
@@ -67,13 +85,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--eps", type=float, default=0.03)
-    p.add_argument("--attacks", nargs="*", default=ATTACKS)
+    p.add_argument("--attacks", nargs="*", default=ATTACKS, help="recipes or labels of VARIANTS")
+    p.add_argument("--images", choices=tuple(IMAGES), default="first100")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="append the markdown table to this file")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     root = os.environ.get("BLACKBOXBENCH_DATA", str(REPO.parent / "shared" / "data"))
-    ds = DATASET.get("cifar10")(root, n=a.n, file="cifar10/cifar10_test_first100.npz")
+    ds = DATASET.get("cifar10")(root, n=a.n, file=IMAGES[a.images])
     x, y = ds.x, ds.y
     surrogate = build_model("cifar_resnet20", root)
     targets = {t: build_model(t, root) for t in TARGETS}
@@ -81,7 +100,8 @@ def main():
         keep = surrogate(x).argmax(1) == y
     rows, base_time = [], None
     for name in a.attacks:
-        atk = build(name, a.eps)
+        recipe, overrides = VARIANTS.get(name, (name, None))
+        atk = build(recipe, a.eps, overrides)
         x_adv, wall, secs = run_attack(atk, surrogate, x, y, a.eps)
         assert (x_adv - x).abs().max() <= a.eps + 1e-6 and torch.equal(x_adv * 255, (x_adv * 255).round())
         white, _ = asr(surrogate, x, x_adv, y, keep)
@@ -94,7 +114,7 @@ def main():
     counts = {t: n for t, (_, n) in rows[0][2].items()}
     head = "| attack | white-box R20 | " + " | ".join(f"{t} (n={counts[t]})" for t in TARGETS) + \
         " | mean transfer ASR | CPU s | CPU time / i_fgsm |"
-    lines = [f"Untargeted Linf {a.eps}, first {a.n} CIFAR-10 test images (data root), surrogate ResNet-20, "
+    lines = [f"Untargeted Linf {a.eps}, first {a.n} CIFAR-10 test images of {IMAGES[a.images]}, surrogate ResNet-20, "
              f"{a.threads} threads; ASR over the images the target and the surrogate classify correctly.", "",
              head, "|" + "---|" * (len(TARGETS) + 5)]
     for name, white, per, mean, secs in rows:

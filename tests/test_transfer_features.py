@@ -222,11 +222,13 @@ def test_linbp_residual_branch_gradient_renormalized_to_the_exact_norm():
     assert torch.equal(out, block(x))
     g, = torch.autograd.grad((out * w).sum(), xr)
     xb = x.clone().requires_grad_(True)
-    linear_branch = block.bn2(block.conv2(block.bn1(block.conv1(xb))))  # ReLU as identity (affine in eval)
-    g_lin = torch.autograd.grad(linear_branch, xb, w, retain_graph=True)[0]
-    g_exact = torch.autograd.grad(block.branch(xb), xb, w, retain_graph=True)[0]
+    g_sum = w * ((block.branch(x) + block.shortcut(x)) > 0).float()  # relu2 after the sum keeps its exact mask
+    linear_branch = block.bn2(block.conv2(block.bn1(block.conv1(xb))))  # relu1 as identity (affine in eval)
+    g_lin = torch.autograd.grad(linear_branch, xb, g_sum, retain_graph=True)[0]
+    g_exact = torch.autograd.grad(block.branch(xb), xb, g_sum, retain_graph=True)[0]
     alpha = g_exact.flatten(1).norm(dim=1) / g_lin.flatten(1).norm(dim=1)
-    g_skip = torch.autograd.grad(block.shortcut(xb), xb, w)[0]  # relu2 linear: w reaches the sum unchanged
+    g_skip = torch.autograd.grad(block.shortcut(xb), xb, g_sum)[0]
+    assert (g_sum == 0).any() and (g_sum != 0).any()  # the mask matters here
     assert torch.allclose(g, alpha.view(-1, 1, 1, 1) * g_lin + g_skip, atol=1e-5)
     for m in lin.layer3[0].linear.modules():
         assert type(m) is not nn.ReLU

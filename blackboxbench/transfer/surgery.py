@@ -133,8 +133,9 @@ class _RenormBranch(torch.autograd.Function):
 
 
 class LinBPBlock(nn.Module):
-    """A residual block after LinBP's position: linear backward through every ReLU of the block, the branch
-    gradient renormalized (:class:`_RenormBranch`); forward values are the block's."""
+    """A residual block after LinBP's position: linear backward through the ReLUs of the residual branch, the
+    branch gradient renormalized (:class:`_RenormBranch`); the ReLU after the residual sum keeps its exact
+    gradient (the authors' ``block_func`` applies the block's own ReLU there). Forward values are the block's."""
 
     def __init__(self, block):
         super().__init__()
@@ -144,7 +145,7 @@ class LinBPBlock(nn.Module):
 
     def forward(self, x):
         b = _RenormBranch.apply(x, self.linear, self.exact)
-        return self.linear.relu2(self.linear.merge(b, self.linear.shortcut(x)))
+        return self.exact.relu2(self.exact.merge(b, self.exact.shortcut(x)))
 
 
 def _linearize(root):
@@ -168,8 +169,10 @@ def _after(net, position):
 @REFINE.register("linbp", paper="Guo et al., Backpropagating Linearly Improves Transferability of Adversarial "
                                 "Examples (LinBP), NeurIPS 2020", norms=("linf", "l2"))
 def linbp(ctx, models, *, position="late"):
-    """LinBP: from ``position`` on, the backward pass treats every ReLU as the identity (the forward is
-    unchanged); in residual blocks past it the branch's input gradient is rescaled to the norm of the exact one.
+    """LinBP: from ``position`` on, the backward pass treats ReLUs as the identity (the forward is unchanged):
+    in residual blocks the ReLUs of the residual branch, whose input gradient is then rescaled to the norm of the
+    exact one, while the ReLU after the residual sum keeps its exact gradient (the authors' linbp_forw_resnet50 /
+    linbp_backw_resnet50); on a plain network every ReLU past the position.
     ``position`` ``late``: the first block of the last stage (Table VII: CIFAR ResNet-50 "1st bottleneck of the
     4th stage", code '4_0'; for ResNet-20 ``block3_0``); on a plain network the first ReLU of its second half.
     Not for ensembles (as the authors' code): one surrogate."""
