@@ -5,7 +5,8 @@ the authors' repository plots (``../shared/specs/attack-specs.md``, section 2 (c
 (``--only`` runs one; rows are printed as they finish; results go to ``--out``):
 
 * ``fidelity``: every recipe of the family on the first ``--n`` CIFAR-10 images, ResNet-20, untargeted, budget
-  10,000, at Linf 0.05, Linf 0.03 and L2 1.0 (the plots' settings; a recipe runs the norms it lists): ASR, mean /
+  10,000, at Linf 0.05, Linf 0.03 and L2 1.0 (the plots' settings; a recipe runs the norms it lists; the
+  surrogate recipes get ResNet-32/44/56 as surrogates, never the target): ASR, mean /
   median queries, images per second as a share of a bare forward at the slot size; then the orderings, each
   consecutive pair within a 15 % tie band (``aqn[a] <= 1.15 aqn[b]``), and the family's own checks.
   Score (issue 8): Linf 0.05: Square < SignHunter <= Bandits < Parsimonious < ZO-signSGD <= NES;
@@ -45,7 +46,12 @@ ORDERS = {"score": {"linf": ["square_linf", "signhunter", "bandits_linf", "parsi
           "decision": {"linf": ["sfa", "rays", "geoda_linf", "hsja_linf", "sign_opt"],
                        "l2": ["hsja_l2", "sign_opt", "geoda_l2", "evolutionary", "boundary"]}}
 WEAKEST_AT_LINF_003 = ("opt", "sign_opt")  # decision: the weakest in ASR at Linf 0.03 (spec section 2)
-SURROGATES = ["cifar_resnet20", "cifar_resnet32", "cifar_resnet44"]
+ZOO = ["cifar_resnet20", "cifar_resnet32", "cifar_resnet44", "cifar_resnet56"]
+
+
+def surrogates_for(target, models):
+    """The surrogates of a run on ``target``: the other three CIFAR ResNets (a surrogate is never the target)."""
+    return [m for name, m in models.items() if name != target]
 
 
 def family_recipes(family):
@@ -170,8 +176,8 @@ def main(argv=None):
     recipes = family_recipes(args.family)
     if args.recipes:
         recipes = {k: v for k, v in recipes.items() if k in args.recipes.split(",")}
-    m20, m56 = build_model("cifar_resnet20", root, device), build_model("cifar_resnet56", root, device)
-    surrogates = [build_model(s, root, device) for s in SURROGATES]
+    zoo = {name: build_model(name, root, device) for name in ZOO}
+    m20, m56 = zoo["cifar_resnet20"], zoo["cifar_resnet56"]
     status = 0
     if args.only in (None, "fidelity"):
         t0, bare = time.perf_counter(), bare_rate(m20, args.slots, device)
@@ -180,7 +186,8 @@ def main(argv=None):
         rows, lines = [], []
         for name, (norms, _) in recipes.items():
             for norm, eps in [(nm, e) for nm in norms for e in ((0.05, 0.03) if nm == "linf" else (1.0,))]:
-                r = run(name, norm, eps, m20, surrogates, x, y, device, args.slots, args.seed)
+                r = run(name, norm, eps, m20, surrogates_for("cifar_resnet20", zoo), x, y, device, args.slots,
+                        args.seed)
                 rows.append(r)
                 lines.append(line(r, bare))
                 print(lines[-1], flush=True)
@@ -197,7 +204,8 @@ def main(argv=None):
         rows, lines = [], []
         for name, (norms, _) in recipes.items():
             if "linf" in norms:
-                r = run(name, "linf", 2 / 255, m56, surrogates, x, y, device, args.slots, args.seed)
+                r = run(name, "linf", 2 / 255, m56, surrogates_for("cifar_resnet56", zoo), x, y, device,
+                        args.slots, args.seed)
                 rows.append(r)
                 lines.append(line(r, bare))
                 print(lines[-1], flush=True)

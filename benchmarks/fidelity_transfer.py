@@ -211,8 +211,9 @@ DIRECTION = {
     "rap": ours_recipe("rap", steps=40, blocks={"gradient": [{"name": "rap", "late_start": 10,
                                                                "inner_iterations": 5}]}),
     # at the recipes' own Table VII count (100 iterations untargeted)
-    "i_fgsm (100 it)": ours_recipe("i_fgsm", steps=100), "sia (100 it)": ours_recipe("sia", steps=100),
-    "si_fgsm (100 it)": ours_recipe("si_fgsm", steps=100),
+    **{f"{r} (100 it)": ours_recipe(r, steps=100)
+       for r in ("i_fgsm", "ni_fgsm", "pi_fgsm", "vt", "si_fgsm", "admix", "sia", "pgn")},
+    "rap (400 it)": ours_recipe("rap", steps=400),
 }
 
 
