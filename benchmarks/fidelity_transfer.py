@@ -214,6 +214,10 @@ DIRECTION = {
     **{f"{r} (100 it)": ours_recipe(r, steps=100)
        for r in ("i_fgsm", "ni_fgsm", "pi_fgsm", "vt", "si_fgsm", "admix", "sia", "pgn")},
     "rap (400 it)": ours_recipe("rap", steps=400),
+    # the paper's remedy for momentum over-accumulation (Sec. V-F, Fig. 19a): a smaller step at more iterations
+    "mi_fgsm (100 it)": ours_recipe("mi_fgsm", steps=100),
+    **{f"ni_fgsm (100 it, step {s})": {"recipe": "ni_fgsm", "hyper": {"iterations": 100, "alpha": s}}
+       for s in ("eps/100", "eps/30")},
 }
 
 

@@ -12,11 +12,11 @@ from blackboxbench.runner import run_tensors
 from blackboxbench.threat import Problem, dist
 
 
-def build(name, norm="linf", targeted=False, eps=1.0, iterations=None, **threat):
-    """The recipe ``name`` built by the library's builder for this setting (transfer: optional iterations).
-    Returns ``(attack, threat)``."""
-    recipe, source = load_recipe({"recipe": name, "hyper": {"iterations": iterations}} if iterations else name,
-                                 "tests")
+def build(name, norm="linf", targeted=False, eps=1.0, iterations=None, hyper=None, **threat):
+    """The recipe ``name`` built by the library's builder for this setting (transfer: optional iterations and
+    other ``hyper`` overrides). Returns ``(attack, threat)``."""
+    hyper = {**({"iterations": iterations} if iterations else {}), **(hyper or {})}
+    recipe, source = load_recipe({"recipe": name, "hyper": hyper} if hyper else name, "tests")
     t = {"norm": norm, "targeted": targeted, "eps": eps, **threat}
     if targeted:
         t["target_label"] = "specified"

@@ -326,6 +326,8 @@ FUZZ = [
     case("hyper alpha inf", tcfg("{recipe: i_fgsm, hyper: {alpha: .inf}}"), "attack.hyper.alpha", "finite"),
     case("hyper random_start negative", tcfg("{recipe: pgd, hyper: {random_start: -1}}"), "attack.hyper",
          "random_start >= 0"),
+    case("hyper copies_per_forward 1.5", tcfg("{recipe: si_fgsm, hyper: {copies_per_forward: 1.5}}"),
+         "attack.hyper.copies_per_forward", "integer >= 0"),
     case("model pretrained not bool", cfg(models="model: {name: digits_mlp, pretrained: 'yes'}"),
          "model.pretrained", "expected a boolean"),
     case("timm num_classes 0", cfg(models="model: {name: timm, arch: resnet18, num_classes: 0}"),

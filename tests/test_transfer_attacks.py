@@ -18,6 +18,7 @@ import yaml
 from scipy import ndimage
 from torch import nn
 
+from blackboxbench.context import Pool
 from blackboxbench.errors import BenchError
 from blackboxbench.registry import DIRECTION, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
 from blackboxbench.threat import Problem
@@ -295,6 +296,36 @@ def test_recipe_runs_deterministically_inside_the_ball(name, norm, targeted):
     assert not torch.equal(out, x)
     assert torch.equal(out, atk.run(ctx(1)))  # randomness only from the samples' streams
     assert torch.equal(out[2:], atk.run(ctx(1).sub(torch.tensor([2, 3]))))  # and per sample
+
+
+class RowCounter(nn.Module):
+    """TinyNet that records the batch size of every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.sizes = TinyNet().eval(), []
+
+    def forward(self, x):
+        self.sizes.append(len(x))
+        return self.net(x)
+
+
+@pytest.mark.parametrize("recipe,per,forwards", [("si_fgsm", 1, [4, 4, 4]), ("si_fgsm", 2, [8, 4]),
+                                                  ("si_fgsm", 0, [12]), ("admix", 4, [16, 16, 4])])
+def test_copies_per_forward_splits_forwards_not_the_gradient(recipe, per, forwards):
+    """``hyper.copies_per_forward``: the surrogate sees that many stacked copies per forward (0: all); the
+    gradient equals the one-batch gradient (si_fgsm: 3 copies, admix: 3 samples x 3 SI copies)."""
+    x = torch.rand(4, 3, 16, 16, generator=gen(3))
+    y = torch.tensor([0, 1, 2, 3])
+    grads = {}
+    for p in (0, per):
+        atk = build_recipe(recipe, "linf", False, 0.03, hyper={"iterations": 1, "copies_per_forward": p})[0]
+        net = RowCounter()
+        ctx = transfer_ctx(x, y, 0.03, "linf", None, net, atk.alpha, 5, 1).at(t=0, pool=Pool(x, y))
+        grads[p] = atk.grad_fn(ctx, {})(x)
+        if p == per:
+            assert net.sizes == forwards
+    torch.testing.assert_close(grads[per], grads[0], rtol=1e-5, atol=1e-7)
 
 
 # --------------------------------------------------------------------------- recipes on real models ----

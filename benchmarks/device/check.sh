@@ -6,6 +6,7 @@
 #    ASR on each and the difference (bar: 3 points); the runner checks every output and budget on both.
 # 2. The benchmark's throughput section on the GPU (wall time, images/s as a share of the bare forward, model
 #    calls) against torchattacks' Square and ART's HopSkipJump. Results also land in $OUT.
+# 3. SI / Admix / SIA with hyper.copies_per_forward 1 (the default) and 0 (all copies in one forward).
 # DEVICE=cpu and N/N_TP/N_HSJA let the script itself be tried on a CPU machine.
 set -uo pipefail
 device=${DEVICE:-cuda}
@@ -26,5 +27,8 @@ timeout "${BUDGET_ASR_S:-200}" python3 benchmarks/device/asr_cuda_vs_cpu.py conf
 timeout "${BUDGET_TP_S:-150}" python3 benchmarks/compare_peers.py --only throughput --device "$device" --eps 8/255 \
     --n-throughput "${N_TP:-300}" --n-hsja-throughput "${N_HSJA:-50}" --out "$out/RESULTS_device.md" 2>&1 \
     | tee "$out/throughput.log" | grep '^|\|^-'
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout "${BUDGET_COPIES_S:-60}" python3 benchmarks/transfer_copies.py --device "$device" --n "${N_COPIES:-100}" \
+    --repeats 2 2>&1 | tee "$out/copies.md"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status

@@ -11,7 +11,12 @@ blocks may use to keep per-sample tensors such as momentum):
   is ``ctx.aux`` of every later block; a value with a ``close()`` method (a feature hook) is closed when the
   batch ends, even on an error.
 * ``transform(ctx, x, **params) -> x'``: input transformation. It may return K stacked copies (K*n, C, H, W); the
-  loss then sees the label repeated K times. Listed transforms compose in order.
+  loss then sees the label repeated K times. Listed transforms compose in order. The surrogate sees
+  ``hyper.copies_per_forward`` copies per forward (default 1: one forward and backward per copy, as the authors'
+  ``general_grad`` loops over Admix samples and SI copies and as torchattacks does; on 2 CPU cores it is also the
+  faster way, see benchmarks/RESULTS.md); 0 forwards all K copies as one batch (faster on a GPU for small models;
+  the same gradient for any surrogate whose rows are independent, not for GhostNet, which draws a ghost per
+  forward).
 * ``loss(ctx, logits, label, **params) -> (N,)``: per-sample loss that the attack *maximizes*.
 * ``gradient(ctx, grad_fn, x, state, **params) -> grad``: gradient calculation; ``grad_fn(x)`` is the gradient
   of the summed loss of the transformed input, and a listed gradient block wraps the one before it.
@@ -70,6 +75,7 @@ class TransferAttack:
     refiners: List[Callable] = field(default_factory=list)
     auxiliaries: List[Callable] = field(default_factory=list)
     random_start: float = 0.0
+    copies_per_forward: int = 1
     meta: dict = field(default_factory=dict)
 
     def refine(self, ctx, models):
@@ -90,10 +96,20 @@ class TransferAttack:
             x = x.detach().requires_grad_(True)
             xt = _chain_transforms(ctx, transforms, x)
             k = xt.shape[0] // x.shape[0]
-            loss = self.loss(ctx, ctx.model(xt), label.repeat(k)).sum()
-            return torch.autograd.grad(loss, x)[0]
+            per = self.copies_per_forward or k
+            if per >= k:
+                loss = self.loss(ctx, ctx.model(xt), label.repeat(k)).sum()
+                return torch.autograd.grad(loss, x)[0]
+            # the model forwards ``per`` copies at a time; the transforms' graph is differentiated once
+            grads = [self._rows_grad(ctx, part, label.repeat(part.shape[0] // x.shape[0]))
+                     for part in xt.detach().split(per * x.shape[0])]
+            return torch.autograd.grad(xt, x, torch.cat(grads))[0]
 
         return fn
+
+    def _rows_grad(self, ctx, rows, label):
+        rows = rows.detach().requires_grad_(True)
+        return torch.autograd.grad(self.loss(ctx, ctx.model(rows), label).sum(), rows)[0]
 
     def grad_fn(self, ctx, state):
         """The gradient function at ``ctx`` (its model and loop position), wrapped by the gradient blocks; they
@@ -196,7 +212,7 @@ class TransferFamily(Family):
               "transform": BlockKind(TRANSFORM, many=True), "loss": BlockKind(LOSS, default="ce"),
               "gradient": BlockKind(GRADIENT, many=True),
               "direction": BlockKind(DIRECTION, many=True), "update": BlockKind(UPDATE, default="step")}
-    hyper = {"iterations": 1, "alpha": "eps/10", "random_start": 0}
+    hyper = {"iterations": 1, "alpha": "eps/10", "random_start": 0, "copies_per_forward": 1}
     model_keys = {"surrogates": ModelKey("surrogate", True, True), "targets": ModelKey("target", True, True)}
     record_fields = {"targets": (dict,)}
     surrogate_may_be_target = True  # a target equal to the surrogate reports the white-box success rate
@@ -209,12 +225,17 @@ class TransferFamily(Family):
             raise ConfigError("must be a positive integer", meta["source"], "attack.hyper.iterations")
         if hyper["alpha"] <= 0 or hyper["random_start"] < 0:
             raise ConfigError("alpha must be > 0 and random_start >= 0", meta["source"], "attack.hyper")
+        per = hyper["copies_per_forward"]
+        if int(per) != per or per < 0:
+            raise ConfigError("must be an integer >= 0 (0: all copies in one forward)", meta["source"],
+                              "attack.hyper.copies_per_forward")
         check_compatible(blocks, meta["source"])
         return TransferAttack(name, int(hyper["iterations"]), float(hyper["alpha"]), blocks["loss"],
                               blocks["update"], transforms=blocks["transform"], gradients=blocks["gradient"],
                               directions=blocks["direction"], refiners=blocks["refine"],
                               auxiliaries=blocks["auxiliary"],
-                              random_start=float(hyper["random_start"]), meta=meta)
+                              random_start=float(hyper["random_start"]), copies_per_forward=int(per),
+                              meta=meta)
 
     def worker(self, run):
         return TransferWorker(self, run)
