@@ -139,3 +139,20 @@ def test_all_point_ap_matches_torchmetrics(seed):
     assert abs(ours - _torchmetrics_map50(dets, gts)) <= 0.01
     assert abs(ours - _torchmetrics_map50(dets, gts, list(np.linspace(0, 1, 1001)))) <= 0.002
     assert eval_map(dets, gts)["map"] != ours  # 11-point differs from all-point on this scene
+
+
+def test_robustness_table_keeps_a_transfer_run_in_one_column():
+    """The adversarial-training table: a run crafted on the base detector and evaluated on the fine-tuned ones
+    (the od benchmark's protocol) is one column, the base detector's own row included; a white-box run is
+    labelled by its attack."""
+    from blackboxbench.detection.report import robustness_table
+
+    def row(run, attack, surrogate, target, clean, adv):
+        return {"run": run, "attack": attack, "surrogate": surrogate, "target": target, "clean_map": clean,
+                "adv_map": adv}
+
+    rows = [row("t", "tog", "base", "base", 0.9, 0.1), row("t", "tog", "base", "ft", 0.8, 0.7),
+            row("w", "tog", "ft", "ft", 0.8, 0.2)]
+    rl, cl, m = robustness_table(rows)
+    assert rl == ["base", "ft"] and cl == ["clean", "tog (base)", "tog"]
+    assert m[0][:2] == [0.9, 0.1] and np.isnan(m[0][2]) and m[1] == [0.8, 0.7, 0.2]

@@ -78,10 +78,14 @@ def transfer_matrix(rows):
 
 
 def robustness_table(rows):
-    """Rows target detector, columns attack (+ surrogate when it is not the target), adversarial mAP; a first
-    column ``clean`` with the clean mAP."""
+    """Rows target detector, columns attack, adversarial mAP; a first column ``clean`` with the clean mAP. A run
+    crafted on a surrogate and evaluated on other detectors (the od benchmark's protocol: fixed adversarial test
+    images from the base detector) is one column ``attack (surrogate)``, its surrogate's own row included; a
+    white-box run (surrogate = its only target) is labelled by the attack alone."""
+    transfer = {r["run"] for r in rows if r["surrogate"] != r["target"]}
+
     def col(r):
-        return r["attack"] if r["surrogate"] == r["target"] else f"{r['attack']} ({r['surrogate']})"
+        return f"{r['attack']} ({r['surrogate']})" if r["run"] in transfer else r["attack"]
 
     rl, cl, m = _matrix(rows, lambda r: r["target"], col, lambda r: r["adv_map"])
     clean = {}
