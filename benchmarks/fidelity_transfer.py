@@ -175,28 +175,38 @@ def fidelity(models, surrogate, x, y, pool, md, only=None, seeds=1):
 
 def timing(surrogate, x, y, pool, md, repeats=3, only=None):
     """Wall time of the same work, ours and torchattacks', alternating ``repeats`` times; the minimum of each
-    (the least disturbed run on a shared machine) and their ratio."""
+    (the least disturbed run on a shared machine), their ratio, and the median of the per-pair ratios (each of
+    our runs over the torchattacks run next to it: slow drifts of the machine cancel). The order alternates
+    (ours first, then torchattacks first), so neither side always runs after the other."""
     rows = []
     for label, (recipe, peer) in peers().items():
         if only and label not in only:
             continue
-        atk, best = build(recipe), [float("inf"), float("inf")]
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        atk, times = build(recipe), ([], [])
+
+        def ours():
             run_ours(atk, surrogate, x, y, pool)
-            best[0] = min(best[0], time.perf_counter() - t0)
+
+        def theirs():
             torch.manual_seed(0)
-            ta = peer(surrogate)
-            t0 = time.perf_counter()
-            ta(x, y)
-            best[1] = min(best[1], time.perf_counter() - t0)
-        rows.append((label, *best))
-        print(label, f"{best[0]:.2f}s / {best[1]:.2f}s = {best[0] / best[1]:.3f}", flush=True)
+            peer(surrogate)(x, y)
+
+        for r in range(repeats):  # A B, then B A: neither side always runs first
+            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                (ours, theirs)[side]()
+                times[side].append(time.perf_counter() - t0)
+        pairs = sorted(a / b for a, b in zip(*times))
+        rows.append((label, min(times[0]), min(times[1]), pairs[len(pairs) // 2]))
+        print(label, f"{rows[-1][1]:.2f}s / {rows[-1][2]:.2f}s = {rows[-1][1] / rows[-1][2]:.3f}, median pair "
+              f"ratio {rows[-1][3]:.3f}", flush=True)
     lines = ["", f"### Wall time vs torchattacks ({len(x)} images, {STEPS} steps, {torch.get_num_threads()} thread(s), "
-             f"minimum of {repeats} alternating runs)", "", "| attack | ours s | torchattacks s | ratio |",
-             "|---|---|---|---|"]
-    lines += [f"| {label} | {a:.2f} | {b:.2f} | {a / b:.3f} |" for label, a, b in rows]
+             f"{repeats} alternating runs)", "", "| attack | ours s (min) | torchattacks s (min) | ratio of minima | "
+             "median of per-pair ratios |", "|---|---|---|---|---|"]
+    lines += [f"| {label} | {a:.2f} | {b:.2f} | {a / b:.3f} | {m:.3f} |" for label, a, b, m in rows]
     write(md, lines)
+
+
 
 
 DIRECTION = {
