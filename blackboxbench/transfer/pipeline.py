@@ -14,9 +14,9 @@ blocks may use to keep per-sample tensors such as momentum):
   loss then sees the label repeated K times. Listed transforms compose in order. The surrogate sees
   ``hyper.copies_per_forward`` copies per forward (default 1: one forward and backward per copy, as the authors'
   ``general_grad`` loops over Admix samples and SI copies and as torchattacks does; on 2 CPU cores it is also the
-  faster way, see benchmarks/RESULTS.md); 0 forwards all K copies as one batch (faster on a GPU for small models;
-  the same gradient for any surrogate whose rows are independent, not for GhostNet, which draws a ghost per
-  forward).
+  faster way, see benchmarks/RESULTS.md); 0 forwards all K copies as one batch (fewer, larger calls, which a
+  launch-bound GPU may prefer: not measured yet). Both give the same gradient for any surrogate whose rows are
+  independent, not for GhostNet, which draws a ghost per forward.
 * ``loss(ctx, logits, label, **params) -> (N,)``: per-sample loss that the attack *maximizes*.
 * ``gradient(ctx, grad_fn, x, state, **params) -> grad``: gradient calculation; ``grad_fn(x)`` is the gradient
   of the summed loss of the transformed input, and a listed gradient block wraps the one before it.
