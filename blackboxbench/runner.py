@@ -280,13 +280,19 @@ class RecordWriter:
             self.sync()
 
     def sync(self):
+        """fsync the records and write the cumulative wall time; returns the wall time written."""
         os.fsync(self.file.fileno())
-        atomic_write(self.run_dir / "progress.json", json.dumps({"wall_time": self.wall()}))
+        wall = self.wall()
+        atomic_write(self.run_dir / "progress.json", json.dumps({"wall_time": wall}))
         self.synced = time.perf_counter()
+        return wall
 
     def close(self):
-        self.sync()
+        """Sync and close; returns the wall time written to ``progress.json``, which the summary reports too (a
+        rerun starts from that value, so the summary's wall time never decreases across reruns)."""
+        wall = self.sync()
         self.file.close()
+        return wall
 
 
 def save_png(path, image):
@@ -437,9 +443,9 @@ class Runner:
 
                 schedule(worker, pending, writer.write, on_progress)
         finally:
-            writer.close()
+            wall = writer.close()
             bar.close()
-        summary = self.summary([done[i] for i in range(n)], writer.wall())
+        summary = self.summary([done[i] for i in range(n)], wall)
         atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
 

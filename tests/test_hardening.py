@@ -199,6 +199,8 @@ def test_rerun_keeps_the_cumulative_wall_time(tmp_path):
     assert main(["run", str(path), "--quiet"]) == 0
     summary = _run_dir(tmp_path) / "summary.json"
     first = json.loads(summary.read_text())["wall_time"]
+    # the summary reports the wall time the rerun will start from (else a rerun could report less)
+    assert json.loads((summary.parent / "progress.json").read_text())["wall_time"] == first
     assert main(["run", str(path), "--quiet"]) == 0
     again = json.loads(summary.read_text())["wall_time"]
     assert first > 0.05 and first <= again < first + 1.0
