@@ -55,10 +55,14 @@ def build(recipe, targeted=False, eps=EPS, norm="linf"):
 
 
 def run_ours(atk, model, x, y, pool, seed=0):
+    """``atk`` on ``x`` (on the model's device); waits for a GPU to finish, so that wall clocks are fair."""
     problem = Problem(x=x, y=y, eps=EPS, norm="linf", num_classes=10)
-    ctx = BlockContext(problem=problem, rng=Streams(seed, len(x), "cpu").view(torch.arange(len(x))),
+    ctx = BlockContext(problem=problem, rng=Streams(seed, len(x), x.device).view(torch.arange(len(x))),
                        pool=pool, model=model, iterations=atk.iterations, alpha=atk.alpha)
-    return atk.run(ctx)
+    out = atk.run(ctx)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out
 
 
 def asr(models, x_adv, x, y):
@@ -207,8 +211,6 @@ def timing(surrogate, x, y, pool, md, repeats=3, only=None):
     write(md, lines)
 
 
-
-
 DIRECTION = {
     "i_fgsm": ours_recipe("i_fgsm"), "ni_fgsm": ours_recipe("ni_fgsm"), "pi_fgsm": ours_recipe("pi_fgsm"),
     "vt": ours_recipe("vt"), "si_fgsm": ours_recipe("si_fgsm"), "admix": ours_recipe("admix"),
@@ -224,7 +226,7 @@ DIRECTION = {
     **{f"{r} (100 it)": ours_recipe(r, steps=100)
        for r in ("i_fgsm", "ni_fgsm", "pi_fgsm", "vt", "si_fgsm", "admix", "sia", "pgn")},
     "rap (400 it)": ours_recipe("rap", steps=400),
-    # the paper's remedy for momentum over-accumulation (Sec. V-F, Fig. 19a): a smaller step at more iterations
+    # the paper's remedy for momentum over-accumulation (Sec. V, query number budget, Fig. 19a): a smaller step
     "mi_fgsm (100 it)": ours_recipe("mi_fgsm", steps=100),
     **{f"ni_fgsm (100 it, step {s})": {"recipe": "ni_fgsm", "hyper": {"iterations": 100, "alpha": s}}
        for s in ("eps/100", "eps/30")},

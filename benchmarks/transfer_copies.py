@@ -1,8 +1,8 @@
 """Wall time of the transfer attacks that stack copies (SI, Admix, SIA) with ``hyper.copies_per_forward`` 1 (one
 surrogate forward per copy, the default, as the authors' ``general_grad``) and 0 (all copies in one forward).
 
-Surrogate ResNet-20 of the data root, the first ``--n`` CIFAR-10 test images, untargeted Linf 0.03, ``--steps``
-iterations; the two settings alternate ``--repeats`` times and the minimum of each is kept. Prints one row per
+Surrogate ResNet-20 of the data root, the first ``--n`` CIFAR-10 test images, untargeted Linf 0.03
+(``fidelity_transfer.build`` / ``run_ours``), ``--steps`` iterations; the two settings alternate ``--repeats`` times and the minimum of each is kept. Prints one row per
 recipe as it finishes (markdown). Also the max abs difference of the two outputs (0 up to float rounding: the
 setting changes how the work is batched, not the gradient).
 
@@ -16,31 +16,10 @@ from pathlib import Path
 
 import torch
 
-from blackboxbench.builder import build_attack, load_recipe, recipe_family
-from blackboxbench.config import finish_threat
-from blackboxbench.context import BlockContext, Pool
+from blackboxbench.context import Pool
 from blackboxbench.prep.models import build_model
 from blackboxbench.registry import DATASET
-from blackboxbench.rng import Streams
-from blackboxbench.threat import Problem
-
-EPS = 0.03
-
-
-def build(recipe, steps, per):
-    rec, src = load_recipe({"recipe": recipe, "hyper": {"iterations": steps, "copies_per_forward": per}}, "bench")
-    t = finish_threat({"norm": "linf", "targeted": False, "eps": EPS}, rec, recipe_family(rec, src), src)
-    return build_attack(rec, t, src)
-
-
-def run(atk, model, x, y, pool, device):
-    problem = Problem(x=x, y=y, eps=EPS, norm="linf", num_classes=10)
-    ctx = BlockContext(problem=problem, rng=Streams(0, len(x), device).view(torch.arange(len(x))), pool=pool,
-                       model=model, iterations=atk.iterations, alpha=atk.alpha)
-    out = atk.run(ctx)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return out
+from fidelity_transfer import build, run_ours
 
 
 def main():
@@ -64,13 +43,14 @@ def main():
     print("| recipe | copies per forward 1 (s) | all in one forward (s) | ratio 1 / all | max abs diff |", flush=True)
     print("|---|---|---|---|---|", flush=True)
     for recipe in args.recipes:
-        atks = {per: build(recipe, args.steps, per) for per in (1, 0)}
-        run(atks[1], model, x[:2], y[:2], pool, device)  # warm-up
+        atks = {per: build({"recipe": recipe, "hyper": {"iterations": args.steps, "copies_per_forward": per}})
+                for per in (1, 0)}
+        run_ours(atks[1], model, x[:2], y[:2], pool)  # warm-up
         best, outs = {1: float("inf"), 0: float("inf")}, {}
         for _ in range(args.repeats):
             for per, atk in atks.items():
                 t0 = time.perf_counter()
-                outs[per] = run(atk, model, x, y, pool, device)
+                outs[per] = run_ours(atk, model, x, y, pool)
                 best[per] = min(best[per], time.perf_counter() - t0)
         diff = (outs[1] - outs[0]).abs().max().item()
         print(f"| {recipe} | {best[1]:.2f} | {best[0]:.2f} | {best[1] / best[0]:.3f} | {diff:.4f} |", flush=True)

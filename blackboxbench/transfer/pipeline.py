@@ -13,8 +13,8 @@ blocks may use to keep per-sample tensors such as momentum):
 * ``transform(ctx, x, **params) -> x'``: input transformation. It may return K stacked copies (K*n, C, H, W); the
   loss then sees the label repeated K times. Listed transforms compose in order. The surrogate sees
   ``hyper.copies_per_forward`` copies per forward (default 1: one forward and backward per copy, as the authors'
-  ``general_grad`` loops over Admix samples and SI copies and as torchattacks does; on 2 CPU cores it is also the
-  faster way, see benchmarks/RESULTS.md); 0 forwards all K copies as one batch (fewer, larger calls, which a
+  ``general_grad`` loops over Admix samples and SI copies and as torchattacks does; on 2 CPU cores it is 25-37 %
+  faster at 100 images, 1.4-1.6x slower at 4, see benchmarks/RESULTS.md); 0 forwards all K copies as one batch (fewer, larger calls, which a
   launch-bound GPU may prefer: not measured yet). Both give the same gradient for any surrogate whose rows are
   independent, not for GhostNet, which draws a ghost per forward.
 * ``loss(ctx, logits, label, **params) -> (N,)``: per-sample loss that the attack *maximizes*.
