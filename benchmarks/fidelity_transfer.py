@@ -11,8 +11,10 @@ Parts (``--part``, default all):
   parameters) and torchattacks', same eps 0.03, step 0.003, 10 steps, decay; per-target ASR, the difference, and
   the wall time of each (ratio ours / torchattacks, measured in this one run). ``--seeds k``: both sides run
   once per seed and the table compares mean ASRs (randomized attacks such as DI vary by 2-3 pp between seeds).
-* ``timing``: the same work timed again, ours and torchattacks' alternating three times on ``--timing-n`` images,
-  the minimum of each (a shared machine disturbs single runs) and the ratio.
+* ``timing``: the same work timed again, ours and torchattacks' alternating ``--repeats`` times on ``--timing-n``
+  images: the minimum of each (a shared machine disturbs single runs), their ratio, and the median of the per-pair
+  ratios with its 95 % sign-test interval (``--repeats`` >= 6). ``--malloc keep`` (the default, as ``blackboxbench
+  run``) sets glibc to keep freed memory for the whole process, both sides alike (:mod:`blackboxbench.malloc`).
 * ``direction``: untargeted Linf 0.03, every new recipe against ``i_fgsm``, mean transfer ASR over the targets.
   10 iterations (the original papers' count; the recipes' 100 cost 10x the CPU), RAP 40 with late start 10.
 * ``composites``: new blocks (cheap settings) x {alone, +MI, +DI, +NI} on the first ``--composite-n`` images, mean transfer ASR,
@@ -25,6 +27,7 @@ Appends its tables to ``--md`` (default benchmarks/transfer_fidelity.md).
 import argparse
 import copy
 import csv
+import math
 import os
 import sys
 import time
@@ -36,6 +39,7 @@ from blackboxbench.builder import build_attack, load_recipe, recipe_family
 from blackboxbench.config import finish_threat
 from blackboxbench.context import BlockContext, Pool
 from blackboxbench.errors import ConfigError
+from blackboxbench.malloc import keep_freed_memory
 from blackboxbench.prep.models import build_model
 from blackboxbench.registry import DATASET
 from blackboxbench.rng import Streams
@@ -177,11 +181,28 @@ def fidelity(models, surrogate, x, y, pool, md, only=None, seeds=1):
     write(md, lines)
 
 
-def timing(surrogate, x, y, pool, md, repeats=3, only=None):
+def median_ci(values, level=0.95):
+    """The median of ``values`` and a distribution-free confidence interval for it: the order statistics
+    x_(k) and x_(n+1-k) with the largest k such that P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (the sign-test
+    interval; it assumes only that the values are independent draws). (median, low, high); low / high are None
+    when ``values`` are too few for the level (n < 6 at 95 %)."""
+    v, n = sorted(values), len(values)
+    med = (v[(n - 1) // 2] + v[n // 2]) / 2
+    k, tail = 0, 0.0
+    while True:  # tail = P(Bin(n, 1/2) <= k)
+        tail += math.comb(n, k) / 2 ** n
+        if tail > (1 - level) / 2:
+            break
+        k += 1
+    return (med, v[k - 1], v[n - k]) if k >= 1 else (med, None, None)
+
+
+def timing(surrogate, x, y, pool, md, repeats=3, only=None, malloc="default"):
     """Wall time of the same work, ours and torchattacks', alternating ``repeats`` times; the minimum of each
     (the least disturbed run on a shared machine), their ratio, and the median of the per-pair ratios (each of
-    our runs over the torchattacks run next to it: slow drifts of the machine cancel). The order alternates
-    (ours first, then torchattacks first), so neither side always runs after the other."""
+    our runs over the torchattacks run next to it: slow drifts of the machine cancel) with its 95 % sign-test
+    interval (``repeats`` >= 6). The order alternates (ours first, then torchattacks first), so neither side
+    always runs after the other. Both sides run once untimed first (allocator and kernel warm-up)."""
     rows = []
     for label, (recipe, peer) in peers().items():
         if only and label not in only:
@@ -195,19 +216,22 @@ def timing(surrogate, x, y, pool, md, repeats=3, only=None):
             torch.manual_seed(0)
             peer(surrogate)(x, y)
 
+        ours(), theirs()
         for r in range(repeats):  # A B, then B A: neither side always runs first
             for side in ((0, 1) if r % 2 == 0 else (1, 0)):
                 t0 = time.perf_counter()
                 (ours, theirs)[side]()
                 times[side].append(time.perf_counter() - t0)
-        pairs = sorted(a / b for a, b in zip(*times))
-        rows.append((label, min(times[0]), min(times[1]), pairs[len(pairs) // 2]))
+        med, lo, hi = median_ci([a / b for a, b in zip(*times)])
+        rows.append((label, min(times[0]), min(times[1]), med, lo, hi))
+        ci = "" if lo is None else f" (95 % interval {lo:.3f}-{hi:.3f})"
         print(label, f"{rows[-1][1]:.2f}s / {rows[-1][2]:.2f}s = {rows[-1][1] / rows[-1][2]:.3f}, median pair "
-              f"ratio {rows[-1][3]:.3f}", flush=True)
+              f"ratio {med:.3f}{ci}", flush=True)
     lines = ["", f"### Wall time vs torchattacks ({len(x)} images, {STEPS} steps, {torch.get_num_threads()} thread(s), "
-             f"{repeats} alternating runs)", "", "| attack | ours s (min) | torchattacks s (min) | ratio of minima | "
-             "median of per-pair ratios |", "|---|---|---|---|---|"]
-    lines += [f"| {label} | {a:.2f} | {b:.2f} | {a / b:.3f} | {m:.3f} |" for label, a, b, m in rows]
+             f"{repeats} alternating runs, malloc {malloc})", "", "| attack | ours s (min) | torchattacks s (min) | ratio of minima | "
+             "median of per-pair ratios | 95 % interval of that median |", "|---|---|---|---|---|---|"]
+    lines += [f"| {label} | {a:.2f} | {b:.2f} | {a / b:.3f} | {m:.3f} | "
+              f"{'-' if lo is None else f'{lo:.3f}-{hi:.3f}'} |" for label, a, b, m, lo, hi in rows]
     write(md, lines)
 
 
@@ -370,7 +394,12 @@ def main():
     ap.add_argument("--composite-n", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--md", default=str(HERE / "transfer_fidelity.md"))
+    ap.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                    help="keep (as `blackboxbench run`): glibc keeps freed memory, for both sides of every "
+                         "comparison (the process is shared); default: glibc's own settings")
     args = ap.parse_args()
+    if args.malloc == "keep":
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     root = os.environ.get("BLACKBOXBENCH_DATA", str(HERE.parent.parent / "shared" / "data"))
     ds = DATASET.get("cifar10")(root, n=args.n, file="cifar10/cifar10_test_first100.npz")
@@ -382,7 +411,7 @@ def main():
         fidelity(models, surrogate, x, y, pool, args.md, only=args.only, seeds=args.seeds)
     if args.part in ("all", "timing"):
         k = args.timing_n
-        timing(surrogate, x[:k], y[:k], pool, args.md, repeats=args.repeats, only=args.only)
+        timing(surrogate, x[:k], y[:k], pool, args.md, repeats=args.repeats, only=args.only, malloc=args.malloc)
     if args.part in ("all", "direction"):
         direction(models, surrogate, x, y, pool, args.md, only=args.only and set(args.only) | {"i_fgsm"})
     if args.part in ("all", "composites"):

@@ -33,6 +33,9 @@ def cmd_run(args):
     from .leaderboard import export_csv
     from .runner import Runner, Session
 
+    if args.malloc == "keep":
+        from .malloc import keep_freed_memory
+        keep_freed_memory()
     experiments, opts = load_config(args.config, args.set)
     runners = [Runner(e, fresh=args.fresh, progress=not args.quiet) for e in experiments]  # validate all first
     session, summaries = Session(), []
@@ -100,6 +103,9 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of the same config")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep: glibc keeps freed memory for the next step (fewer page faults, faster CPU runs; "
+                        "blackboxbench/malloc.py); default: leave glibc's settings")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("leaderboard", help="export every run under a results directory as one CSV")
     p.add_argument("results")

@@ -1,0 +1,34 @@
+"""CPU runs: keep freed memory in the process instead of handing it back to the kernel after every step.
+
+PyTorch allocates CPU tensors with the C library's ``malloc``. glibc serves large blocks (the activations of a
+forward and backward) from fresh ``mmap`` regions or from the top of the heap, and returns them to the kernel when
+they are freed (``munmap``, heap trimming); the next step allocates them again and takes one page fault per 4 KiB
+page it touches. On a ResNet-20 transfer attack (64 CIFAR-10 images, 10 steps) that is about 130,000 page faults
+per run, a fifth of its wall time with two threads (the faulting threads serialize on the address-space lock).
+:func:`keep_freed_memory` turns both off (``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD`` 2 GiB), so the heap grows to the
+run's peak once and is reused; measured in ``benchmarks/RESULTS.md`` ("Page faults"). It changes no result, only
+where freed memory goes, and the peak resident size stays the same (the run needs its peak anyway).
+
+``blackboxbench run`` applies it at start (``--malloc default`` leaves glibc as it is). It is process-wide, so a
+library user calls it explicitly or not at all; on another C library (macOS, musl, Windows) it does nothing. GPU
+tensors do not use ``malloc`` (PyTorch's CUDA caching allocator already keeps its blocks).
+"""
+import ctypes
+import ctypes.util
+import platform
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+TRIM_THRESHOLD = 2 ** 31 - 1           # never trim the heap top (mallopt takes an int)
+
+
+def keep_freed_memory():
+    """glibc only: no ``mmap`` for large blocks and no heap trimming, process-wide. Returns whether it applied."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
