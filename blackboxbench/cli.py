@@ -104,7 +104,7 @@ def main(argv=None):
     p.add_argument("--fresh", action="store_true", help="discard earlier results of the same config")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--malloc", choices=("keep", "default"), default="keep",
-                   help="keep: glibc keeps freed memory for the next step (fewer page faults, faster CPU runs; "
+                   help="keep: glibc keeps freed memory for the next step (about 10x fewer page faults; "
                         "blackboxbench/malloc.py); default: leave glibc's settings")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("leaderboard", help="export every run under a results directory as one CSV")
