@@ -30,4 +30,9 @@ def _isolated_cache(tmp_path_factory):
     # One thread: small-batch forwards are 5-10x slower with two threads on a shared 2-core machine, and the
     # results do not depend on it. BLACKBOXBENCH_TEST_THREADS overrides.
     torch.set_num_threads(int(os.environ.get("BLACKBOXBENCH_TEST_THREADS", "1")))
+    # `blackboxbench run` sets glibc's allocator for its whole process; the tests that call it must not change the
+    # worker's allocator for the tests after them (tests/test_malloc.py checks the real one in child processes)
+    import blackboxbench.malloc as bmalloc
+    real, bmalloc.keep_freed_memory = bmalloc.keep_freed_memory, lambda: False
     yield
+    bmalloc.keep_freed_memory = real
