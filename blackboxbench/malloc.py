@@ -22,9 +22,14 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 TRIM_THRESHOLD = 2 ** 31 - 1           # never trim the heap top (mallopt takes an int)
 
 
+def is_glibc():
+    """Whether this process runs on Linux with glibc (the only C library :func:`keep_freed_memory` knows)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def keep_freed_memory():
     """glibc only: no ``mmap`` for large blocks and no heap trimming, process-wide. Returns whether it applied."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not is_glibc():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

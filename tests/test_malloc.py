@@ -1,6 +1,5 @@
 """``blackboxbench.malloc.keep_freed_memory`` (glibc keeps freed memory; fewer page faults) and the ``run --malloc``
 switch. The allocator setting is process-wide, so its effect is measured in child processes."""
-import platform
 import subprocess
 import sys
 
@@ -30,7 +29,7 @@ def _child(mode):
     return applied, int(faults)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.skipif(not bmalloc.is_glibc(), reason="glibc only")
 def test_keep_freed_memory_stops_the_page_faults_of_repeated_large_allocations():
     applied, kept = _child("keep")
     _, default = _child("default")
