@@ -165,8 +165,12 @@ def main(argv=None):
     ap.add_argument("--family", default="score", choices=tuple(ORDERS))
     ap.add_argument("--only", choices=("fidelity", "low_eps"))
     ap.add_argument("--recipes", default=None, help="comma-separated subset of the family's recipes")
+    ap.add_argument("--settings", default=None,
+                    help="comma-separated norm:eps subset of the fidelity settings, e.g. linf:0.05,l2:1")
     ap.add_argument("--out", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
+    wanted = None if args.settings is None else {(s.split(":")[0], float(s.split(":")[1]))
+                                                 for s in args.settings.split(",")}
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -185,7 +189,8 @@ def main(argv=None):
         print("\n".join(HEADER), flush=True)
         rows, lines = [], []
         for name, (norms, _) in recipes.items():
-            for norm, eps in [(nm, e) for nm in norms for e in ((0.05, 0.03) if nm == "linf" else (1.0,))]:
+            for norm, eps in [(nm, e) for nm in norms for e in ((0.05, 0.03) if nm == "linf" else (1.0,))
+                              if wanted is None or (nm, e) in wanted]:
                 r = run(name, norm, eps, m20, surrogates_for("cifar_resnet20", zoo), x, y, device, args.slots,
                         args.seed)
                 rows.append(r)

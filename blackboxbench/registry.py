@@ -8,9 +8,11 @@ A parameter's type comes from its default (a float default takes an int or a flo
 default an int; a bool default a bool; a str default a str; a None default anything). A registry entry declares
 ranges at registration, ``ranges={"p_init": "(0, 1]", "n_iters": "int [1, inf)"}``: an interval with open
 ``( )`` or closed ``[ ]`` ends, ``inf`` allowed at an open end, optionally preceded by ``int`` (an integer),
-``odd`` (an odd integer) or ``list`` (a list of numbers, each inside); or a tuple of the allowed values,
-``("geometric_progression",)``. A declared ``int``/``odd``/``list`` is also the type of a parameter whose
-default is None; a plain interval on it means a number.
+``odd`` (an odd integer), ``list`` (a list of numbers, each inside) or ``arch`` (a number, or a per-architecture
+mapping ``{pattern: number, ..., default: number}`` resolved per model by
+:func:`blackboxbench.prep.layers.per_arch`, as Table VII gives several values per surrogate architecture); or a
+tuple of the allowed values, ``("geometric_progression",)``. A declared ``int``/``odd``/``list``/``arch`` is also
+the type of a parameter whose default is None; a plain interval on it means a number.
 """
 import difflib
 import inspect
@@ -36,8 +38,8 @@ def close_matches(name, choices):
 
 # ---------------------------------------------------------------- parameter ranges
 
-_INTERVAL = re.compile(r"(?:(int|odd|list)\s+)?([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])")
-KIND_TYPES = {"real": (int, float), "int": (int,), "odd": (int,), "list": (list, tuple)}
+_INTERVAL = re.compile(r"(?:(int|odd|list|arch)\s+)?([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])")
+KIND_TYPES = {"real": (int, float), "int": (int,), "odd": (int,), "list": (list, tuple), "arch": (int, float, dict)}
 
 
 def _fmt(x):
@@ -46,7 +48,8 @@ def _fmt(x):
 
 @dataclass(frozen=True)
 class Interval:
-    """A declared range: ``lo``..``hi``, each end open or closed; ``kind`` real, int, odd or list (each item)."""
+    """A declared range: ``lo``..``hi``, each end open or closed; ``kind`` real, int, odd, list (each item) or
+    arch (the number, or each value of a per-architecture mapping)."""
 
     lo: float
     hi: float
@@ -62,7 +65,7 @@ class Interval:
             iv = cls(float(lo), float(hi), left == "(", right == ")", kind or "real")
         except (AttributeError, ValueError):
             raise BenchError(f"range {text!r}: expected an interval such as '(0, 1]', 'int [1, inf)', "
-                             "'odd [1, inf)' or 'list [0, inf)'") from None
+                             "'odd [1, inf)', 'list [0, inf)' or 'arch [0, 1]'") from None
         if math.isnan(iv.lo) or math.isnan(iv.hi) or iv.lo > iv.hi or (iv.lo == -math.inf and not iv.lo_open) \
                 or (iv.hi == math.inf and not iv.hi_open):
             raise BenchError(f"range {text!r}: need lo <= hi, and inf only at an open end")
@@ -81,6 +84,13 @@ class Interval:
         if self.kind == "list":
             bad = [v for v in value if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in self]
             return f"each value must be a number in {self}, got {value!r}" if bad else None
+        if self.kind == "arch" and isinstance(value, dict):
+            if "default" not in value:
+                return f"a per-architecture mapping needs a 'default' entry, got {value!r}"
+            bad = {k: v for k, v in value.items() if not isinstance(k, str) or isinstance(v, bool)
+                   or not isinstance(v, (int, float)) or v not in self}
+            return (f"a per-architecture mapping takes architecture patterns to numbers in {self}, got "
+                    f"{bad!r}") if bad else None
         if self.kind == "odd" and value % 2 == 0 or value not in self:
             return f"must be {'an odd integer ' if self.kind == 'odd' else ''}in {self}, got {value!r}"
         return None
@@ -164,7 +174,7 @@ def block_params(fn):
 
 _DEFAULT_TYPES = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
 _TYPE_NAMES = {(bool,): "a boolean", (int,): "an integer", (int, float): "a number", (str,): "a string",
-               (list, tuple): "a list"}
+               (list, tuple): "a list", (int, float, dict): "a number or a per-architecture mapping"}
 
 
 def param_rule(fn, param):

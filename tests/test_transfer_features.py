@@ -19,10 +19,10 @@ from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.prep.cifar_resnet import CifarResNet
-from blackboxbench.prep.layers import get_layer
+from blackboxbench.prep.layers import arch_id, get_layer, per_arch
 from blackboxbench.prep.models import build_model
-from blackboxbench.registry import AUXILIARY, LOSS, REFINE
-from blackboxbench.transfer.surgery import GhostAdd, GhostDropout, LinBPBlock, residual_blocks
+from blackboxbench.registry import AUXILIARY, LOSS, REFINE, ParamError, check_params
+from blackboxbench.transfer.surgery import GhostAdd, GhostDropout, LinBPBlock, SkipGradientAdd, residual_blocks
 
 from attack_utils import build as build_recipe
 from attack_utils import check_output, correctly_classified, refine_ctx, transfer_ctx
@@ -322,8 +322,38 @@ def test_recipes_cite_table_vii_and_build():
                 assert atk.iterations == (300 if targeted else 100) and atk.alpha == pytest.approx(eps / 10)
     ila = build_recipe("ila", "linf", True, 0.03)[0]
     assert ila.auxiliaries[0].keywords == {"layer": "mid", "iterations": 30}  # Table VII: baseline 10 / 30
-    assert build_recipe("sgm", "linf", False, 0.03)[0].refiners[0].keywords == {"gamma": 0.5}
-    assert build_recipe("ghostnet", "linf", False, 0.03)[0].refiners[0].keywords == {"r": 1.0, "p": 0.1}
+    # Table VII per architecture (CIFAR-10 column: ResNet-50 the default); the CIFAR ResNets' values are chosen on
+    # held-out images (recipe notes)
+    assert build_recipe("sgm", "linf", False, 0.03)[0].refiners[0].keywords == {
+        "gamma": {"cifar_resnet*": 0.8, "default": 0.5}}
+    assert build_recipe("ghostnet", "linf", False, 0.03)[0].refiners[0].keywords == {
+        "r": {"cifar_resnet*": 0.22, "default": 1.0}, "p": {"inception*": 0.2, "default": 0.1}}
+
+
+# ------------------------------------------------------------------------- per-architecture parameters ----
+
+def test_per_arch_values_follow_the_zoo_name():
+    zoo = build_model({"name": "cifar_resnet20", "pretrained": False})
+    plain = small_resnet()  # no zoo name: its class name
+    assert arch_id(zoo) == "cifar_resnet20" and arch_id(plain) == "cifarresnet"
+    table = {"cifar_resnet*": 0.22, "cifar*": 0.5, "default": 1.0}
+    assert per_arch(table, zoo) == 0.22  # the first matching pattern, in order
+    assert per_arch(table, plain) == 0.5 and per_arch({"resnet50": 0.3, "default": 1.0}, plain) == 1.0
+    assert per_arch(0.7, zoo) == 0.7
+    gammas = {b.merge.gamma for _, b in residual_blocks(REFINE.get("sgm")(refine_ctx(), [zoo], gamma=table)[0])}
+    rs = {b.merge.r for _, b in residual_blocks(REFINE.get("ghost")(refine_ctx(), [zoo, plain], r=table)[1])}
+    assert gammas == {0.22} and rs == {0.5}
+    assert all(isinstance(b.merge, SkipGradientAdd) for _, b in residual_blocks(
+        REFINE.get("sgm")(refine_ctx(), [plain], gamma=0.3)[0]))
+
+
+@pytest.mark.parametrize("value,message", [({"cifar_resnet*": 0.8}, "needs a 'default' entry"),
+                                           ({"cifar_resnet*": 1.5, "default": 0.5}, "patterns to numbers in"),
+                                           ({"default": "x"}, "patterns to numbers in"), ("0.5", "a per-architecture")])
+def test_per_arch_mapping_errors_are_one_line(value, message):
+    with pytest.raises(ParamError, match=message) as e:
+        check_params(REFINE.get("sgm"), {"gamma": value}, where="recipe sgm: ")
+    assert "\n" not in str(e.value) and str(e.value).startswith("recipe sgm: gamma:")
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -369,12 +399,10 @@ def transfer_run(data_root):
 @pytest.mark.parametrize("name", NEW)
 def test_recipe_on_resnet20_transfers_to_resnet56(name, transfer_run):
     """White-box success on the (unmodified) surrogate and transfer far above ResNet-56's clean error (0 on these
-    images). GhostNet attacks a fresh ghost (lambda in [0, 2] at r = 1) at every step, so 20 steps leave it
-    weaker on the original network. The ordering against I-FGSM is the benchmark's (100 images, 100 steps,
+    images). The ordering against I-FGSM is the benchmark's (100 images, 100 steps,
     benchmarks/fidelity_transfer_features.py); here only NAA's claim is checked: at least I-FGSM's transfer."""
     white, transfer = transfer_run(name)
     print(f"\n{name}: white-box {white:.3f}, ResNet-56 {transfer:.3f} (i_fgsm {transfer_run('i_fgsm')[1]:.3f})")
-    assert white >= (0.75 if name == "ghostnet" else 0.95)
-    assert transfer >= (0.25 if name == "ghostnet" else 0.5)
+    assert white >= 0.95 and transfer >= 0.5
     if name == "naa":
         assert transfer >= transfer_run("i_fgsm")[1]

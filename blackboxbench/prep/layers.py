@@ -18,6 +18,7 @@ the 4th stage" = the first block of the last stage; the second half of a plain n
 reachable by its dotted path (``layer2.0.conv1``, ``net.`` prefix of the wrapper omitted). An unknown name is
 a one-line error listing the valid names.
 """
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -122,6 +123,23 @@ def layer_map(model):
         if found is not None:
             return LayerMap(type(net).__name__, net, *found)
     return LayerMap(type(net).__name__, net)
+
+
+def arch_id(model):
+    """The architecture name of ``model``: the one :func:`~blackboxbench.prep.models.build_model` gives it (the
+    zoo name, e.g. ``cifar_resnet20``, or the architecture of a ``timm:`` / ``torchvision:`` spec, e.g.
+    ``resnet50``), else the network's class name in lower case."""
+    return getattr(model, "arch_id", None) or type(unwrap(model)).__name__.lower()
+
+
+def per_arch(value, model):
+    """The value of a per-architecture parameter for ``model`` (Table VII gives some per surrogate architecture):
+    ``value`` itself when it is a number, else the value of the first pattern of the mapping (``fnmatch``, in
+    order, ``default`` aside) that matches :func:`arch_id`, else its ``default``."""
+    if not isinstance(value, dict):
+        return value
+    name = arch_id(model)
+    return next((v for k, v in value.items() if k != "default" and fnmatch.fnmatchcase(name, k)), value["default"])
 
 
 def get_layer(model, name, what="layer"):

@@ -80,8 +80,12 @@ def _create(spec, data_root, **extra):
 
 
 def build_model(spec, data_root=None, device="cpu"):
-    """Build a zoo model from ``spec``: frozen, in eval mode, on ``device``."""
+    """Build a zoo model from ``spec``: frozen, in eval mode, on ``device``; ``model.arch_id`` names its
+    architecture (the zoo name, or the ``arch`` of a ``timm:`` / ``torchvision:`` spec) for per-architecture
+    parameters (:func:`blackboxbench.prep.layers.per_arch`)."""
     model = _create(spec, data_root)
+    name, params = parse_spec(spec)
+    model.arch_id = str(params.get("arch", name))
     model.requires_grad_(False)
     return model.eval().to(device)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import BenchError
 from ..prep.cifar_resnet import ResidualAdd
-from ..prep.layers import layer_map, unwrap
+from ..prep.layers import layer_map, per_arch, unwrap
 from ..registry import REFINE
 
 
@@ -84,19 +84,20 @@ class SkipGradientAdd(ResidualAdd):
 
 @REFINE.register("sgm", paper="Wu et al., Skip Connections Matter: On the Transferability of Adversarial "
                               "Examples Generated with ResNets (SGM), ICLR 2020", norms=("linf", "l2"),
-                 ranges={"gamma": "[0, 1]"}, surrogate="residual")
+                 ranges={"gamma": "arch [0, 1]"}, surrogate="residual")
 def sgm(ctx, models, *, gamma=0.5):
     """Skip gradient method: in every residual block the gradient through the residual branch is multiplied by
     ``gamma`` and the skip's is kept (the paper's definition; forward unchanged). ``gamma`` 0.5: Table VII,
-    CIFAR-10 ResNet-50 (ImageNet 0.2). The authors' code instead hooks the ReLUs (gamma^0.5 each in Bottlenecks)
-    and normalizes each block's input gradient by its std: not done here."""
+    CIFAR-10 ResNet-50 (ImageNet 0.2); a per-architecture mapping gives each surrogate its own
+    (:func:`~blackboxbench.prep.layers.per_arch`). The authors' code instead hooks the ReLUs (gamma^0.5 each in
+    Bottlenecks) and normalizes each block's input gradient by its std: not done here."""
     out = _copies(models, "sgm")
     for net in out:
         blocks = residual_blocks(net)
         if not blocks:
             raise _no_residual("sgm", net)
         for _, b in blocks:
-            b.merge = SkipGradientAdd(gamma)
+            b.merge = SkipGradientAdd(per_arch(gamma, net))
     return out
 
 
@@ -265,20 +266,21 @@ class GhostDropout(nn.Module):
 
 
 @REFINE.register("ghost", paper="Li et al., Learning Transferable Adversarial Examples via Ghost Networks, "
-                                "AAAI 2020", norms=("linf", "l2"), ranges={"r": "[0, 1]", "p": "[0, 1)"})
+                                "AAAI 2020", norms=("linf", "l2"), ranges={"r": "arch [0, 1]", "p": "arch [0, 1)"})
 def ghost(ctx, models, *, r=1.0, p=0.1):
     """Ghost network: a residual surrogate gets skip erosion (every block computes branch + lambda * skip with
     lambda ~ U[1 - ``r``, 1 + ``r``] redrawn at every forward); a surrogate without residual blocks gets dropout
     erosion (inverted dropout with probability ``p`` after every activation, a fresh mask at every forward). So
     each iteration attacks a new ghost (a longitudinal ensemble). Table VII CIFAR-10: r 1 (ResNet-50), p 0.1
-    (VGG-19). The draws come from the run's random stream ``ctx.rng`` (one lambda per block per forward, as the
-    authors, shared by the samples of the forward): unlike the other transfer attacks, a sample's result then
-    depends on the batches before it and on its batch."""
+    (VGG-19); ``r`` and ``p`` may be per-architecture mappings (:func:`~blackboxbench.prep.layers.per_arch`).
+    The draws come from the run's random stream ``ctx.rng`` (one lambda per block per forward, as the authors,
+    shared by the samples of the forward): unlike the other transfer attacks, a sample's result then depends on
+    the batches before it and on its batch."""
     out = _copies(models, "ghost")
     for net in out:
         blocks = residual_blocks(net)
         for _, b in blocks:
-            b.merge = GhostAdd(r, ctx.rng)
+            b.merge = GhostAdd(per_arch(r, net), ctx.rng)
         if blocks:
             continue
         root = unwrap(net)
@@ -288,5 +290,5 @@ def ghost(ctx, models, *, r=1.0, p=0.1):
             raise BenchError(f"refine 'ghost': the surrogate {_arch(net)} has neither residual blocks nor ReLU "
                              "modules to erode")
         for par, name, c in acts:
-            setattr(par, name, nn.Sequential(c, GhostDropout(p, ctx.rng)))
+            setattr(par, name, nn.Sequential(c, GhostDropout(per_arch(p, net), ctx.rng)))
     return out
