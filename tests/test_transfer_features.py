@@ -20,7 +20,7 @@ from torch import nn
 from blackboxbench.errors import BenchError
 from blackboxbench.prep.cifar_resnet import CifarResNet
 from blackboxbench.prep.layers import arch_id, get_layer, per_arch
-from blackboxbench.prep.models import build_model
+from blackboxbench.prep.models import Normalized, build_model, input_mean
 from blackboxbench.registry import AUXILIARY, LOSS, REFINE, ParamError, check_params
 from blackboxbench.transfer.surgery import GhostAdd, GhostDropout, LinBPBlock, SkipGradientAdd, residual_blocks
 
@@ -111,6 +111,29 @@ def test_ila_baseline_and_projection_loss_match_a_hand_reference():
     finally:
         aux["ila"].close()
     assert not get_layer(net, "stage2")._forward_hooks
+
+
+def test_fia_masks_the_normalized_input_by_default():
+    """``fill: mean`` (the recipe's, as the FIA authors' code and BlackboxBench's fia_loss): the masks multiply the
+    normalized input, so a dropped pixel is the model's normalization mean; ``fill: zero``: black, on the [0, 1]
+    image. The reference feeds the inner network the masked normalized input directly."""
+    inner = small_resnet(1)
+    net = Normalized(inner, (0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261))
+    assert input_mean(net) is net.mean and input_mean(inner) is None
+    x, y = images(3, 2)
+    weights = {}
+    for fill in ("mean", "zero"):
+        aux = AUXILIARY.get("fia_aggregate")(ctx_for(net, x, y, seed=4), layer="stage1", n_ens=4, drop=0.3,
+                                             fill=fill)
+        aux["fia"].close()
+        replay = ctx_for(net, x, y, seed=4)
+        masks = [(replay.rng.uniform(x.shape[1:]) >= 0.3).float() for _ in range(4)]
+        z = (x - net.mean) / net.std
+        total = sum(logit_grad_loop(inner, "stage1", z * m, y) if fill == "mean" else
+                    logit_grad_loop(net, "stage1", x * m, y) for m in masks)
+        weights[fill] = aux["fia"].tensors["weight"]
+        assert torch.allclose(weights[fill], unit(total), atol=1e-5)
+    assert not torch.allclose(weights["mean"], weights["zero"], atol=1e-3)
 
 
 def test_fia_aggregate_gradient_matches_a_per_sample_loop():

@@ -79,6 +79,14 @@ def _create(spec, data_root, **extra):
     return fn(data_root, **params)
 
 
+def input_mean(model):
+    """The per-channel mean the first :class:`Normalized` inside ``model`` (itself included) subtracts from its
+    [0, 1] input, (1, C, 1, 1), or None (no normalization inside)."""
+    inner = next((m for m in model.modules() if isinstance(m, Normalized)), None) \
+        if isinstance(model, nn.Module) else None
+    return None if inner is None else inner.mean
+
+
 def build_model(spec, data_root=None, device="cpu"):
     """Build a zoo model from ``spec``: frozen, in eval mode, on ``device``; ``model.arch_id`` names its
     architecture (the zoo name, or the ``arch`` of a ``timm:`` / ``torchvision:`` spec) for per-architecture

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import BenchError
 from ..prep.layers import FeatureTap, get_layer
+from ..prep.models import input_mean
 from ..registry import AUXILIARY, LOSS, UPDATE
 
 
@@ -109,21 +110,24 @@ def ila(ctx, logits, label):
 
 @AUXILIARY.register("fia_aggregate", paper="Wang et al., Feature Importance-aware Transferable Adversarial "
                                            "Attacks (FIA), ICCV 2021", norms=("linf", "l2"),
-                    ranges={"n_ens": "int [1, inf)", "drop": "[0, 1)"})
-def fia_aggregate(ctx, *, layer="mid", n_ens=30, drop=0.3):
-    """FIA's aggregate gradient: Delta = sum_n d z_y(x * M_n) / d f_l, M_n ~ Bernoulli(1 - ``drop``) pixel masks
-    drawn per sample from its stream, then scaled to unit L2 norm per sample. Table VII: N = 30, drop 0.3.
+                    ranges={"n_ens": "int [1, inf)", "drop": "[0, 1)", "fill": ("mean", "zero")})
+def fia_aggregate(ctx, *, layer="mid", n_ens=30, drop=0.3, fill="mean"):
+    """FIA's aggregate gradient: Delta = sum_n d z_y(x masked by M_n) / d f_l, M_n ~ Bernoulli(1 - ``drop``) pixel
+    masks drawn per sample from its stream, then scaled to unit L2 norm per sample. Table VII: N = 30, drop 0.3.
 
-    The masks act on the [0, 1] image, as the FIA paper (the authors' code masks the normalized input; the zoo's
-    normalization is inside the model). z_y is the true-class logit. One forward per mask (a loop over the
-    ensemble, not the samples)."""
+    ``fill`` is what a dropped pixel becomes: ``mean`` (default), the model's input-normalization mean, i.e. the
+    mask multiplies the normalized input, as the FIA authors' code and BlackboxBench's ``fia_loss`` do (the zoo's
+    normalization is inside the model); ``zero``, black, as the FIA paper's text reads. z_y is the true-class
+    logit. One forward per mask (a loop over the ensemble, not the samples)."""
     _untargeted_only(ctx, "fia_aggregate")
     module = _layer(ctx, layer, "fia_aggregate")
     x, y = ctx.problem.x, ctx.problem.y
+    mean = input_mean(ctx.model) if fill == "mean" else None
+    background = torch.zeros_like(x) if mean is None else mean.to(x).expand_as(x)
     total = 0
     for _ in range(n_ens):
         mask = (ctx.rng.uniform(x.shape[1:]).to(x) >= drop).to(x.dtype)
-        total = total + _true_logit_grad(ctx.model, module, x * mask, y)
+        total = total + _true_logit_grad(ctx.model, module, x * mask + background * (1 - mask), y)
     return {"fia": Features(FeatureTap(module), {"weight": _flat_unit(total)})}
 
 
