@@ -121,8 +121,9 @@ def orders(rows, family):
             pairs.append(f"{a} {aqn[a]:.0f} {'<=' if ok else '>'} 1.15 x {b} {aqn[b]:.0f}"
                          f"{'' if ok else ' (ORDER BROKEN)'}")
         missing = [c for c in chain if c not in aqn]
-        out.append(f"- {norm} {eps:g}: " + "; ".join(pairs) + (f" (not built: {', '.join(missing)})"
-                                                                 if missing else ""))
+        if present:  # a --settings or --recipes subset may leave a chain out
+            out.append(f"- {norm} {eps:g}: " + "; ".join(pairs) + (f" (not measured: {', '.join(missing)})"
+                                                                     if missing else ""))
     low = [r for r in rows if r["norm"] == "linf" and r["eps"] == 0.03]
     if family == "score":
         for r in low:
