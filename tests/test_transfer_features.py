@@ -348,9 +348,9 @@ def test_recipes_cite_table_vii_and_build():
     # Table VII per architecture (CIFAR-10 column: ResNet-50 the default); the CIFAR ResNets' values are chosen on
     # held-out images (recipe notes)
     assert build_recipe("sgm", "linf", False, 0.03)[0].refiners[0].keywords == {
-        "gamma": {"cifar_resnet*": 0.8, "default": 0.5}}
+        "gamma": {"cifar_resnet[0-9][0-9]": 0.8, "default": 0.5}}
     assert build_recipe("ghostnet", "linf", False, 0.03)[0].refiners[0].keywords == {
-        "r": {"cifar_resnet*": 0.22, "default": 1.0}, "p": {"inception*": 0.2, "default": 0.1}}
+        "r": {"cifar_resnet[0-9][0-9]": 0.22, "default": 1.0}, "p": {"inception*": 0.2, "default": 0.1}}
 
 
 # ------------------------------------------------------------------------- per-architecture parameters ----
@@ -363,6 +363,8 @@ def test_per_arch_values_follow_the_zoo_name():
     assert per_arch(table, zoo) == 0.22  # the first matching pattern, in order
     assert per_arch(table, plain) == 0.5 and per_arch({"resnet50": 0.3, "default": 1.0}, plain) == 1.0
     assert per_arch(0.7, zoo) == 0.7
+    adv = build_model({"name": "cifar_resnet4b_adv", "pretrained": False})  # the recipes' pattern leaves it out
+    assert per_arch({"cifar_resnet[0-9][0-9]": 0.22, "default": 1.0}, adv) == 1.0
     gammas = {b.merge.gamma for _, b in residual_blocks(REFINE.get("sgm")(refine_ctx(), [zoo], gamma=table)[0])}
     rs = {b.merge.r for _, b in residual_blocks(REFINE.get("ghost")(refine_ctx(), [zoo, plain], r=table)[1])}
     assert gammas == {0.22} and rs == {0.5}
