@@ -20,7 +20,7 @@ from torch import nn
 from blackboxbench.errors import BenchError
 from blackboxbench.prep.cifar_resnet import CifarResNet
 from blackboxbench.prep.layers import arch_id, get_layer, per_arch
-from blackboxbench.prep.models import Normalized, build_model, input_mean
+from blackboxbench.prep.models import Normalized, arch_name, build_model, input_mean
 from blackboxbench.registry import AUXILIARY, LOSS, REFINE, ParamError, check_params
 from blackboxbench.transfer.surgery import GhostAdd, GhostDropout, LinBPBlock, SkipGradientAdd, residual_blocks
 
@@ -359,6 +359,9 @@ def test_per_arch_values_follow_the_zoo_name():
     zoo = build_model({"name": "cifar_resnet20", "pretrained": False})
     plain = small_resnet()  # no zoo name: its class name
     assert arch_id(zoo) == "cifar_resnet20" and arch_id(plain) == "cifarresnet"
+    assert arch_name("timm:resnet18") == "resnet18" and arch_name({"name": "torchvision:resnet50"}) == "resnet50"
+    assert arch_name({"name": "checkpoint", "path": "w.pt", "arch": "timm:resnet18"}) == "resnet18"
+    assert arch_name({"name": "checkpoint", "path": "w.pt", "arch": "cifar_resnet20"}) == "cifar_resnet20"
     table = {"cifar_resnet*": 0.22, "cifar*": 0.5, "default": 1.0}
     assert per_arch(table, zoo) == 0.22  # the first matching pattern, in order
     assert per_arch(table, plain) == 0.5 and per_arch({"resnet50": 0.3, "default": 1.0}, plain) == 1.0

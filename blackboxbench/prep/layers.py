@@ -127,8 +127,8 @@ def layer_map(model):
 
 def arch_id(model):
     """The architecture name of ``model``: the one :func:`~blackboxbench.prep.models.build_model` gives it (the
-    zoo name, e.g. ``cifar_resnet20``, or the architecture of a ``timm:`` / ``torchvision:`` spec, e.g.
-    ``resnet50``), else the network's class name in lower case."""
+    zoo name, e.g. ``cifar_resnet20``, or the architecture of a ``timm:`` / ``torchvision:`` / ``checkpoint``
+    spec, e.g. ``resnet50``), else the network's class name in lower case."""
     return getattr(model, "arch_id", None) or type(unwrap(model)).__name__.lower()
 
 

@@ -79,6 +79,16 @@ def _create(spec, data_root, **extra):
     return fn(data_root, **params)
 
 
+def arch_name(spec):
+    """The architecture a zoo spec builds: its name, or its ``arch`` (``timm:resnet18`` -> ``resnet18``), followed
+    through specs that wrap another (``{name: checkpoint, arch: timm:resnet18}`` -> ``resnet18``)."""
+    name, params = parse_spec(spec)
+    inner = params.get("arch")
+    if inner is None:
+        return name
+    return arch_name(inner) if isinstance(inner, dict) or ":" in str(inner) else str(inner)
+
+
 def input_mean(model):
     """The per-channel mean the first :class:`Normalized` inside ``model`` (itself included) subtracts from its
     [0, 1] input, (1, C, 1, 1), or None (no normalization inside)."""
@@ -89,11 +99,9 @@ def input_mean(model):
 
 def build_model(spec, data_root=None, device="cpu"):
     """Build a zoo model from ``spec``: frozen, in eval mode, on ``device``; ``model.arch_id`` names its
-    architecture (the zoo name, or the ``arch`` of a ``timm:`` / ``torchvision:`` spec) for per-architecture
-    parameters (:func:`blackboxbench.prep.layers.per_arch`)."""
+    architecture (:func:`arch_name`) for per-architecture parameters (:func:`blackboxbench.prep.layers.per_arch`)."""
     model = _create(spec, data_root)
-    name, params = parse_spec(spec)
-    model.arch_id = str(params.get("arch", name))
+    model.arch_id = arch_name(spec)
     model.requires_grad_(False)
     return model.eval().to(device)
 
