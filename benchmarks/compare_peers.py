@@ -48,6 +48,7 @@ from blackboxbench.builder import build_attack, load_recipe, recipe_family  # no
 from blackboxbench.config import finish_threat, parse_number  # noqa: E402
 from blackboxbench.family import check_outputs  # noqa: E402
 from blackboxbench.prep.data import resolve_data_root  # noqa: E402
+from blackboxbench.prep.inference import inference_copy  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import DATASET  # noqa: E402
 from blackboxbench.rng import rank_within_group  # noqa: E402
@@ -59,6 +60,26 @@ GRID_EPS = grid_levels(EPS) / 255  # 7/255: the radius our uint8 outputs (rounde
 GRID_LABEL = " at eps 7/255 (ours' grid eps)"
 SECTIONS = ("throughput", "square", "hsja", "mifgsm", "overhead", "seeds", "boundary", "sign_opt")
 CLOCK = "cpu"  # the time compared: process CPU seconds on CPU; wall seconds on CUDA (set in main)
+SAME = "like for like: "  # rows where the peer forwards our inference copy
+FUSE = True  # ours forward the target's inference copy, as a run does (config ``fuse``; --fuse off: the model)
+_COPIES = {}
+
+
+def peer_models(model):
+    """The models a peer runs on: ``model`` as built (as a user gives it), and with the copy on, ``as_ours(model)``
+    too ("like for like"); pairs (model, row prefix)."""
+    return [(model, "")] + ([(as_ours(model), SAME)] if FUSE else [])
+
+
+def as_ours(model):
+    """The model our runner forwards for the query target ``model``: its inference copy (prep/inference.py, the
+    config's ``fuse``, on by default), made once per model; the model itself with ``--fuse off``."""
+    if not FUSE:
+        return model
+    if id(model) not in _COPIES:
+        dev = next(model.parameters()).device
+        _COPIES[id(model)] = (model, inference_copy(model, torch.rand(4, 3, 32, 32, device=dev), "benchmark"))
+    return _COPIES[id(model)][1]
 SRC = "benchmarks/compare_peers.py"
 
 
@@ -284,7 +305,7 @@ def run_ours_query(name, model, x, y, device, seed, slots=None):
     Returns the attacked samples (:class:`Ours`), their problem, (wall, CPU) seconds and the :class:`Timed`
     model it ran on.
     """
-    model = Timed(model)
+    model = Timed(as_ours(model))
     attack, t = build_ours(name)
     assert t["max_queries"] == BUDGET and t["eps"] == EPS
     clock = Clock()
@@ -468,7 +489,7 @@ def section_sign_opt(args, ctx):
     x, y = ctx["data"].x.to(device), ctx["data"].y.to(device)
     keep = (predict(model, x) == y).nonzero().squeeze(1)[:args.n_hsja]
     x, y = x[keep], y[keep]
-    timed = Timed(model)
+    timed = Timed(as_ours(model))
     attack, t = build_ours("sign_opt", {"norm": "l2", "eps": eps_l2})
     assert t["max_queries"] == BUDGET and t["eps"] == eps_l2
     clock = Clock()
@@ -484,18 +505,19 @@ def section_sign_opt(args, ctx):
                      "it); queries include 1 confirmation query of the returned uint8 image")]
     xc, yc = problem.x, problem.y
 
-    cnt = Counting(model, xc, yc, 1.0, "current", stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap,
-                   l2=eps_l2)
-    np.random.seed(args.seed)
-    atk = SignOPTAttack(art_classifier(cnt, device), targeted=False, epsilon=0.001, num_trial=100, max_iter=1000,
-                        query_limit=BUDGET, k=200, alpha=0.2, beta=0.001, batch_size=1, verbose=False)
-    clock = Clock()
-    stopped = art_per_sample(atk, cnt, xc, yc, args)
-    rows.append(peer_result("Sign-OPT L2 1.0", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
-                            "epsilon 0.001 (its name for beta), beta 0.001 (its line-search tolerance / 500), k 200, "
-                            "alpha 0.2, num_trial 100, query_limit 10,000 (checked per iteration: overshoots); each "
-                            "sample stopped at its first L2 hit surviving uint8 rounding or 10,000 distinct queries",
-                            stopped))
+    for forward, same in peer_models(model):
+        cnt = Counting(forward, xc, yc, 1.0, "current", stop_at_hit=True,
+                       deadline=time.perf_counter() + args.peer_cap, l2=eps_l2)
+        np.random.seed(args.seed)
+        atk = SignOPTAttack(art_classifier(cnt, device), targeted=False, epsilon=0.001, num_trial=100, max_iter=1000,
+                            query_limit=BUDGET, k=200, alpha=0.2, beta=0.001, batch_size=1, verbose=False)
+        clock = Clock()
+        stopped = art_per_sample(atk, cnt, xc, yc, args)
+        rows.append(peer_result(same + "Sign-OPT L2 1.0", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
+                                "epsilon 0.001 (its name for beta), beta 0.001 (its line-search tolerance / 500), k "
+                                "200, alpha 0.2, num_trial 100, query_limit 10,000 (checked per iteration: "
+                                "overshoots); each sample stopped at its first L2 hit surviving uint8 rounding or "
+                                "10,000 distinct queries", stopped))
     return rows
 
 
@@ -514,11 +536,11 @@ def section_boundary(args, ctx):
     first = (predict(model, x_all) == y_all).nonzero().squeeze(1)[:args.n_hsja]
     xc, yc = x_all[first], y_all[first]
 
-    def counting(mode):
-        return Counting(model, xc, yc, 1.0, mode, stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap,
+    def counting(mode, forward):
+        return Counting(forward, xc, yc, 1.0, mode, stop_at_hit=True, deadline=time.perf_counter() + args.peer_cap,
                         l2=l2_eps)
 
-    timed = Timed(model)
+    timed = Timed(as_ours(model))
     attack, t = build_ours("boundary", {"norm": "l2", "eps": l2_eps})
     assert t["max_queries"] == BUDGET
     clock = Clock()
@@ -534,26 +556,29 @@ def section_boundary(args, ctx):
                 note=f"max L2 {max_l2:.4f}; one candidate per step, the spherical candidate also every 10th step; "
                      "stops at success; queries include the init and 1 confirmation query")]
 
-    cnt = counting("current")
-    np.random.seed(args.seed)
-    atk = BoundaryAttack(art_classifier(cnt, device), targeted=False, delta=0.01, epsilon=0.01, step_adapt=1 / 1.5,
-                         max_iter=25000, num_trial=25, sample_size=20, init_size=100, verbose=False)
-    clock = Clock()
-    stopped = art_per_sample(atk, cnt, xc, yc, args)
-    rows.append(peer_result("Boundary L2", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
-                            "20 spherical candidates per trial, then source steps of the successful ones; each sample "
-                            "stopped at its first L2 hit that survives uint8 rounding, or 10,000 queries", stopped))
+    for forward, same in peer_models(model):
+        cnt = counting("current", forward)
+        np.random.seed(args.seed)
+        atk = BoundaryAttack(art_classifier(cnt, device), targeted=False, delta=0.01, epsilon=0.01,
+                             step_adapt=1 / 1.5, max_iter=25000, num_trial=25, sample_size=20, init_size=100,
+                             verbose=False)
+        clock = Clock()
+        stopped = art_per_sample(atk, cnt, xc, yc, args)
+        rows.append(peer_result(same + "Boundary L2", f"ART {art_version()}", cnt, clock, None, xc, yc, model,
+                                "20 spherical candidates per trial, then source steps of the successful ones; each "
+                                "sample stopped at its first L2 hit that survives uint8 rounding, or 10,000 queries",
+                                stopped))
 
-    cnt = counting("position")
-    torch.manual_seed(args.seed)
-    fmodel = fb.PyTorchModel(cnt, bounds=(0, 1), device=device)
-    atk = fb.attacks.BoundaryAttack(steps=25000, spherical_step=0.01, source_step=0.01, source_step_convergance=1e-7,
-                                    step_adaptation=1.5, update_stats_every_k=10)
-    clock = Clock()
-    stopped = run_until_stop(lambda: atk(fmodel, xc, yc, epsilons=l2_eps), args)
-    rows.append(peer_result("Boundary L2", f"foolbox {fb.__version__}", cnt, clock, None, xc, yc, model,
-                            "steps 25,000; whole batch queried every step (no per-sample stop); one Gaussian draw "
-                            "shared by the batch; hits must survive uint8 rounding", stopped))
+        cnt = counting("position", forward)
+        torch.manual_seed(args.seed)
+        fmodel = fb.PyTorchModel(cnt, bounds=(0, 1), device=device)
+        atk = fb.attacks.BoundaryAttack(steps=25000, spherical_step=0.01, source_step=0.01,
+                                        source_step_convergance=1e-7, step_adaptation=1.5, update_stats_every_k=10)
+        clock = Clock()
+        stopped = run_until_stop(lambda: atk(fmodel, xc, yc, epsilons=l2_eps), args)
+        rows.append(peer_result(same + "Boundary L2", f"foolbox {fb.__version__}", cnt, clock, None, xc, yc, model,
+                                "steps 25,000; whole batch queried every step (no per-sample stop); one Gaussian "
+                                "draw shared by the batch; hits must survive uint8 rounding", stopped))
     return rows
 
 
@@ -591,6 +616,9 @@ def section_throughput(args, ctx):
     x, y = ctx["data"].x[:n].to(device), ctx["data"].y[:n].to(device)
     bare = bare_rate(model, slots, device)
     print(f"| bare forward, batch {slots} | {bare:,.0f} images/s |", flush=True)
+    if FUSE:
+        print(f"| bare forward of our inference copy, batch {slots} | {bare_rate(as_ours(model), slots, device):,.0f}"
+              " images/s |", flush=True)
     out = []
 
     def emit(r):
@@ -608,6 +636,10 @@ def section_throughput(args, ctx):
     peer = [torchattacks_square(args, model, xc[i:i + slots], yc[i:i + slots], EPS, args.seed, "")
             for i in range(0, len(yc), slots)]
     emit(merged(peer, peer[0]["lib"]))
+    if FUSE:  # like for like: the peer forwards the same inference copy as ours
+        peer = [torchattacks_square(args, as_ours(model), xc[i:i + slots], yc[i:i + slots], EPS, args.seed, "")
+                for i in range(0, len(yc), slots)]
+        emit(dict(merged(peer, peer[0]["lib"]), attack=SAME + "Square Linf", note="on our inference copy"))
     m = args.n_hsja_throughput
     res, problem, wall, timed = run_ours_query("hsja_linf", model, x[:m], y[:m], device, args.seed, slots=slots)
     with torch.no_grad():
@@ -619,6 +651,9 @@ def section_throughput(args, ctx):
                   f"{still:.0%}"))
     keep = keep[:m]
     emit(art_hsja(args, model, x[:m][keep], y[:m][keep], EPS, args.seed, " (uint8 hits)", uint8=True))
+    if FUSE:
+        r = art_hsja(args, as_ours(model), x[:m][keep], y[:m][keep], EPS, args.seed, " (uint8 hits)", uint8=True)
+        emit(dict(r, attack=SAME + "HSJA Linf", note="on our inference copy; " + r["note"]))
     return out, bare
 
 
@@ -637,7 +672,10 @@ def throughput_ratios(rows):
     by = {(r["attack"], r["lib"].split(" ")[0]): r for r in rows}
     out = []
     for attack, peer in (("Square Linf", "torchattacks"), ("HSJA Linf", "ART")):
-        ours, theirs = by.get((attack, "ours")), by.get((attack, peer))
+        ours, theirs, same = by.get((attack, "ours")), by.get((attack, peer)), by.get((SAME + attack, peer))
+        if ours and same:
+            out.append(f"- {attack}: like for like ({peer} forwarding our inference copy too): our wall time "
+                       f"{ours['wall'] / same['wall']:.2f}x {peer}'s")
         if ours and theirs:
             out.append(f"- {attack}: our wall time {ours['wall'] / theirs['wall']:.2f}x {peer}'s; ASR "
                        f"{ours['asr'] * 100:.1f} vs {theirs['asr'] * 100:.1f}%; mean queries {ours['mean_q']:.0f} vs "
@@ -822,7 +860,8 @@ def ratios(rows):
     for r in rows[1:]:
         loop = "" if loop_time(r) is None or loop_time(ours) is None else \
             f", loop {clock_label()} time (outside the model) {loop_time(r) / loop_time(ours):.2f}x ours"
-        out.append(f"- {r['lib']}: wall {r['wall'] / ours['wall']:.2f}x ours, CPU {r['cpu'] / ours['cpu']:.2f}x "
+        same = " (on our inference copy)" if r["attack"].startswith(SAME) else ""
+        out.append(f"- {r['lib']}{same}: wall {r['wall'] / ours['wall']:.2f}x ours, CPU {r['cpu'] / ours['cpu']:.2f}x "
                    f"ours{loop}, ASR {(r['asr'] - ours['asr']) * 100:+.1f} points vs ours")
     return out
 
@@ -888,12 +927,15 @@ def main(argv=None):
     ap.add_argument("--peer-cap", type=float, default=900.0, help="seconds after which a peer run is stopped")
     ap.add_argument("--same-grid", action="store_true",
                     help="also run the query peers at eps 7/255, the radius our uint8 outputs actually reach")
+    ap.add_argument("--fuse", default="on", choices=("on", "off"),
+                    help="ours forward the target's inference copy (the config's fuse, on by default in runs); "
+                    "the throughput section then adds rows where the peer forwards the same copy")
     ap.add_argument("--out", default="benchmarks/RESULTS.md")
     ap.add_argument("--only", choices=SECTIONS)
     ap.add_argument("--eps", default=None, help="Linf eps for every attack, e.g. 8/255 (default 0.03, Tables V-VII); "
                     "results go to their own sections, suffixed with the eps")
     args = ap.parse_args(argv)
-    global EPS, GRID_EPS, GRID_LABEL, CLOCK
+    global EPS, GRID_EPS, GRID_LABEL, CLOCK, FUSE
     suffix = ""
     if args.eps is not None:
         EPS = float(parse_number(args.eps))
@@ -902,6 +944,7 @@ def main(argv=None):
         suffix = "@" + args.eps.replace("/", "_")
     if args.threads:
         torch.set_num_threads(args.threads)
+    FUSE = args.fuse == "on"
     device = resolve_device(args.device)
     CLOCK = "wall" if device.type == "cuda" else "cpu"  # process CPU time says little about GPU work
     root = resolve_data_root(args.data_root)

@@ -209,7 +209,7 @@ SPEC = (str, dict)  # a name, or {name: ..., params}
 COMMON_KEYS = {
     "name": (str,), "plugins": (list,), "data_root": (str, type(None)), "output_dir": (str,), "seed": (int,),
     "device": (str,), "batch_size": (int,), "dataset": SPEC, "attack": SPEC, "threat": (dict,),
-    "save_adv": (bool,), "assets": (dict,), "compile": (bool,), "lpips_path": (str, type(None)),
+    "save_adv": (bool,), "assets": (dict,), "compile": (bool,), "fuse": (bool,), "lpips_path": (str, type(None)),
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
 FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,)}  # robustness: CSV (+ .png chart)
@@ -378,7 +378,8 @@ def validate_experiment(cfg, source):
     for k, v in cfg.items():
         _check_type(v, keys[k], source, k)
     out = {"name": None, "plugins": [], "data_root": None, "output_dir": "results", "seed": 0, "device": "auto",
-           "batch_size": 100, "save_adv": False, "assets": {}, "compile": False, "lpips_path": None}
+           "batch_size": 100, "save_adv": False, "assets": {}, "compile": False, "fuse": True,
+           "lpips_path": None}
     out.update(copy.deepcopy(cfg))
     for key in ("dataset", "attack"):
         if key not in out:

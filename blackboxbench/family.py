@@ -8,7 +8,8 @@ A family declares
 
 * ``blocks``: what its recipes are made of, ``{kind: BlockKind(registry, many, default)}``;
 * ``hyper``: recipe-level hyper-parameters with their defaults (e.g. a transfer attack's iterations);
-* ``model_keys``: the config keys naming the models it needs, ``{key: ModelKey(role, required, many)}``;
+* ``model_keys``: the config keys naming the models it needs, ``{key: ModelKey(role, required, many,
+  forward_only)}``;
 * ``threat_keys``: threat-model keys of its own (beyond norm, eps, targeted, target_label), with their types;
 * ``run_keys``: top-level config keys of its own (a query run's ``defense``), with their types;
 * ``record_fields``: the fields of its per-sample records beyond :data:`COMMON_FIELDS`, with their types;
@@ -54,11 +55,14 @@ class BlockKind:
 
 @dataclass(frozen=True)
 class ModelKey:
-    """A config key naming models: their role for the worker, whether it is required, whether it is a list."""
+    """A config key naming models: their role for the worker, whether it is required, whether it is a list, and
+    whether the worker only forwards them (no gradient, hook or surgery): such models may be inference copies
+    (``prep/inference.py``; the config's ``fuse``)."""
 
     role: str
     required: bool
     many: bool
+    forward_only: bool = False
 
 
 @dataclass

@@ -36,6 +36,7 @@ from .defense import build_defenses, parse_defenses
 from .errors import BenchError
 from .family import RunInputs
 from .prep.data import resolve_data_root
+from .prep.inference import inference_copy
 from .prep.models import build_model
 from .prep.targets import choose_targets
 from .registry import ASSET, DATASET
@@ -71,14 +72,19 @@ class Session:
                 raise ConfigError(str(e), source, "lpips_path") from None
         return self.lpips_nets[key]
 
-    def model(self, spec, data_root, device, source, key, compiled=False):
+    def model(self, spec, data_root, device, source, key, compiled=False, probe=None):
         """The model of ``spec`` on ``device``, built once; ``compiled``: wrapped by ``torch.compile`` with dynamic
-        batch shapes (compiled once, on the first forward)."""
-        cache_key = (json.dumps(spec, sort_keys=True), str(data_root), str(device), compiled)
+        batch shapes (compiled once, on the first forward); ``probe`` (a few inputs of the run): its inference
+        copy (``prep/inference.py``), for a model that is only forwarded."""
+        cache_key = (json.dumps(spec, sort_keys=True), str(data_root), str(device), compiled, probe is not None)
         if cache_key not in self.models:
             if compiled:
-                self.models[cache_key] = torch.compile(self.model(spec, data_root, device, source, key),
-                                                       dynamic=True)
+                self.models[cache_key] = torch.compile(self.model(spec, data_root, device, source, key,
+                                                                  probe=probe), dynamic=True)
+                return self.models[cache_key]
+            if probe is not None:
+                self.models[cache_key] = inference_copy(self.model(spec, data_root, device, source, key),
+                                                        probe.to(device), spec_label(spec))
                 return self.models[cache_key]
             try:
                 self.models[cache_key] = build_model(spec, data_root=data_root, device=device)
@@ -351,8 +357,9 @@ class Runner:
         for key, i, spec in fam.roles(exp):
             label = f"{key}[{i}]" if fam.model_keys[key].many else key
             bare = {k: v for k, v in spec.items() if k != "defense"}  # a defense wraps the model (defense.py)
+            probe = data.x[:4] if exp["fuse"] and fam.model_keys[key].forward_only else None
             models.setdefault(key, []).append(self.session.model(bare, data_root, self.device, source, label,
-                                                                 exp["compile"]))
+                                                                 exp["compile"], probe))
             names.setdefault(key, []).append(spec_label(spec))
         assets = {}
         for k, spec in exp["assets"].items():
@@ -484,7 +491,8 @@ def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_targe
     from .registry import FAMILY
 
     device = torch.device(device or x.device)
-    data = Dataset("tensors", x.cpu(), y.cpu(), num_classes, None if given_target is None else given_target.cpu())
+    data = Dataset("tensors", x.cpu().contiguous(), y.cpu(), num_classes,
+                   None if given_target is None else given_target.cpu())
     family = FAMILY.get(attack.meta["family"])
     names = names or {k: [f"{k}[{i}]" for i in range(len(v))] for k, v in models.items()}
     run = RunInputs(attack=attack, threat=threat, data=data, models=models, model_names=names,

@@ -196,6 +196,7 @@ FUZZ = [
     case("save_adv not bool", cfg(extra="save_adv: 'yes'"), "save_adv", "expected bool"),
     case("assets not mapping", cfg(extra="assets: [1]"), "assets", "expected dict"),
     case("compile not bool", cfg(extra="compile: 1"), "compile", "expected bool"),
+    case("fuse not bool", cfg(extra="fuse: yes please"), "fuse", "expected bool"),
     case("model not spec", cfg(models="model: 5"), "model", "expected str/dict"),
     case("surrogates not list", tcfg(models="surrogates: digits_cnn\ntargets: [digits_mlp]"), "surrogates",
          "expected list"),

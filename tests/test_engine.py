@@ -151,6 +151,20 @@ def test_continuous_batching_keeps_the_slots_full():
     assert len(drained) < len(sizes) / 2
 
 
+def test_images_in_any_memory_layout():
+    """Images handed over in another memory layout (a strided view, as ``permute`` of HWC arrays gives) run as
+    their contiguous copy does (square's state keeps flat views of the images)."""
+    from blackboxbench.prep.data import digits
+
+    ds = digits(n=12)
+    model = _digits_model("digits_cnn", True)
+    nhwc = ds.x.transpose(2, 3).contiguous().transpose(2, 3)
+    assert not nhwc.is_contiguous() and torch.equal(nhwc, ds.x)
+    _, a = run_query("square_linf", model, ds.x, ds.y, 0.2, "linf", budget=100)
+    _, b = run_query("square_linf", model, nhwc, ds.y, 0.2, "linf", budget=100)
+    assert torch.equal(a.x_adv, b.x_adv) and torch.equal(a.queries, b.queries)
+
+
 def test_kill_9_transfer_run_resumes_identically(tmp_path):
     from test_runner import kill_and_resume
 

@@ -314,7 +314,8 @@ class QueryFamily(Family):
     """``score`` (log-probability feedback) and ``decision`` (label feedback) attacks."""
 
     blocks = {"init": BlockKind(INIT), "perturb": BlockKind(PERTURB), "accept": BlockKind(ACCEPT)}
-    model_keys = {"model": ModelKey("target", True, False), "surrogates": ModelKey("surrogate", False, True)}
+    model_keys = {"model": ModelKey("target", True, False, forward_only=True),
+                  "surrogates": ModelKey("surrogate", False, True)}
     threat_keys = {"max_queries": (int,), "feedback": (str,), "success_rule": (str, dict)}
     run_keys = {"defense": (str, dict, list)}  # defenses inside the oracle (defense.py)
     hyper = {"eot": 1}  # EOT (spec sheet section 7): k queries per logical evaluation; 1 is the paper's default

@@ -213,7 +213,8 @@ class TransferFamily(Family):
               "gradient": BlockKind(GRADIENT, many=True),
               "direction": BlockKind(DIRECTION, many=True), "update": BlockKind(UPDATE, default="step")}
     hyper = {"iterations": 1, "alpha": "eps/10", "random_start": 0, "copies_per_forward": 1}
-    model_keys = {"surrogates": ModelKey("surrogate", True, True), "targets": ModelKey("target", True, True)}
+    model_keys = {"surrogates": ModelKey("surrogate", True, True),
+                  "targets": ModelKey("target", True, True, forward_only=True)}
     record_fields = {"targets": (dict,)}
     surrogate_may_be_target = True  # a target equal to the surrogate reports the white-box success rate
     columns = (("asr", "higher"), ("mean_l2", "lower"), ("median_l2", "lower"), ("mean_linf", "lower"),

@@ -1,0 +1,167 @@
+"""Inference copies of the models a run only forwards (prep/inference.py; the config's ``fuse``): same logits as
+the model as built (the independent reference), BatchNorm folded, the model itself untouched, and the model kept
+whenever the copy would change what the attack sees."""
+import pytest
+import torch
+from torch import nn
+
+from blackboxbench.config import load_config
+from blackboxbench.prep.inference import inference_copy
+from blackboxbench.prep.models import Normalized, build_model
+from blackboxbench.registry import MODEL
+from blackboxbench.runner import Session, run_experiment
+
+DIGITS = [n for n in MODEL.names() if n.startswith("digits_")]
+
+
+def batchnorms(model):
+    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def conv_bn_net(view=False):
+    """Conv-BN-ReLU twice with non-trivial running statistics and affine terms, then a linear head; ``view``
+    flattens with ``.view``, which a channels-last activation cannot do."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8),
+                                      nn.ReLU())
+            self.head = nn.Linear(8 * 4 * 4, 5)
+
+        def forward(self, x):
+            h = self.body(x)
+            return self.head(h.view(len(h), -1) if view else h.flatten(1))
+
+    net = Net()
+    for bn in (net.body[1], net.body[4]):
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.2, 3)
+        bn.weight.data.uniform_(0.5, 2), bn.bias.data.uniform_(-1, 1)
+    return Normalized(net, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+
+
+def test_copy_folds_batchnorm_and_keeps_logits():
+    model = conv_bn_net()
+    x = torch.rand(32, 3, 8, 8)
+    with torch.no_grad():
+        before = model(x)
+        fast = inference_copy(model, x[:4])
+        assert fast is not model and batchnorms(fast) == 0 and isinstance(fast, Normalized)
+        torch.testing.assert_close(fast(x), before, rtol=1e-4, atol=1e-5)
+        assert batchnorms(model) == 2 and torch.equal(model(x), before)  # the model itself is untouched
+    assert not any(p.requires_grad for p in fast.parameters()) and not fast.training
+
+
+@pytest.mark.parametrize("name", DIGITS)
+def test_every_digits_model(name):
+    model = build_model(name)
+    x = torch.rand(64, 1, 8, 8)
+    fast = inference_copy(model, x[:4], name)
+    assert fast is not model and batchnorms(fast) == 0 and fast.arch_id == model.arch_id
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_model_kept_when_the_copy_cannot_run(capsys):
+    model = conv_bn_net(view=True)  # .view of a channels-last activation raises
+    assert inference_copy(model, torch.rand(4, 3, 8, 8), "viewnet") is model
+    assert "fuse: viewnet kept as built (RuntimeError" in capsys.readouterr().err
+
+
+def test_randomized_model_kept(capsys):
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = conv_bn_net()
+
+        def forward(self, x):
+            return self.net(x + 0.3 * torch.randn_like(x))
+
+    model = Noisy()
+    assert inference_copy(model, torch.rand(4, 3, 8, 8), "noisy") is model
+    assert capsys.readouterr().err == ""  # the runner flags randomized models itself
+
+
+def test_copy_that_changes_logits_is_refused(capsys, monkeypatch):
+    """A fold that changed the model (simulated: the copy's BatchNorm statistics are lost) is caught by the probe
+    check."""
+    import blackboxbench.prep.inference as inf
+
+    def broken(module):
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.reset_running_stats()
+        return module
+
+    monkeypatch.setattr(inf, "_fold", broken)
+    model = conv_bn_net()
+    assert inference_copy(model, torch.rand(4, 3, 8, 8), "broken") is model
+    assert "fuse: broken kept as built (logits differ by" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["nan", "raises"])
+def test_models_the_run_refuses_are_left_to_the_run(capsys, bad):
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = conv_bn_net()
+
+        def forward(self, x):
+            if bad == "raises":
+                raise RuntimeError("wrong input shape")
+            return self.net(x) * float("nan")
+
+    model = Bad()
+    assert inference_copy(model, torch.rand(4, 3, 8, 8), "bad") is model
+    assert capsys.readouterr().err == ""
+
+
+def test_cifar_models_fold(data_root):
+    import numpy as np
+
+    d = np.load(data_root / "cifar10" / "cifar10_test_first100.npz")
+    x = torch.tensor(d["x"][:32]).permute(0, 3, 1, 2).float().div(255)
+    for name, bns in (("cifar_resnet20", 19), ("cifar_resnet4b_adv", 0)):
+        model = build_model(name, data_root=data_root)
+        fast = inference_copy(model, x[:4], name)
+        assert batchnorms(model) == bns and batchnorms(fast) == 0
+        with torch.no_grad():
+            ref, out = model(x), fast(x)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(out.argmax(1), ref.argmax(1))
+
+
+CFG = """
+dataset: {name: digits, n: 12}
+MODELS
+attack: ATTACK
+threat: {norm: linf, eps: 0.2BUDGET}
+batch_size: 6
+device: cpu
+output_dir: OUT
+FUSE
+"""
+
+
+@pytest.mark.parametrize("fuse", ["", "fuse: false"])
+def test_runner_fuses_only_forward_only_models(tmp_path, fuse):
+    """A query run's target and a transfer run's targets are inference copies (unless ``fuse: false``); a transfer
+    run's surrogates, which are differentiated and hooked, never are."""
+    for attack, models in (("square_linf", "model: digits_resnet"),
+                           ("i_fgsm", "surrogates: [digits_resnet]\ntargets: [digits_resnet]")):
+        text = CFG.replace("MODELS", models).replace("ATTACK", attack).replace("FUSE", fuse)
+        text = text.replace("BUDGET", ", max_queries: 100" if attack == "square_linf" else "")
+        path = tmp_path / f"{attack}.yaml"
+        path.write_text(text.replace("OUT", str(tmp_path / attack)))
+        (exp,), _ = load_config(path)
+        session = Session()
+        run_experiment(exp, session=session, progress=False)
+        folded = sorted(batchnorms(m) == 0 for m in session.models.values())
+        if fuse:
+            assert folded == [False]  # one model, as built, shared by every role
+        elif attack == "square_linf":
+            assert folded == [False, True]  # built once, then its copy for the oracle
+        else:
+            assert folded == [False, True]  # the surrogate as built; the target's copy
