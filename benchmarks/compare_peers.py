@@ -633,13 +633,11 @@ def section_throughput(args, ctx):
     with torch.no_grad():
         keep = torch.cat([model(x[i:i + 500]).argmax(1) for i in range(0, n, 500)]) == y
     xc, yc = x[keep], y[keep]
-    peer = [torchattacks_square(args, model, xc[i:i + slots], yc[i:i + slots], EPS, args.seed, "")
-            for i in range(0, len(yc), slots)]
-    emit(merged(peer, peer[0]["lib"]))
-    if FUSE:  # like for like: the peer forwards the same inference copy as ours
-        peer = [torchattacks_square(args, as_ours(model), xc[i:i + slots], yc[i:i + slots], EPS, args.seed, "")
+    for forward, same in peer_models(model):
+        peer = [torchattacks_square(args, forward, xc[i:i + slots], yc[i:i + slots], EPS, args.seed, "")
                 for i in range(0, len(yc), slots)]
-        emit(dict(merged(peer, peer[0]["lib"]), attack=SAME + "Square Linf", note="on our inference copy"))
+        r = merged(peer, peer[0]["lib"])
+        emit(dict(r, attack=same + "Square Linf", note=("on our inference copy; " if same else "") + r["note"]))
     m = args.n_hsja_throughput
     res, problem, wall, timed = run_ours_query("hsja_linf", model, x[:m], y[:m], device, args.seed, slots=slots)
     with torch.no_grad():
@@ -650,10 +648,9 @@ def section_throughput(args, ctx):
                   f"{min(slots, m)} slots; successes still adversarial as uint8 images, each forwarded alone: "
                   f"{still:.0%}"))
     keep = keep[:m]
-    emit(art_hsja(args, model, x[:m][keep], y[:m][keep], EPS, args.seed, " (uint8 hits)", uint8=True))
-    if FUSE:
-        r = art_hsja(args, as_ours(model), x[:m][keep], y[:m][keep], EPS, args.seed, " (uint8 hits)", uint8=True)
-        emit(dict(r, attack=SAME + "HSJA Linf", note="on our inference copy; " + r["note"]))
+    for forward, same in peer_models(model):
+        r = art_hsja(args, forward, x[:m][keep], y[:m][keep], EPS, args.seed, " (uint8 hits)", uint8=True)
+        emit(dict(r, attack=same + "HSJA Linf", note=("on our inference copy; " if same else "") + r["note"]))
     return out, bare
 
 

@@ -36,7 +36,7 @@ from .defense import build_defenses, parse_defenses
 from .errors import BenchError
 from .family import RunInputs
 from .prep.data import resolve_data_root
-from .prep.inference import inference_copy
+from .prep.inference import inference_copy, is_randomized
 from .prep.models import build_model
 from .prep.targets import choose_targets
 from .registry import ASSET, DATASET
@@ -471,13 +471,6 @@ class Runner:
                  config_hash=self.hash, version=__version__, device=self.device.type, wall_time=wall,
                  randomized_models=", ".join(self.randomized) or None)
         return s
-
-
-def is_randomized(model, x):
-    """Whether two forwards of the same batch differ (a randomized model or defense; AutoAttack's check): its
-    success rule then matters (``threat.success_rule``), and the summary says so."""
-    with torch.no_grad():
-        return not torch.equal(model(x), model(x))
 
 
 def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_target=None, num_classes=10,

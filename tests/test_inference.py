@@ -70,6 +70,17 @@ def test_model_kept_when_the_copy_cannot_run(capsys):
     assert "fuse: viewnet kept as built (RuntimeError" in capsys.readouterr().err
 
 
+def test_model_that_cannot_be_copied_is_kept(capsys):
+    class Handle:  # e.g. a plugin model holding a native runtime or an open file
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot pickle 'Handle' object")
+
+    model = conv_bn_net()
+    model.handle = Handle()
+    assert inference_copy(model, torch.rand(4, 3, 8, 8), "native") is model
+    assert "fuse: native kept as built (TypeError: cannot pickle" in capsys.readouterr().err
+
+
 def test_randomized_model_kept(capsys):
     class Noisy(nn.Module):
         def __init__(self):

@@ -39,33 +39,39 @@ def _gap(out, ref):
     return float((out.float() - ref.float()).abs().max()) / max(1.0, float(ref.float().abs().max()))
 
 
+def is_randomized(model, x, first=None):
+    """Whether two forwards of the same batch differ (a randomized model or defense; AutoAttack's check): its
+    success rule then matters (``threat.success_rule``), and the summary says so. ``first``: the model's logits on
+    ``x`` when the caller already has them."""
+    with torch.no_grad():
+        return not torch.equal(model(x) if first is None else first, model(x))
+
+
 def inference_copy(model, probe, name="model"):
     """A copy of the frozen ``model`` for forwards only (see the module docstring), or ``model`` itself when the
-    copy's logits on ``probe`` (a few inputs of the run) differ from the model's by more than ``RTOL`` of the
-    largest, when the copy cannot run, or when the model's own logits cannot be compared (it fails on the probe,
-    returns non-finite logits, or two of its forwards differ by more than ``RTOL / 100``: a randomized model is
-    never copied)."""
-    fast = _fold(copy.deepcopy(model)).to(memory_format=torch.channels_last)
-    fast.requires_grad_(False).eval()
-    if hasattr(model, "arch_id"):
-        fast.arch_id = model.arch_id
+    copy cannot be made or run, when its logits on ``probe`` (a few inputs of the run) differ from the model's by
+    more than ``RTOL`` of the largest, or when the model's own logits cannot be compared: it fails on the probe,
+    returns non-finite logits, or is randomized (:func:`is_randomized`; such a model is never copied)."""
     try:
         with torch.no_grad():
-            ref, again = model(probe), model(probe)
-        comparable = torch.is_tensor(ref) and bool(torch.isfinite(ref).all()) and _gap(again, ref) <= RTOL / 100
+            ref = model(probe)
+        comparable = torch.is_tensor(ref) and bool(torch.isfinite(ref).all()) and not is_randomized(model, probe, ref)
     except Exception:  # noqa: BLE001
         comparable = False
-    if not comparable:  # the model fails, returns non-finite logits or is randomized: the run's own checks
-        return model    # report the first two in one line and flag the third; nothing to compare a copy with
+    if not comparable:  # the run's own checks report the first two in one line and flag the third
+        return model
     try:
+        fast = _fold(copy.deepcopy(model)).to(memory_format=torch.channels_last)
+        fast.requires_grad_(False).eval()
         with torch.no_grad():
-            out = fast(probe)
-        gap = _gap(out, ref)
-    except Exception as e:  # noqa: BLE001  (any failure of the copy keeps the model as built)
+            gap = _gap(fast(probe), ref)
+    except Exception as e:  # noqa: BLE001  (a model that cannot be copied, or a copy that cannot run, stays as built)
         gap, why = float("inf"), f"{type(e).__name__}: {e}"
     else:
         why = f"logits differ by {gap:.2g} of the largest"
     if not gap <= RTOL:
         print(f"fuse: {name} kept as built ({why})", file=sys.stderr)
         return model
+    if hasattr(model, "arch_id"):
+        fast.arch_id = model.arch_id
     return fast
