@@ -60,6 +60,8 @@ def sample_keys(seed, index):
 
 def rank_within_group(idx):
     """For each position i, how many earlier positions share ``idx[i]`` (vectorized, stable)."""
+    if idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):  # ascending, hence distinct: the usual rows
+        return torch.zeros_like(idx)
     order = torch.sort(idx, stable=True).indices
     sorted_idx = idx[order]
     first = torch.searchsorted(sorted_idx, sorted_idx, right=False)
@@ -135,10 +137,10 @@ class StreamView:
             b = self.bits(k, rows)
             return (b.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1).double() * 2.0 ** -53).view(-1, *shape)
         b = self.bits((k + 1) // 2, rows)  # two 24-bit values per 64-bit pattern
-        hi = b.bitwise_right_shift(40).bitwise_and_(0xFFFFFF)
-        lo = b.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
-        u = torch.stack([hi, lo], 2).flatten(1)[:, :k]
-        return (u.to(dtype) * 2.0 ** -24).view(-1, *shape)
+        u = torch.empty(b.shape + (2,), dtype=dtype, device=b.device)  # hi, lo of each pattern, interleaved
+        u[..., 0] = b.bitwise_right_shift(40).bitwise_and_(0xFFFFFF)
+        u[..., 1] = b.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+        return u.mul_(2.0 ** -24).flatten(1)[:, :k].reshape(-1, *shape)
 
     def normal(self, shape, rows=None):
         """Standard normal float32 draws, (m, *shape) (Box-Muller on pairs of 24-bit uniforms)."""
@@ -147,8 +149,10 @@ class StreamView:
         u1 = (b.bitwise_right_shift(40).bitwise_and_(0xFFFFFF).float() + 1.0) * 2.0 ** -24  # (0, 1]
         u2 = b.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).float() * (2 * math.pi * 2.0 ** -24)
         r = torch.sqrt(-2.0 * torch.log(u1))
-        z = torch.stack([r * torch.cos(u2), r * torch.sin(u2)], 2).flatten(1)[:, :k]
-        return z.reshape(-1, *shape)
+        z = torch.empty(b.shape + (2,), device=b.device)  # the pair of each pattern, interleaved
+        torch.mul(r, torch.cos(u2), out=z[..., 0])
+        torch.mul(r, torch.sin(u2), out=z[..., 1])
+        return z.flatten(1)[:, :k].reshape(-1, *shape)
 
     def signs(self, shape, rows=None):
         """Uniform {-1, +1} float32 draws, (m, *shape)."""

@@ -16,7 +16,7 @@ NORMS = ("linf", "l2")
 def flat_norm(v, norm):
     """Per-sample norm of a batch ``v`` (N, ...) -> (N,)."""
     v = v.flatten(1)
-    return v.abs().amax(1) if norm == "linf" else v.norm(dim=1)
+    return v.abs().amax(1) if norm == "linf" else torch.linalg.vector_norm(v, dim=1)
 
 
 def dist(x_adv, x, norm):

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from blackboxbench.builder import build_attack, load_recipe, recipe_family
+from blackboxbench.config import finish_threat
 from blackboxbench.errors import BenchError
 from blackboxbench.prep.models import _digits_model, build_model
 from blackboxbench.query.bases import perturbation_machine
@@ -254,6 +256,26 @@ def test_bases_never_asks_twice_for_an_image():
     problem, res = run_surrogate("bases", target, [surrogate], ds.x, ds.y, 0.3, "linf", 10_000, target=tgt)
     assert res.stalled.any() and (res.queries[res.stalled] < 20).all() and res.success.sum() >= 4
     check_outputs(problem, res, target, 10_000)
+
+
+@pytest.mark.parametrize("iterw", [6, 50])
+def test_bases_stops_after_iterw_candidates(iterw):
+    """The authors' search is ``while n_query < iterw``: a sample the weight search does not fool ends stalled
+    after its round at ``iterw - 1`` candidates, at ``iterw + 1`` queries, however large the run's budget (L2 on
+    the digits, three surrogates, so that the weights move the perturbation machine's output)."""
+    from blackboxbench.prep.data import digits
+
+    recipe, source = load_recipe({"recipe": "bases", "blocks": {"perturb": {"iterw": iterw}}}, "tests")
+    t = finish_threat({"norm": "l2", "eps": 0.5, "max_queries": 1000}, recipe, recipe_family(recipe, source), source)
+    ds = digits(n=12)
+    surrogates = [_digits_model(n, True) for n in ("digits_cnn", "digits_lenet", "digits_resnet")]
+    records = run_tensors(build_attack(recipe, t, source), t, ds.x, ds.y,
+                          {"model": [_digits_model("digits_mlp", True)], "surrogates": surrogates})
+    res = to_result(records, ds.x)
+    failed = res.attacked & ~res.success
+    assert failed.sum() >= 4 and res.success.any()
+    assert res.stalled[failed].all() and (res.queries[failed] == iterw + 1).all(), res.queries
+    assert (res.queries[res.success] <= iterw + 2).all()
 
 
 # ---------------------------------------------------------------- engine contracts

@@ -22,7 +22,7 @@ one oracle call for the candidates and, of the samples at a statistics step, the
 import torch
 
 from ..registry import INIT, PERTURB
-from .common import rows_where
+from ..threat import dist
 from .decision import blended_start, decision_state, known_dist, has_budget, query_adv
 
 PAPER = ("Brendel, Rauber, Bethge, Decision-Based Adversarial Attacks: Reliable Attacks Against Black-Box "
@@ -34,7 +34,7 @@ STEP_HIGH, STEP_LOW = 0.25, 0.1           # foolbox 3: grow / shrink the source 
 
 
 def _l2(a, b):
-    return (a - b).flatten(1).norm(dim=1)
+    return torch.linalg.vector_norm((a - b).flatten(1), dim=1)
 
 
 def proposals(x, x_bd, eta, spherical_step, source_step):
@@ -47,13 +47,13 @@ def proposals(x, x_bd, eta, spherical_step, source_step):
     xf, bf, e = x.flatten(1), x_bd.flatten(1), eta.flatten(1).to(dt)
     sph_step, src_step = spherical_step.to(dt)[:, None], source_step.to(dt)[:, None]
     source = xf - bf
-    d = source.norm(dim=1, keepdim=True)
+    d = torch.linalg.vector_norm(source, dim=1, keepdim=True)
     unit = source / d
     e = e - (e * unit).sum(1, keepdim=True) * unit  # orthogonal to the source direction
-    e = e * (sph_step * d / e.norm(dim=1, keepdim=True))
+    e = e * (sph_step * d / torch.linalg.vector_norm(e, dim=1, keepdim=True))
     spherical = (xf + (e - source) / torch.sqrt(sph_step ** 2 + 1)).clamp(0.0, 1.0)
     back = xf - spherical
-    d_sph = back.norm(dim=1, keepdim=True)
+    d_sph = torch.linalg.vector_norm(back, dim=1, keepdim=True)
     length = (src_step * d + d_sph - d).clamp_min(0.0) / d_sph  # source step, corrected for the clipping
     candidate = (spherical + length * back).clamp(0.0, 1.0)
     return candidate.view(shape), spherical.view(shape)
@@ -150,12 +150,12 @@ def boundary(ctx, state, *, steps=25000, source_step_convergance=1e-7, step_adap
         c, rows = c[sph_ok], idx[c[sph_ok]]
         out["sph_hist"], out["sph_count"] = window_push(state["sph_hist"], state["sph_count"], rows, sph_adv[sph_ok])
         out["cand_hist"], out["cand_count"] = window_push(state["cand_hist"], state["cand_count"], rows, adv[c])
-    better = torch.zeros(n, dtype=torch.bool, device=x.device)
-    better[idx] = adv & (_l2(cand, x[idx]) < _l2(x_bd[idx], x[idx]))  # closer in L2, the metric it searches
-    new = x_bd.clone()
-    new[idx] = cand
-    out["x_bd"] = rows_where(better, new, x_bd)
-    out["dist"] = torch.where(better, problem.dist(out["x_bd"]), state["dist"])
+    xi = x[idx]
+    closer = adv & (_l2(cand, xi) < _l2(x_bd[idx], xi))  # closer in L2, the metric it searches
+    if bool(closer.any()):
+        rows, moved = idx[closer], cand[closer]
+        out["x_bd"] = x_bd.index_put((rows,), moved)
+        out["dist"] = state["dist"].index_put((rows,), dist(moved, xi[closer], problem.norm))
     if check.any():
         stats = torch.zeros(n, dtype=torch.bool, device=x.device)
         stats[idx[check]] = True  # adapt only at the samples' statistics steps (foolbox: every k-th step)
