@@ -16,7 +16,8 @@ the CW margin of surrogate ``k``'s logits, lower is better), makes candidate ima
 The search is the authors' ``while n_query < iterw`` loop: a sample's candidates are counted as the authors count
 queries (the first image, then ``+``, then ``-`` unless ``+`` succeeded), and a sample whose count reached
 ``iterw`` (50, their default) makes no more candidates; it asks nothing and the pipeline ends it as stalled, at
-most ``iterw + 1`` queries in (their loop can overshoot by one as well). The run's query budget caps it too.
+most ``iterw + 1`` candidate queries in (their loop can overshoot by one as well); the pipeline's confirmation queries
+of claims that rounding to the uint8 grid undoes come on top. The run's query budget caps it too.
 
 PM: ``iters`` PGD steps of size ``step * eps / iters``: Linf sign steps, L2 steps along the L2-normalised
 gradient, each projected onto the eps ball and [0, 1]. All samples' candidates run through the surrogates in one
@@ -32,9 +33,9 @@ stalled (it can only revisit images whose answers it has), instead of spending t
 
 Defaults (not in BlackboxBench Table VI; the paper's Sec. 4 setup and the authors' ``query_w_bb.py``): PGD with
 10 iterations, step 3 eps / 10 (``--x 3``), loss fusion of CW losses, ``w`` initialised uniform, ``eta`` 0.005
-(``--lr``), at most ``iterw`` 50 candidates per sample (``--iterw``). Deviations: the authors query ``w - eta e_k`` only when ``w + eta e_k`` failed; here both are asked
-in one call, so a success costs at most one query more (the search has no other per-iteration shape that keeps
-every sample's queries in one call). Their code also takes sign steps under L2 (a step of 3 eps / 10 per pixel),
+(``--lr``), at most ``iterw`` 50 candidates per sample (``--iterw``). Deviations: the authors query
+``w - eta e_k`` only when ``w + eta e_k`` failed; here both are asked in one call, so a success costs at most one
+query more (the search has no other per-iteration shape that keeps every sample's queries in one call). Their code also takes sign steps under L2 (a step of 3 eps / 10 per pixel),
 and halves ``eta`` under a condition that never holds with more than one surrogate: this PM uses normalised
 gradient steps under L2, and ``eta`` stays constant. ``w`` is not renormalised (as in the authors' code).
 """
