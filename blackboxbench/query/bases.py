@@ -35,9 +35,10 @@ Defaults (not in BlackboxBench Table VI; the paper's Sec. 4 setup and the author
 10 iterations, step 3 eps / 10 (``--x 3``), loss fusion of CW losses, ``w`` initialised uniform, ``eta`` 0.005
 (``--lr``), at most ``iterw`` 50 candidates per sample (``--iterw``). Deviations: the authors query
 ``w - eta e_k`` only when ``w + eta e_k`` failed; here both are asked in one call, so a success costs at most one
-query more (the search has no other per-iteration shape that keeps every sample's queries in one call). Their code also takes sign steps under L2 (a step of 3 eps / 10 per pixel),
-and halves ``eta`` under a condition that never holds with more than one surrogate: this PM uses normalised
-gradient steps under L2, and ``eta`` stays constant. ``w`` is not renormalised (as in the authors' code).
+query more (the search has no other per-iteration shape that keeps every sample's queries in one call). Their
+code also takes sign steps under L2 (a step of 3 eps / 10 per pixel), and halves ``eta`` under a condition that
+never holds with more than one surrogate: this PM uses normalised gradient steps under L2, and ``eta`` stays
+constant. ``w`` is not renormalised (as in the authors' code).
 """
 import torch
 
