@@ -5,7 +5,9 @@ A row is one (attack, norm, eps, targeted, defense) with its target model; the `
 (``none``, ``rnd(sigma=0.02)``, ``aaa_linear(...)``, ``at`` for an adversarially trained target, ...). Besides ASR
 and AQN (mean queries over successes) it keeps the mean queries over all attacked samples (a defense that makes an
 attack fail also spends its budget), the clean accuracy with and without the defense, the defended majority-of-5
-re-evaluation, and the perceptual cost (mean SSIM and LPIPS over successes).
+re-evaluation, and the perceptual cost (mean SSIM and LPIPS over successes). Its last columns name the run
+(``config_hash`` and the run directory), so that the runs of an older version of a recipe or config left in the
+same results directory are told apart from the current ones.
 """
 import csv
 import io
@@ -17,7 +19,8 @@ from .leaderboard import cell, collect
 
 COLUMNS = ("attack", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr", "aqn",
            "mqn", "mean_queries_all", "clean_acc", "clean_acc_defended", "asr_reeval_defended",
-           "asr_reeval_undefended", "reeval_gap", "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time")
+           "asr_reeval_undefended", "reeval_gap", "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time",
+           "config_hash", "run")
 QUERY_FAMILIES = ("score", "decision")
 
 
