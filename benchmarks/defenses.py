@@ -36,6 +36,7 @@ from blackboxbench.oracle import Oracle  # noqa: E402
 from blackboxbench.prep.data import resolve_data_root  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import DATASET  # noqa: E402
+from blackboxbench.robustness import short_defense  # noqa: E402
 
 SECTIONS = ("aaa_cost", "jpeg_art", "aaa_decision", "board")
 
@@ -179,8 +180,8 @@ def section_board(args, ctx):
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    body = [(r["attack"], r["norm"], r["target_model"], r["defense"].split("(")[0] if r["defense"] != "none" else
-             "none", f(r["clean_acc"], ".2f"), f(r.get("clean_acc_defended"), ".2f"), f(r["asr"], ".2f"),
+    body = [(r["attack"], r["norm"], r["target_model"], short_defense(r["defense"]), f(r["clean_acc"], ".2f"),
+             f(r.get("clean_acc_defended"), ".2f"), f(r["asr"], ".2f"),
              f(r["aqn"], ".0f"), f(r.get("mean_queries_all"), ".0f"), f(r.get("asr_reeval_defended"), ".2f"),
              f(r.get("asr_reeval_undefended"), ".2f"), f(r.get("mean_ssim"), ".3f")) for r in rows]
     return (f"Robustness leaderboard: {len(rows)} runs of configs/cifar10_defenses.yaml in {args.board_dir} with "
@@ -195,13 +196,9 @@ def section_board(args, ctx):
 BOARD_COLUMNS = ("none", "rnd", "aaa_linear", "aaa_sine", "at")
 
 
-def _defense_key(row):
-    return row["defense"].split("(")[0]
-
-
 def board_pivot(rows):
     """ASR (mean queries over all attacked samples) per attack x defense: one line per attack."""
-    cells = {(r["attack"], _defense_key(r)): r for r in rows}
+    cells = {(r["attack"], short_defense(r["defense"])): r for r in rows}
     body = []
     for attack in sorted({r["attack"] for r in rows}):
         line = [f"`{attack}`"]
@@ -223,13 +220,13 @@ def board_claims(rows):
     lines = []
     for family in sorted({r["family"] for r in rows}):
         fam = [r for r in rows if r["family"] == family]
-        per = {d: [r for r in fam if _defense_key(r) == d] for d in BOARD_COLUMNS}
+        per = {d: [r for r in fam if short_defense(r["defense"]) == d] for d in BOARD_COLUMNS}
         stats = ", ".join(f"{d} {_mean([r['asr'] for r in per[d]]):.2f} / "
                           f"{_mean([r['mean_queries_all'] for r in per[d]]):.0f}" for d in BOARD_COLUMNS if per[d])
         lines.append(f"- {family} attacks ({len(per['none'])}), mean ASR / mean queries (all attacked): {stats}")
-    rnd = [r for r in rows if _defense_key(r) == "rnd"]
+    rnd = [r for r in rows if short_defense(r["defense"]) == "rnd"]
     gap = sum(r["reeval_gap"] or 0 for r in rnd)
-    recorded = sum(round((r["asr"] or 0) * r["n_attacked"]) for r in rnd)
+    recorded = sum(r["n_success"] for r in rnd)
     lines.append(f"- RND, one-draw policy: {recorded} recorded successes, {gap} of them not confirmed by the defended "
                  "majority of 5 (reeval_gap summed over the RND runs)")
     return "\n".join(lines)

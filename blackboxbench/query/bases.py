@@ -149,8 +149,8 @@ def bases_select(ctx, state, proposal):
     state["asked"] = state["asked"] + live.long() * (2 - adv_plus.long())
     # Remember what was asked and answered.
     memo_x, memo_margin, slot = state["memo_x"].clone(), state["memo_margin"].clone(), state["memo_next"].clone()
-    for asked, images, answered, m in ((ask_plus, plus, ok_plus, m_plus), (ask_minus, minus, ok_minus, m_minus)):
-        keep = (asked & answered).nonzero().squeeze(1)
+    for ask, images, answered, m in ((ask_plus, plus, ok_plus, m_plus), (ask_minus, minus, ok_minus, m_minus)):
+        keep = (ask & answered).nonzero().squeeze(1)
         memo_x[keep, slot[keep]] = images[keep]
         memo_margin[keep, slot[keep]] = m[keep]
         slot[keep] = (slot[keep] + 1) % MEMORY
