@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from blackboxbench.builder import build_attack, load_recipe, recipe_family  # noqa: E402
 from blackboxbench.config import finish_threat, parse_number  # noqa: E402
 from blackboxbench.family import check_outputs  # noqa: E402
+from blackboxbench.malloc import keep_freed_memory  # noqa: E402
 from blackboxbench.prep.data import resolve_data_root  # noqa: E402
 from blackboxbench.prep.inference import inference_copy  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
@@ -872,7 +873,7 @@ def machine(args, device):
         pass
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if device.type == "cuda" else ""
     return (f"{cpu} x{os.cpu_count()}{gpu}; device {device.type}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} thread(s); Python {platform.python_version()}")
+            f"{torch.get_num_threads()} thread(s); Python {platform.python_version()}; malloc {args.malloc}")
 
 
 def render(name, args, ctx, result, load):
@@ -927,6 +928,9 @@ def main(argv=None):
     ap.add_argument("--fuse", default="on", choices=("on", "off"),
                     help="ours forward the target's inference copy (the config's fuse, on by default in runs); "
                     "the throughput section then adds rows where the peer forwards the same copy")
+    ap.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                    help="keep: glibc keeps freed memory in the process, as `blackboxbench run` does by default "
+                    "(blackboxbench/malloc.py; process-wide, so the peers run under it too); default: glibc as is")
     ap.add_argument("--out", default="benchmarks/RESULTS.md")
     ap.add_argument("--only", choices=SECTIONS)
     ap.add_argument("--eps", default=None, help="Linf eps for every attack, e.g. 8/255 (default 0.03, Tables V-VII); "
@@ -941,6 +945,8 @@ def main(argv=None):
         suffix = "@" + args.eps.replace("/", "_")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.malloc == "keep":
+        keep_freed_memory()
     FUSE = args.fuse == "on"
     device = resolve_device(args.device)
     CLOCK = "wall" if device.type == "cuda" else "cpu"  # process CPU time says little about GPU work

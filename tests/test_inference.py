@@ -64,6 +64,80 @@ def test_every_digits_model(name):
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
 
 
+def residual_net():
+    """Conv-BN, ReLU, a residual addition and the cases the in-place rewrite must leave alone: a ReLU of a view
+    (``h[:, :4]``), a ReLU of a tensor read twice, and an addition to a graph input."""
+    torch.manual_seed(1)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
+            self.relu = nn.ReLU()
+            self.head = nn.Linear(8 + 4 + 8, 5)
+
+        def forward(self, x):
+            h = self.relu(self.bn1(self.conv1(x)))         # fresh, read once: in place
+            r = torch.relu(self.bn2(self.conv2(h)) + h)    # residual add and ReLU: both in place
+            v = torch.relu(r[:, :4])                        # a view of r: not in place (r is read again below)
+            twice = self.conv3(r)
+            w = torch.relu(twice) + twice                   # read twice: neither in place
+            e = x.mean(1, keepdim=True) + 1.0               # not a fresh module output: not in place
+            feats = torch.cat([r.mean((2, 3)), v.mean((2, 3)), (w * e).mean((2, 3))], 1)
+            return self.head(feats)
+
+    net = Net()
+    for bn in (net.bn1, net.bn2):
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.2, 3)
+    return net.eval()
+
+
+def test_in_place_rewrite_is_bit_identical_and_leaves_views_and_shared_tensors():
+    import blackboxbench.prep.inference as inf
+
+    model = residual_net()
+    x = torch.rand(16, 3, 8, 8)
+    with torch.no_grad():
+        ref = model(x)
+    fast = inference_copy(model, x[:4])
+    graph = fast.graph
+    in_place = [n for n in graph.nodes if n.target in (torch.relu_, "add_")]
+    assert len(in_place) == 3  # the block's ReLU, the residual add and the ReLU after it
+    for n in in_place:  # each writes a tensor nobody else reads
+        assert len(n.args[0].users) == 1
+    # the view, the tensor read twice and the graph input's addition stay out of place
+    assert sum(n.target is torch.relu for n in graph.nodes) == 2
+    with torch.no_grad():
+        plain = inf._fold(__import__("copy").deepcopy(model)).to(memory_format=torch.channels_last)
+        assert torch.equal(fast(x), plain(x))  # bit-identical to the folded copy without the rewrite
+        torch.testing.assert_close(fast(x), ref, rtol=1e-4, atol=1e-5)
+        assert torch.equal(model(x), ref)  # the model as built is untouched
+
+
+def test_in_place_rewrite_that_cannot_run_is_dropped():
+    """An addition whose in-place form fails (the first operand would have to broadcast) keeps the folded copy."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+            self.pool = nn.Conv2d(4, 4, 8)  # (N, 4, 1, 1)
+            self.head = nn.Linear(4 * 8 * 8, 3)
+
+        def forward(self, x):
+            h = self.bn(self.conv(x))
+            return self.head((self.pool(h) + h).flatten(1))  # (N, 4, 1, 1) + (N, 4, 8, 8): add_ cannot run
+
+    model = Net().eval()
+    x = torch.rand(8, 3, 8, 8)
+    fast = inference_copy(model, x[:4])
+    assert fast is not model and not any(n.target == "add_" for n in fast.graph.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+
+
 def test_model_kept_when_the_copy_cannot_run(capsys):
     model = conv_bn_net(view=True)  # .view of a channels-last activation raises
     assert inference_copy(model, torch.rand(4, 3, 8, 8), "viewnet") is model
