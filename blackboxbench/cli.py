@@ -20,12 +20,29 @@ def _cell(v):
     return "-" if v is None else str(v)
 
 
+def _fields(family):
+    """The terminal table's (key, header) pairs of a family's runs: its declared ``table``, else the classification
+    fields."""
+    from .registry import FAMILY
+
+    fam = FAMILY.get(family) if family in FAMILY.names() else None
+    return (fam.table if fam is not None else None) or SUMMARY_FIELDS
+
+
 def format_table(rows):
-    head = [h for _, h in SUMMARY_FIELDS]
-    body = [[_cell(r.get(k)) for k, _ in SUMMARY_FIELDS] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    """Run summaries (or leaderboard rows) as text tables, one per family in order of first appearance."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(r.get("family"), []).append(r)
+    out = []
+    for family, group in groups.items():
+        fields = _fields(family)
+        head = [h for _, h in fields]
+        body = [[_cell(r.get(k)) for k, _ in fields] for r in group]
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        out.append("\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body]))
+    return "\n\n".join(out)
 
 
 def cmd_run(args):

@@ -94,6 +94,7 @@ class Family:
     run_keys = {}  # top-level config keys of its own (e.g. a query run's ``defense``), with their types
     record_fields = {}
     columns = ()
+    table = None  # [(summary key, header)] of the terminal table after a run; None: the classification one (cli)
     surrogate_may_be_target = False  # a white-box surrogate equal to a black-box target is a config error
     classifier_models = True  # the runner checks class counts and randomness on logits; else check_inputs does
 

@@ -54,7 +54,7 @@ def load_lpips(path=None, device="cpu", random_trunk=False):
         if path:
             raise BenchError(f"lpips: trunk weights {file} not found")
         warnings.warn(f"LPIPS column left empty: the AlexNet trunk ({ALEXNET_FILE}) is not in {file.parent}; "
-                      "put it there or set its path", stacklevel=2)
+                      "put it there or set its path", stacklevel=1)  # one location: Python shows it once
         return None
     with warnings.catch_warnings():  # lpips calls torchvision's deprecated ``pretrained=`` argument
         warnings.simplefilter("ignore", UserWarning)

@@ -115,6 +115,10 @@ def test_family_end_to_end_with_reports(tmp_path):
     assert [r["target"] for r in rows] == ["shapes_fcos", "shapes_fcos_b"]
     white = summary["per_target"]["shapes_fcos"]
     assert float(rows[0]["adv_map"]) == pytest.approx(white["adv_map"])
+    from blackboxbench.cli import format_table
+    head, _, line = format_table([summary]).splitlines()  # the family's own terminal table, not "ASR"
+    assert head.split()[5:9] == ["clean", "mAP", "mAP", "drop"] and "ASR" not in head
+    assert f"{summary['mean_drop_csr']:.4g}" in line.split()
 
 
 @pytest.mark.parametrize("change,match", [({"dataset": {"name": "digits", "n": 4}}, "has no boxes"),

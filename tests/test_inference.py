@@ -1,6 +1,8 @@
 """Inference copies of the models a run only forwards (prep/inference.py; the config's ``fuse``): same logits as
 the model as built (the independent reference), BatchNorm folded, the model itself untouched, and the model kept
 whenever the copy would change what the attack sees."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -110,7 +112,7 @@ def test_in_place_rewrite_is_bit_identical_and_leaves_views_and_shared_tensors()
     # the view, the tensor read twice and the graph input's addition stay out of place
     assert sum(n.target is torch.relu for n in graph.nodes) == 2
     with torch.no_grad():
-        plain = inf._fold(__import__("copy").deepcopy(model)).to(memory_format=torch.channels_last)
+        plain = inf._fold(copy.deepcopy(model)).to(memory_format=torch.channels_last)
         assert torch.equal(fast(x), plain(x))  # bit-identical to the folded copy without the rewrite
         torch.testing.assert_close(fast(x), ref, rtol=1e-4, atol=1e-5)
         assert torch.equal(model(x), ref)  # the model as built is untouched

@@ -213,3 +213,15 @@ def test_cli_unwritable_output(results, tmp_path, capsys):
     assert main(["leaderboard", str(results), "-o", str(tmp_path / "dir.csv")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write the leaderboard {tmp_path / 'dir.csv'}: ") and err.count("\n") == 1
+
+
+def test_terminal_table_per_family():
+    """Rows of two families print as two tables, each with its family's headers (detection: mAP drops, not ASR)."""
+    from blackboxbench.cli import format_table
+
+    rows = [{"family": "score", "attack": "square_linf", "asr": 0.5, "clean_acc": 0.9},
+            {"family": "detection", "attack": "dag", "clean_acc": 0.8, "mean_drop_map": 0.25},
+            {"family": "score", "attack": "nes", "asr": 0.75}]
+    first, second = format_table(rows).split("\n\n")
+    assert "ASR" in first.splitlines()[0] and [ln.split()[0] for ln in first.splitlines()[2:]] == ["square_linf", "nes"]
+    assert "mAP drop" in second.splitlines()[0] and "ASR" not in second and "0.25" in second.splitlines()[2]

@@ -164,7 +164,7 @@ def examples(summaries, results_dirs, path, per_run=2, max_runs=8):
         files = sorted((d / "adv").glob("*.png"))[:per_run]
         idx = [int(f.stem) for f in files]
         x = data.x[idx]
-        xa = torch.stack([torch.from_numpy(np.asarray(Image.open(f).convert("RGB"))).permute(2, 0, 1).float() / 255
+        xa = torch.stack([torch.from_numpy(np.array(Image.open(f).convert("RGB"))).permute(2, 0, 1).float() / 255
                           for f in files])
         for k, (dc, da) in enumerate(zip(forward_dets(model, x, "target"), forward_dets(model, xa, "target"))):
             keep_c, keep_a = dc["scores"] >= 0.5, da["scores"] >= 0.5
