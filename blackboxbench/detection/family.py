@@ -32,7 +32,7 @@ from ..builder import resolve_setting
 from ..context import BlockContext, Pool
 from ..errors import BenchError, ConfigError
 from ..family import BlockKind, Family, ModelKey, WholeBatchWorker, check_outputs, to_uint8
-from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY
+from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL
 from ..threat import Problem, flat_norm
 from .data import DetectionDataset
 from .metrics import match_image, pool_matches
@@ -313,8 +313,9 @@ class DetectionFamily(Family):
         for key, ms in models.items():
             for i, m in enumerate(ms):
                 if not isinstance(m, Detector):
-                    raise ConfigError("not a detector (use shapes_fcos, shapes_retinanet, torchvision_det:<arch>, "
-                                      "...)", source, f"{key}[{i}]")
+                    names = [n for n in MODEL.names() if MODEL.get(n).registry_meta.get("task") == "detection"]
+                    raise ConfigError(f"not a detector (use one of: {', '.join(names)}; torchvision_det takes "
+                                      "arch: <a torchvision detection model>)", source, f"{key}[{i}]")
                 if int(m.label_map.max()) >= data.num_classes:
                     raise ConfigError(f"the detector outputs class ids up to {int(m.label_map.max())} but dataset "
                                       f"{data.name} has {data.num_classes} classes", source, f"{key}[{i}]")
