@@ -10,9 +10,10 @@ model that folding or the memory format would change is never attacked in a chan
 
 In the traced parts, :func:`in_place` then runs each ReLU and each residual addition in the memory of its input
 when nothing else reads that input (a fresh convolution, linear or addition output): the forward allocates and
-touches about half as many activation tensors (5-50 % more images per second for ResNet-20 on 2 CPU cores,
-depending on the batch and the allocator; ``benchmarks/RESULTS.md``, "In-place activations"). Its output must be
-bit-identical to the folded copy's on the probe, otherwise the folded copy is used without it.
+touches about half as many activation tensors (ResNet-20 on 2 CPU cores: up to 1.5x the images per second with
+glibc's default allocator, 0-10 % more with the one ``blackboxbench run`` sets; ``benchmarks/RESULTS.md``, "In-place
+activations"). Its output must be bit-identical to the folded copy's on the probe, otherwise the folded copy is
+used without it.
 """
 import copy
 import operator
