@@ -873,7 +873,8 @@ def machine(args, device):
         pass
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if device.type == "cuda" else ""
     return (f"{cpu} x{os.cpu_count()}{gpu}; device {device.type}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} thread(s); Python {platform.python_version()}; malloc {args.malloc}")
+            f"{torch.get_num_threads()} thread(s); Python {platform.python_version()}"
+            + (f"; malloc {args.malloc}" if hasattr(args, "malloc") else ""))
 
 
 def render(name, args, ctx, result, load):
