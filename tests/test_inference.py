@@ -118,6 +118,20 @@ def test_in_place_rewrite_is_bit_identical_and_leaves_views_and_shared_tensors()
         assert torch.equal(model(x), ref)  # the model as built is untouched
 
 
+def test_in_place_leaves_hooked_modules():
+    """A ReLU module with a forward hook keeps being called as a module in the copy, so its hook still runs."""
+    model = residual_net()
+    calls = []
+    model.relu.register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    x = torch.rand(8, 3, 8, 8)
+    fast = inference_copy(model, x[:4])
+    assert any(n.op == "call_module" and n.target == "relu" for n in fast.graph.nodes)
+    calls.clear()
+    with torch.no_grad():
+        fast(x)
+    assert calls == [torch.Size([8, 8, 8, 8])]
+
+
 @pytest.mark.parametrize("arch", ["resnet18", "mobilenet_v3_small", "densenet121"])
 def test_in_place_on_torchvision_architectures(arch):
     """Residual, inverted-residual (hardswish, squeeze-excitation) and dense-concatenation graphs: the rewrite

@@ -52,18 +52,24 @@ def in_place(gm):
     """Rewrite the ``torch.fx.GraphModule`` ``gm``: a ReLU (module, function or method) or an out-of-place
     addition whose first input is a fresh tensor (a convolution's, a linear layer's, an addition's or a rewritten
     node's output) read by no other node becomes ``torch.relu_`` / ``Tensor.add_`` on that input. Views (slicing,
-    ``view``, ``flatten``), graph inputs, parameters and tensors read twice are never written. Returns ``gm``."""
+    ``view``, ``flatten``), graph inputs, parameters, tensors read twice and modules with forward hooks are left
+    as they are. Returns ``gm``."""
     mods = dict(gm.named_modules())
     fresh = set()
+
+    def module(n, kind):  # the plain module a call_module node calls (none with hooks: they may see or keep it)
+        m = mods.get(n.target) if n.op == "call_module" else None
+        hooked = m is not None and (m._forward_hooks or m._forward_pre_hooks)
+        return isinstance(m, kind) and not hooked
 
     def writable(a):
         if not isinstance(a, torch.fx.Node) or len(a.users) != 1:
             return False
-        return a in fresh or (a.op == "call_module" and isinstance(mods.get(a.target), _FRESH_MODULES)) or (
+        return a in fresh or module(a, _FRESH_MODULES) or (
             a.op == "call_function" and a.target in _ADD_FUNCTIONS and not a.kwargs)
 
     for node in list(gm.graph.nodes):
-        relu = (node.op == "call_module" and isinstance(mods.get(node.target), nn.ReLU)) or (
+        relu = module(node, nn.ReLU) or (
             node.op == "call_function" and node.target in _RELU_FUNCTIONS and not node.kwargs.get("inplace")) or (
             node.op == "call_method" and node.target == "relu")
         add = node.op == "call_function" and node.target in _ADD_FUNCTIONS and len(node.args) == 2 and not node.kwargs
