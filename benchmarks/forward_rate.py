@@ -10,15 +10,13 @@ default; ``default`` leaves glibc's allocator as it is (freed activations go bac
     PYTHONPATH=. BLACKBOXBENCH_DATA=../shared/data python benchmarks/forward_rate.py --threads 2 --malloc keep
 """
 import argparse
-import copy
 import statistics
 import time
-from unittest import mock
 
 import torch
 
 from blackboxbench.malloc import keep_freed_memory
-from blackboxbench.prep import inference
+from blackboxbench.prep.inference import inference_copy
 from blackboxbench.prep.data import resolve_data_root
 from blackboxbench.prep.models import build_model
 
@@ -50,9 +48,8 @@ def main():
         keep_freed_memory()
     model = build_model(args.model, resolve_data_root(args.data_root)).eval()
     probe = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    with mock.patch.object(inference, "_slim", lambda fast, probe, ref: fast):
-        folded = inference.inference_copy(model, probe, args.model)
-    run_copy = inference.inference_copy(model, probe, args.model)
+    folded = inference_copy(model, probe, args.model, in_place_ops=False)
+    run_copy = inference_copy(model, probe, args.model)
     variants = {"as built": model, "folded": folded, "folded + in place": run_copy}
     x = torch.rand(max(args.batches), 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -63,7 +60,7 @@ def main():
     print("| batch | " + " | ".join(f"{k} (images/s)" for k in variants) + " | in place / folded |")
     print("|---" * (len(variants) + 2) + "|")
     for b in args.batches:
-        xb = copy.deepcopy(x[:b]).contiguous()
+        xb = x[:b].clone()
         got = {k: [] for k in variants}
         for _ in range(args.repeats):
             for k, m in variants.items():

@@ -119,11 +119,12 @@ def is_randomized(model, x, first=None):
         return not torch.equal(model(x) if first is None else first, model(x))
 
 
-def inference_copy(model, probe, name="model"):
+def inference_copy(model, probe, name="model", in_place_ops=True):
     """A copy of the frozen ``model`` for forwards only (see the module docstring), or ``model`` itself when the
     copy cannot be made or run, when its logits on ``probe`` (a few inputs of the run) differ from the model's by
     more than ``RTOL`` of the largest, or when the model's own logits cannot be compared: it fails on the probe,
-    returns non-finite logits, or is randomized (:func:`is_randomized`; such a model is never copied)."""
+    returns non-finite logits, or is randomized (:func:`is_randomized`; such a model is never copied).
+    ``in_place_ops=False`` skips the :func:`in_place` rewrite (the folded, channels-last copy only)."""
     try:
         with torch.no_grad():
             ref = model(probe)
@@ -138,7 +139,7 @@ def inference_copy(model, probe, name="model"):
         with torch.no_grad():
             out = fast(probe)
             gap = _gap(out, ref)
-        fast = _slim(fast, probe, out)
+        fast = _slim(fast, probe, out) if in_place_ops else fast
     except Exception as e:  # noqa: BLE001  (a model that cannot be copied, or a copy that cannot run, stays as built)
         gap, why = float("inf"), f"{type(e).__name__}: {e}"
     else:
