@@ -16,8 +16,8 @@ import time
 import torch
 
 from blackboxbench.malloc import keep_freed_memory
-from blackboxbench.prep.inference import inference_copy
 from blackboxbench.prep.data import resolve_data_root
+from blackboxbench.prep.inference import inference_copy
 from blackboxbench.prep.models import build_model
 
 

@@ -25,8 +25,7 @@ def _fields(family):
     fields."""
     from .registry import FAMILY
 
-    fam = FAMILY.get(family) if family in FAMILY.names() else None
-    return (fam.table if fam is not None else None) or SUMMARY_FIELDS
+    return (FAMILY.get(family).table if family in FAMILY else None) or SUMMARY_FIELDS
 
 
 def format_table(rows):

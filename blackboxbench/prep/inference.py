@@ -90,8 +90,7 @@ def in_place(gm):
 def _slim(fast, probe, ref):
     """``fast`` with :func:`in_place` applied to every traced submodule of a copy, when that copy's logits on
     ``probe`` are bit-identical to ``ref`` (``fast``'s own); else ``fast``."""
-    graphs = [m for m in fast.modules() if isinstance(m, torch.fx.GraphModule)]
-    if not graphs:
+    if not any(isinstance(m, torch.fx.GraphModule) for m in fast.modules()):
         return fast
     try:
         slim = copy.deepcopy(fast)
@@ -139,7 +138,6 @@ def inference_copy(model, probe, name="model", in_place_ops=True):
         with torch.no_grad():
             out = fast(probe)
             gap = _gap(out, ref)
-        fast = _slim(fast, probe, out) if in_place_ops else fast
     except Exception as e:  # noqa: BLE001  (a model that cannot be copied, or a copy that cannot run, stays as built)
         gap, why = float("inf"), f"{type(e).__name__}: {e}"
     else:
@@ -147,6 +145,8 @@ def inference_copy(model, probe, name="model", in_place_ops=True):
     if not gap <= RTOL:
         print(f"fuse: {name} kept as built ({why})", file=sys.stderr)
         return model
+    if in_place_ops:  # only a copy the probe check accepted is worth rewriting
+        fast = _slim(fast, probe, out)
     if hasattr(model, "arch_id"):
         fast.arch_id = model.arch_id
     return fast
