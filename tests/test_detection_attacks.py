@@ -147,3 +147,20 @@ def test_benchmark_attacks_bound_and_effect(setup, attack, metric):
     assert t["eps"] == pytest.approx({"ebad_30": 30, "caa_30": 30, "osfd": 5}[attack] / 255)
     if metric:
         assert s["per_target"]["m"][f"drop_{metric}"] >= 0.3, s["per_target"]
+
+
+def test_kill_9_detection_run_resumes_identically(tmp_path):
+    """The detection family writes a record per image as it finishes: a run killed with SIGKILL and re-run loses
+    and duplicates no image, and its records equal an uninterrupted run's."""
+    from test_runner import kill_and_resume
+
+    text = """
+dataset: {name: shapes, n: 30, seed: 0}
+attack: tog_untargeted
+surrogates: [shapes_fcos]
+targets: [shapes_fcos, shapes_fcos_b]
+batch_size: 3
+device: cpu
+output_dir: OUT
+"""
+    kill_and_resume(tmp_path, text, 30, at=6)
