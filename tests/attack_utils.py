@@ -12,11 +12,12 @@ from blackboxbench.runner import run_tensors
 from blackboxbench.threat import Problem, dist
 
 
-def build(name, norm="linf", targeted=False, eps=1.0, iterations=None, hyper=None, **threat):
+def build(name, norm="linf", targeted=False, eps=1.0, iterations=None, hyper=None, blocks=None, **threat):
     """The recipe ``name`` built by the library's builder for this setting (transfer: optional iterations and
-    other ``hyper`` overrides). Returns ``(attack, threat)``."""
+    other ``hyper`` overrides; ``blocks``: block parameter overrides, as a config's). Returns ``(attack, threat)``."""
     hyper = {**({"iterations": iterations} if iterations else {}), **(hyper or {})}
-    recipe, source = load_recipe({"recipe": name, "hyper": hyper} if hyper else name, "tests")
+    over = {**({"hyper": hyper} if hyper else {}), **({"blocks": blocks} if blocks else {})}
+    recipe, source = load_recipe({"recipe": name, **over} if over else name, "tests")
     t = {"norm": norm, "targeted": targeted, "eps": eps, **threat}
     if targeted:
         t["target_label"] = "specified"
@@ -34,9 +35,10 @@ class Result:
     records: list
 
 
-def run_query(name, model, x, y, eps, norm, budget, target=None, seed=0, num_classes=10, slots=None, **threat):
+def run_query(name, model, x, y, eps, norm, budget, target=None, seed=0, num_classes=10, slots=None, blocks=None,
+              **threat):
     """Run a query recipe on ``x`` through the real worker; returns ``(problem, result)``."""
-    attack, t = build(name, norm, target is not None, eps, max_queries=max(budget, 1), **threat)
+    attack, t = build(name, norm, target is not None, eps, blocks=blocks, max_queries=max(budget, 1), **threat)
     t["max_queries"] = budget  # a budget of 0 (configs need >= 1) checks that nothing is asked at all
     records = run_tensors(attack, t, x, y, {"model": [model]}, seed=seed, slots=slots, given_target=target,
                           num_classes=num_classes)

@@ -297,7 +297,7 @@ FUZZ = [
          "attack.blocks.perturb.init_num_evals", "[1, inf)"),
     case("hsja max_num_evals 0", dcfg(blocks("hsja_linf", "perturb", "{max_num_evals: 0}")),
          "attack.blocks.perturb.max_num_evals", "[1, inf)"),
-    case("hsja stepsize_search unknown", dcfg(blocks("hsja_linf", "perturb", "{stepsize_search: grid_search}")),
+    case("hsja stepsize_search unknown", dcfg(blocks("hsja_linf", "perturb", "{stepsize_search: golden_section}")),
          "attack.blocks.perturb.stepsize_search", "must be one of geometric_progression"),
     case("hsja stepsize_search int", dcfg(blocks("hsja_linf", "perturb", "{stepsize_search: 5}")),
          "attack.blocks.perturb.stepsize_search", "expected a string"),

@@ -51,24 +51,27 @@ def has_budget(ctx):
     return ctx.oracle.remaining() > 0
 
 
-def bisect(ctx, point, lo, hi, tol, live, enough=None):
-    """Batched binary search of a scalar parameter per sample, in label space.
+def bisect(ctx, point, lo, hi, tol, live, enough=None, owner=None):
+    """Batched binary search of a scalar parameter per search, in label space.
 
-    ``point(t, idx)`` builds the images of samples ``idx`` at parameters ``t`` (float64, (m,)); ``point(hi)`` must
-    be adversarial and ``point(lo)`` not. Each step queries the midpoints of all live samples in one call and
-    moves ``hi`` (adversarial) or ``lo``; a sample stops when ``hi - lo <= tol``, when ``hi <= enough`` (the
-    parameter at which ``point`` is inside the eps ball: the attack needs no closer point), or at its first
-    refused row, so ``hi`` always stays a point the oracle has seen adversarial. Returns ``(lo, hi)`` (float64).
+    One search per sample, or per row of ``owner`` (the sample each search queries for; several searches may share
+    a sample). ``point(t, idx)`` builds the images of searches ``idx`` at parameters ``t`` (float64, (m,));
+    ``point(hi)`` must be adversarial and ``point(lo)`` not. Each step queries the midpoints of all live searches
+    in one call and moves ``hi`` (adversarial) or ``lo``; a search stops when ``hi - lo <= tol``, when
+    ``hi <= enough`` (the parameter at which ``point`` is inside the eps ball: the attack needs no closer point),
+    or at its first refused row, so ``hi`` always stays a point the oracle has seen adversarial. Returns
+    ``(lo, hi)`` (float64).
     """
     lo, hi = lo.double().clone(), hi.double().clone()
+    owner = torch.arange(lo.numel(), device=lo.device) if owner is None else owner
     tol = torch.as_tensor(tol, dtype=torch.float64, device=lo.device).expand_as(lo)
     enough = torch.as_tensor(-1.0 if enough is None else enough, dtype=torch.float64, device=lo.device)
-    live = live & has_budget(ctx) & (hi - lo > tol) & (hi > enough)
+    live = live & has_budget(ctx)[owner] & (hi - lo > tol) & (hi > enough)
     while live.any():
         idx = live.nonzero().squeeze(1)
         mid = (lo[idx] + hi[idx]) / 2
         stuck = (mid <= lo[idx]) | (mid >= hi[idx])  # float64 resolution reached
-        adv, ok = query_adv(ctx, point(mid, idx), idx)
+        adv, ok = query_adv(ctx, point(mid, idx), owner[idx])
         hi[idx[adv]] = mid[adv]
         lo[idx[ok & ~adv]] = mid[ok & ~adv]
         live[idx[~ok | stuck]] = False

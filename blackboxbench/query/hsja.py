@@ -1,18 +1,18 @@
 """HopSkipJumpAttack (Chen, Jordan, Wainwright, IEEE S&P 2020), Linf and L2, batched over samples.
 
 One pipeline iteration is one HSJA iteration for every active sample: the gradient-direction estimate at the
-boundary point (one oracle call for all samples' probes), the geometric step-size search (one call per halving),
-and the binary search back to the boundary (one call per bisection step). Defaults: Table V of the
-BlackboxBench paper (gamma 1, stepsize_search geometric_progression, max_num_evals 10000, init_num_evals 100);
-the remaining constants (probe size, step size, binary-search thresholds) follow the authors' reference code.
-The probes of the gradient estimate come from a pluggable generator (``probes``, see ``probes.py``): QEBA (Li et
-al., CVPR 2020) is these blocks with low-frequency DCT probes (recipe ``qeba``).
+boundary point (one oracle call for all samples' probes), the geometric step-size search (one call per halving;
+``grid_search``: one call for 20 sizes), and the binary search back to the boundary (one call per bisection
+step). Defaults: Table V of the BlackboxBench paper (gamma 1, stepsize_search geometric_progression,
+max_num_evals 10000, init_num_evals 100); the remaining constants (probe size, step size, binary-search
+thresholds) follow the authors' reference code. The probes of the gradient estimate come from a pluggable
+generator (``probes``, see ``probes.py``): QEBA (Li et al., CVPR 2020) is these blocks with low-frequency DCT
+probes (recipe ``qeba``).
 """
 import math
 
 import torch
 
-from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from .common import per_sample, rows_where
 from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, known_dist,
@@ -27,13 +27,14 @@ FIRST_DELTA = 0.1  # probe size of the first iteration: 0.1 * (clip_max - clip_m
 # from the reference code, which keeps the size; on exact arithmetic it almost never triggers).
 PROBE_GROWTH = 10.0
 MAX_HALVINGS = 50  # step-size halvings after which the step is below float32 resolution of the image
+GRID = 20  # grid_search: step sizes logspace(-4, 0, 20) * dist, reference code
 
 
 def _dim(problem):
     return problem.x[0].numel()
 
 
-def to_boundary(ctx, x_far, theta, live, radius):
+def to_boundary(ctx, x_far, theta, live, radius, owner=None):
     """HSJA's binary search from ``x_far`` (adversarial) toward ``x`` -> ``(x_bd, dist_far)``; ``theta`` (n,).
 
     Linf: the parameter is the radius of the Linf box around ``x`` that ``x_far`` is clipped to, searched down
@@ -41,10 +42,14 @@ def to_boundary(ctx, x_far, theta, live, radius):
     ``x`` and ``x_far``, searched down from 1 to a bracket of ``theta``. Either search stops early once its
     adversarial end lies within ``radius`` (a float or (n,), see :func:`~.decision.stop_radius`): the attack can
     then claim success and needs no closer point. ``dist_far`` is the distance of ``x_far`` itself, which the
-    reference code uses to size the next probes.
+    reference code uses to size the next probes. With ``owner`` (m,), row j of ``x_far`` (m, ...) is a point of
+    sample ``owner[j]``, and ``live`` and the results are per row.
     """
-    problem = ctx.problem
+    problem = ctx.problem if owner is None else ctx.problem.sub(owner)
     x = problem.x
+    if owner is not None:
+        theta = theta[owner]
+        radius = radius[owner] if torch.is_tensor(radius) and radius.dim() else radius
     d_far = problem.dist(x_far)
     zeros = torch.zeros_like(d_far)
     if problem.norm == "linf":
@@ -60,7 +65,7 @@ def to_boundary(ctx, x_far, theta, live, radius):
 
         hi, tol = torch.ones_like(d_far), theta
         enough = radius / d_far.double().clamp_min(1e-12)
-    _, hi = bisect(ctx, point, zeros, hi, tol, live, enough)
+    _, hi = bisect(ctx, point, zeros, hi, tol, live, enough, owner)
     return point(hi, torch.arange(problem.n, device=x.device)), d_far
 
 
@@ -113,6 +118,35 @@ def geometric_step(ctx, x_bd, update, size, live):
     return (x_bd + per_sample(size, x_bd) * update).clamp(0.0, 1.0), found
 
 
+def grid_step(ctx, x_bd, update, dist, theta, live, radius):
+    """HSJA's ``grid_search`` step size: the ``GRID`` steps ``logspace(-4, 0) * dist`` along ``update`` from each
+    live sample's ``x_bd``, queried in one call; every adversarial one is binary-searched back to the boundary
+    (:func:`to_boundary`, all of them together) and the closest result is kept. Returns ``(x_new, dist_far,
+    found)``: ``dist_far`` is the distance of the kept step before its search; a sample none of whose steps was
+    adversarial is not ``found`` and keeps ``x_bd``."""
+    problem = ctx.problem
+    n = problem.n
+    idx = (live & has_budget(ctx)).nonzero().squeeze(1)
+    owner = idx.repeat_interleave(GRID)
+    sizes = torch.logspace(-4, 0, GRID, dtype=torch.float64, device=x_bd.device).repeat(idx.numel())
+    step = per_sample(sizes * dist[owner].double(), x_bd).to(x_bd.dtype)
+    cand = (x_bd[owner] + step * update[owner]).clamp(0.0, 1.0)
+    adv, _ = query_adv(ctx, cand, owner)
+    owner, cand = owner[adv], cand[adv]
+    x_new, d_far = to_boundary(ctx, cand, theta, torch.ones_like(owner, dtype=torch.bool), radius, owner)
+    d_new = problem.sub(owner).dist(x_new)
+    order = torch.argsort(d_new, stable=True)
+    order = order[torch.argsort(owner[order], stable=True)]  # by sample, then by distance after the search
+    first = torch.ones_like(order, dtype=torch.bool)
+    first[1:] = owner[order[1:]] != owner[order[:-1]]
+    best = order[first]
+    x_out, d_out = x_bd.clone(), torch.zeros(n, dtype=d_far.dtype, device=x_bd.device)
+    x_out[owner[best]], d_out[owner[best]] = x_new[best], d_far[best]
+    found = torch.zeros(n, dtype=torch.bool, device=x_bd.device)
+    found[owner[best]] = True
+    return x_out, d_out, found
+
+
 @INIT.register("hsja_init", paper=PAPER, norms=("linf", "l2"),
                ranges={"gamma": "(0, inf)", "init_tries": "int [0, inf)"})
 def hsja_init(ctx, *, gamma=1.0, init_tries=100):
@@ -137,7 +171,7 @@ def hsja_init(ctx, *, gamma=1.0, init_tries=100):
 
 @PERTURB.register("hsja", paper=PAPER, norms=("linf", "l2"),
                   ranges={"init_num_evals": "int [1, inf)", "max_num_evals": "int [1, inf)",
-                          "stepsize_search": ("geometric_progression",), "probes": tuple(PROBES),
+                          "stepsize_search": ("geometric_progression", "grid_search"), "probes": tuple(PROBES),
                           "probe_factor": "[1, inf)"})
 def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search="geometric_progression",
          probes="gaussian", probe_factor=2.0):
@@ -146,13 +180,12 @@ def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search
     Iteration t (1-based, per sample) uses ``min(init_num_evals * sqrt(t), max_num_evals)`` probes (Table V:
     100 and 10000) of size 0.1 at t = 1, then ``sqrt(d) theta dist_post`` (L2) or ``d theta dist_post`` (Linf);
     steps along the estimate (its sign for Linf) starting at ``dist / sqrt(t)`` and halving until adversarial
-    (``stepsize_search`` geometric_progression, Table V); then binary-searches back to the boundary.
+    (``stepsize_search`` geometric_progression, Table V; ``grid_search``, the reference code's other choice, tries
+    20 sizes at once instead, see :func:`grid_step`); then binary-searches back to the boundary.
     ``probes`` picks the probe generator (``gaussian``: HSJA's; ``dct``: QEBA-F, ``resize``: QEBA-S, on a
     subspace of side ``int(side / probe_factor)``; see ``probes.py``). Returns the updated search state for the
     ``within_eps`` acceptance.
     """
-    if stepsize_search != "geometric_progression":
-        raise BenchError(f"hsja: stepsize_search '{stepsize_search}' is not supported (geometric_progression)")
     problem = ctx.problem
     go = torch.isfinite(state["dist"]) & has_budget(ctx)
     it = state["it"] + go.long()
@@ -167,8 +200,11 @@ def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search
     probe_scale = torch.where(agreed & (it > 1), state["probe_scale"] * PROBE_GROWTH, state["probe_scale"])
     update = grad.sign() if problem.norm == "linf" else grad
     size = torch.where(go, dist, torch.zeros_like(dist)) / t.sqrt().to(dist.dtype)
-    x_step, stepped = geometric_step(ctx, x_bd, update, size, go)
-    x_new, d_post = to_boundary(ctx, x_step, theta, stepped, stop_radius(problem, state))
+    if stepsize_search == "grid_search":
+        x_new, d_post, stepped = grid_step(ctx, x_bd, update, dist, theta, go, stop_radius(problem, state))
+    else:
+        x_step, stepped = geometric_step(ctx, x_bd, update, size, go)
+        x_new, d_post = to_boundary(ctx, x_step, theta, stepped, stop_radius(problem, state))
     return dict(x_bd=rows_where(stepped, x_new, x_bd),
                 dist=torch.where(stepped, problem.dist(x_new), dist),
                 dist_post=torch.where(stepped, d_post, state["dist_post"]), it=it, probe_scale=probe_scale)
