@@ -21,7 +21,7 @@ setup(
     package_dir={f"blackboxbench._catalogs.{c}": c for c in CATALOGS},
     package_data={f"blackboxbench._catalogs.{c}": ["*.yaml", "*/*.yaml", "*/*/*.yaml", "*.md"] for c in CATALOGS},
     install_requires=["torch>=2.1", "torchvision", "timm", "numpy", "pyyaml", "scipy", "lpips", "pytorch-msssim", "torchmetrics", "matplotlib",
-                      "tqdm", "scikit-learn"],
+                      "tqdm", "scikit-learn", "greenlet"],
     extras_require={
         "test": ["pytest", "pytest-xdist", "pycocotools"],  # -n 2 workers; pycocotools: the detection mAP cross-check
         # torchattacks pins an old `requests`: install it with `pip install --no-deps torchattacks`.

@@ -47,18 +47,15 @@ def format_table(rows):
 def cmd_run(args):
     from .config import load_config
     from .leaderboard import export_csv
-    from .runner import Runner, Session
+    from .runner import Runner, Session, run_all
 
     if args.malloc == "keep":
         from .malloc import keep_freed_memory
         keep_freed_memory()
     experiments, opts = load_config(args.config, args.set)
     runners = [Runner(e, fresh=args.fresh, progress=not args.quiet) for e in experiments]  # validate all first
-    session, summaries = Session(), []
-    for r in runners:
-        r.session = session
-        summaries.append(r.run())
-        print(f"run {r.run_dir}", file=sys.stderr)
+    share = args.share_forwards or opts.get("share_forwards", False)
+    summaries = run_all(runners, Session(), share, lambda r: print(f"run {r.run_dir}", file=sys.stderr))
     print(format_table(summaries))
     if opts.get("leaderboard"):
         from .leaderboard import notes
@@ -122,6 +119,9 @@ def main(argv=None):
     p.add_argument("--malloc", choices=("keep", "default"), default="keep",
                    help="keep: glibc keeps freed memory for the next step (about 10x fewer page faults; "
                         "blackboxbench/malloc.py); default: leave glibc's settings")
+    p.add_argument("--share-forwards", action="store_true",
+                   help="runs on the same target model run at once and share its forwards (the config's "
+                        "share_forwards; blackboxbench/shared.py)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("leaderboard", help="export every run under a results directory as one CSV")
     p.add_argument("results")

@@ -212,7 +212,8 @@ COMMON_KEYS = {
     "save_adv": (bool,), "assets": (dict,), "compile": (bool,), "fuse": (bool,), "lpips_path": (str, type(None)),
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
-FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,)}  # robustness: CSV (+ .png chart)
+# robustness: CSV (+ .png chart); share_forwards: runs on one target model share its forwards (shared.py)
+FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,), "share_forwards": (bool,)}
 DEVICES = ("auto", "cpu", "cuda")
 
 

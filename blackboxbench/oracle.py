@@ -19,6 +19,13 @@ from .rng import rank_within_group  # noqa: F401  (re-exported)
 FEEDBACKS = ("score", "label")
 
 
+def forward_chunk(device):
+    """Images per model call: on CPU, activations of large batches fall out of cache (ResNet-20 HSJA on 10 images,
+    two seeds, two repetitions: chunk 64 / 128 / 256 took 26.0-28.4 / 27.2-27.7 / 30.6-34.2 CPU s, and 1024 costs
+    1.7x per image, see benchmarks/RESULTS.md); a GPU wants large ones."""
+    return 4096 if device.type == "cuda" else 128
+
+
 class Oracle:
     """Query access to ``model`` for a batch of ``n`` samples, each with budget ``max_queries``.
 
@@ -38,10 +45,7 @@ class Oracle:
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.device = next(iter(model.parameters()), torch.zeros(())).device if hasattr(model, "parameters") \
             else torch.device("cpu")
-        # Forward in chunks: on CPU, activations of large batches fall out of cache (ResNet-20 HSJA on 10 images,
-        # two seeds, two repetitions: chunk 64 / 128 / 256 took 26.0-28.4 / 27.2-27.7 / 30.6-34.2 CPU s, and 1024
-        # costs 1.7x per image, see benchmarks/RESULTS.md); a GPU wants large ones.
-        self.chunk = chunk or (4096 if self.device.type == "cuda" else 128)
+        self.chunk = chunk or forward_chunk(self.device)
         self.counts = torch.zeros(n, dtype=torch.long, device=self.device)
         self.forwarded = 0  # images actually forwarded, all samples together
         self._last = None  # (images, sample indices, answers) of the most recent call, for confirm()

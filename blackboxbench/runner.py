@@ -39,8 +39,10 @@ from .prep.data import resolve_data_root
 from .prep.inference import inference_copy, is_randomized
 from .prep.models import build_model
 from .prep.targets import choose_targets
+from .oracle import forward_chunk
 from .registry import ASSET, DATASET
 from .rng import Streams
+from .shared import SharedForward
 
 FSYNC_EVERY_S = 1.0  # records are flushed at once (a killed process loses nothing) and fsync'ed at most this often
 
@@ -336,6 +338,7 @@ class Runner:
         self.device = resolve_device(exp["device"])
         self.run_dir, self.hash = run_dir_for(self.plan, self.device)
         self.fresh = fresh
+        self.bar_position = None  # the progress bar's line when several runs show theirs at once
 
     def _data(self):
         exp, source = self.exp, self.exp["_source"]
@@ -415,9 +418,23 @@ class Runner:
             except BenchError as e:
                 raise ConfigError(str(e), source, "threat.target_label") from None
 
-    def run(self):
+    def inputs(self):
+        """The run's data, models (built once per session), assets and defenses, every check done."""
         data_root, data = self._data()
-        inputs = self._inputs(data_root, data)  # every model, asset and class check before anything is created
+        return self._inputs(data_root, data)
+
+    def shared_model(self, inputs):
+        """``(config key, model)`` of the one model this run may share forwards of with other runs
+        (:mod:`.shared`): the run's only forward-only model, when it has exactly one; else None. A run with
+        several (a transfer or detection run's targets) never waits on two groups at once."""
+        keys = self.family.model_keys
+        fwd = [(k, ms) for k, ms in inputs.models.items() if keys[k].forward_only]
+        if len(fwd) == 1 and len(fwd[0][1]) == 1:
+            return fwd[0][0], fwd[0][1][0]
+        return None
+
+    def run(self, inputs=None):
+        inputs = inputs or self.inputs()  # every model, asset and class check before anything is created
         try:
             if self.fresh and self.run_dir.exists():
                 shutil.rmtree(self.run_dir)
@@ -439,7 +456,7 @@ class Runner:
         elapsed = read_elapsed(self.run_dir / "progress.json")
         writer = RecordWriter(self.run_dir, elapsed if done else 0.0, self.hash)
         pending = [i for i in range(n) if i not in done]
-        bar = _progress(n, len(done), self.progress, self.recipe["name"])
+        bar = _progress(n, len(done), self.progress, self.recipe["name"], self.bar_position)
         try:
             if pending:
                 worker = self.family.worker(inputs)
@@ -500,9 +517,52 @@ def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_targe
     return sorted(records, key=lambda r: r["index"])
 
 
-def _progress(total, initial, enabled, desc):
+def _progress(total, initial, enabled, desc, position=None):
     from tqdm import tqdm
-    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="img", leave=False)
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="img", leave=False,
+                position=position)
+
+
+def run_all(runners, session, share=False, done=lambda runner: None):
+    """Run ``runners`` (validated) with one ``session``; ``done(runner)`` after each. Returns their summaries in
+    order. ``share`` (the config's ``share_forwards``): runs whose one forward-only model is the same object
+    (:meth:`Runner.shared_model`) take turns and share its forwards (:mod:`.shared`); every run's inputs are
+    built first, in order, so models are built once and every check passes before any run starts. A run of a
+    group that fails lets the others finish; its error is raised then."""
+    for r in runners:
+        r.session = session
+    if not share:
+        out = []
+        for r in runners:
+            out.append(r.run())
+            done(r)
+        return out
+    inputs = [r.inputs() for r in runners]
+    groups = {}
+    for i, (r, inp) in enumerate(zip(runners, inputs)):
+        key = r.shared_model(inp)
+        groups.setdefault(("model", id(key[1])) if key else ("alone", i), []).append(i)
+    summaries = [None] * len(runners)
+    for members in groups.values():
+        if len(members) == 1:
+            i = members[0]
+            summaries[i] = runners[i].run(inputs[i])
+            done(runners[i])
+            continue
+        key, model = runners[members[0]].shared_model(inputs[members[0]])
+        shared = SharedForward(model, len(members), forward_chunk(runners[members[0]].device))
+        for slot, i in enumerate(members):
+            inputs[i].models[key] = [shared.member(slot)]
+            runners[i].bar_position = slot
+        outcome = shared.run([lambda r=runners[i], inp=inputs[i]: r.run(inp) for i in members])
+        for i, (summary, error) in zip(members, outcome):
+            summaries[i] = summary
+            if error is None:
+                done(runners[i])
+        for _, error in outcome:
+            if error is not None:
+                raise error
+    return summaries
 
 
 def run_experiment(exp, session=None, fresh=False, progress=True):

@@ -7,6 +7,7 @@
 # 2. The benchmark's throughput section on the GPU (wall time, images/s as a share of the bare forward, model
 #    calls) against torchattacks' Square and ART's HopSkipJump. Results also land in $OUT.
 # 3. SI / Admix / SIA with hyper.copies_per_forward 1 (the default) and 0 (all copies in one forward).
+# 4. Three query attacks on one target one after the other and sharing its forwards (share_forwards).
 # DEVICE=cpu and N/N_TP/N_HSJA let the script itself be tried on a CPU machine.
 set -uo pipefail
 device=${DEVICE:-cuda}
@@ -30,5 +31,8 @@ timeout "${BUDGET_TP_S:-150}" python3 benchmarks/compare_peers.py --only through
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout "${BUDGET_COPIES_S:-60}" python3 benchmarks/transfer_copies.py --device "$device" --n "${N_COPIES:-100}" \
     --repeats 2 2>&1 | tee "$out/copies.md"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout "${BUDGET_SHARED_S:-45}" python3 benchmarks/shared_forwards.py --device "$device" --n "${N_SHARED:-32}" \
+    --attacks square_linf,simba_dct,signhunter 2>&1 | tee "$out/shared.md" | grep '^|'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status

@@ -1,0 +1,165 @@
+"""Shared forwards (``share_forwards``, blackboxbench/shared.py): runs of one config on the same target model take
+turns and share its forwards. A round holds one call of every run still going, in run order; a run that ends or
+fails leaves, and the others go on."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import blackboxbench.runner as runner_mod
+from blackboxbench.cli import main
+from blackboxbench.shared import SharedForward
+
+import test_engine  # noqa: F401  (registers test_digits_mlp_f64, a batch-invariant model)
+
+
+class Counting(nn.Module):
+    """A linear model that logs the batch size of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2).double()
+        self.sizes = []
+
+    def forward(self, x):
+        self.sizes.append(x.shape[0])
+        return self.lin(x)
+
+
+def _jobs(shared, plans, grad_modes=None):
+    """One job per member: its calls (batch sizes ``plans[k]``) through its member; returns the jobs and the
+    inputs / outputs / grad modes each job saw."""
+    seen = [{"in": [], "out": [], "grad": []} for _ in plans]
+
+    def job(k):
+        member = shared.member(k)
+        g = torch.Generator().manual_seed(k)
+        with torch.set_grad_enabled(True if grad_modes is None else grad_modes[k]):
+            for size in plans[k]:
+                x = torch.randn(size, 3, generator=g, dtype=torch.float64)
+                seen[k]["in"].append(x)
+                seen[k]["out"].append(member(x))
+                seen[k]["grad"].append(torch.is_grad_enabled())
+        return k
+
+    return [lambda k=k: job(k) for k in range(len(plans))], seen
+
+
+def test_rounds_merge_members_in_order():
+    plans = [[5, 1, 2], [3, 3], [0, 4, 2, 7]]
+    model = Counting()
+    shared = SharedForward(model, len(plans), chunk=6)
+    jobs, seen = _jobs(shared, plans)
+    assert shared.run(jobs) == [(0, None), (1, None), (2, None)]
+    for k in range(len(plans)):  # every member got its own rows' answers
+        for x, y in zip(seen[k]["in"], seen[k]["out"]):
+            assert torch.equal(y, model.lin(x).detach())
+    # rounds: 5+3+0, 1+3+4, 2+2 (member 1 has ended), 7 (member 0 has ended); forwarded in chunks of 6
+    assert model.sizes == [6, 2, 6, 2, 4, 6, 1]
+    assert shared.rounds == 4 and shared.asks == [3, 2, 4]
+
+
+def test_each_member_keeps_its_grad_mode():
+    """Grad mode is per thread, and the members share one: each resumes with its own."""
+    shared = SharedForward(Counting(), 2, chunk=10)
+    jobs, seen = _jobs(shared, [[1, 1, 1], [2, 2]], grad_modes=[False, True])
+    before = torch.is_grad_enabled()
+    shared.run(jobs)
+    assert seen[0]["grad"] == [False] * 3 and seen[1]["grad"] == [True] * 2
+    assert torch.is_grad_enabled() == before
+
+
+def test_a_failing_run_leaves_and_the_others_finish():
+    shared = SharedForward(Counting(), 2, chunk=10)
+    jobs, seen = _jobs(shared, [[1, 1, 1], [2, 2, 2]])
+
+    def failing():
+        shared.member(0)(torch.zeros(1, 3, dtype=torch.float64))
+        raise ValueError("run 0 broke")
+
+    outcome = shared.run([failing, jobs[1]])
+    assert isinstance(outcome[0][1], ValueError) and outcome[1] == (1, None) and len(seen[1]["out"]) == 3
+
+
+def test_a_failing_forward_reaches_every_member_of_its_round():
+    class Broken(Counting):
+        def forward(self, x):
+            if x.shape[0] > 4:
+                raise RuntimeError("boom")
+            return super().forward(x)
+
+    shared = SharedForward(Broken(), 2, chunk=100)
+    jobs, _ = _jobs(shared, [[1, 3, 1], [1, 3, 1]])
+    outcome = shared.run(jobs)
+    assert all(r is None and "boom" in str(e) for r, e in outcome)
+
+
+CONFIG = """
+dataset: {name: digits, n: 40}
+model: test_digits_mlp_f64
+threat: {norm: linf, eps: 0.2, max_queries: 400}
+batch_size: 12
+device: cpu
+seed: 1
+output_dir: OUT
+runs:
+  - attack: square_linf
+  - attack: rays
+  - attack: simba_dct
+  - {attack: square_linf, model: digits_cnn}
+"""
+
+
+def _records(out):
+    runs = {}
+    for f in sorted(Path(out).glob("*/records.jsonl")):
+        rows = [json.loads(line) for line in f.read_text().splitlines()]
+        for r in rows:
+            r.pop("time"), r.pop("check")
+        runs[f.parent.name] = sorted(rows, key=lambda r: r["index"])
+    return runs
+
+
+def test_shared_runs_give_the_records_of_separate_runs(tmp_path, monkeypatch):
+    """Three runs on the batch-invariant float64 MLP share its forwards (a fourth, on another model, runs alone):
+    their records equal those of the same config run one after the other, with fewer model calls."""
+    groups = []
+
+    class Recording(SharedForward):
+        def __init__(self, *a):
+            super().__init__(*a)
+            groups.append(self)
+
+    monkeypatch.setattr(runner_mod, "SharedForward", Recording)
+    paths = {}
+    for mode in ("seq", "share"):
+        paths[mode] = tmp_path / mode
+        cfg = tmp_path / f"{mode}.yaml"
+        cfg.write_text(CONFIG.replace("OUT", str(paths[mode])) + ("share_forwards: true\n" if mode == "share" else ""))
+        assert main(["run", str(cfg), "--quiet"]) == 0
+    seq, share = _records(paths["seq"]), _records(paths["share"])
+    assert len(seq) == 4 and seq == share
+    assert len(groups) == 1 and len(groups[0].asks) == 3  # one group: the MLP's three runs
+    g = groups[0]  # a round per call of the run that asks most (every round waits for it), not of every run
+    assert g.rounds == max(g.asks) and g.calls == g.rounds and g.rounds < 0.6 * sum(g.asks)
+
+
+def test_share_forwards_is_a_checked_config_key(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CONFIG.replace("OUT", str(tmp_path / "o")) + "share_forwards: yes please\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    assert "share_forwards" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["flag", "key", "neither"])
+def test_cli_flag_and_key_agree(tmp_path, monkeypatch, how):
+    """``--share-forwards`` on the command line does what the config key does; without either, no group."""
+    groups = []
+    monkeypatch.setattr(runner_mod, "SharedForward", lambda *a: groups.append(SharedForward(*a)) or groups[-1])
+    cfg, out = tmp_path / "c.yaml", tmp_path / "o"
+    cfg.write_text(CONFIG.replace("OUT", str(out)).replace("n: 40", "n: 12")
+                   + ("share_forwards: true\n" if how == "key" else ""))
+    assert main(["run", str(cfg), "--quiet"] + (["--share-forwards"] if how == "flag" else [])) == 0
+    assert len(_records(out)) == 4 and len(groups) == (0 if how == "neither" else 1)
