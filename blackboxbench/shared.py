@@ -15,7 +15,13 @@ merged forwards saved). A switch happens only inside a member's call; torch's gr
 restored for each run when it resumes.
 """
 import torch
-from greenlet import getcurrent, greenlet
+
+from .errors import BenchError
+
+try:
+    from greenlet import getcurrent, greenlet
+except ImportError:  # a setup.py dependency; only a group of runs needs it, so the rest works without
+    getcurrent = greenlet = None
 
 
 class SharedForward:
@@ -33,6 +39,8 @@ class SharedForward:
     def run(self, jobs):
         """Run ``jobs`` (one callable per member, in member order) to their ends, interleaved on this thread.
         Returns one ``(result, error)`` per job (``error`` None when it returned)."""
+        if greenlet is None:
+            raise BenchError("share_forwards needs the greenlet package: pip install greenlet")
         grad = torch.is_grad_enabled()
         outcome = [None] * len(jobs)
         lets = [greenlet(_catching(job)) for job in jobs]

@@ -163,3 +163,12 @@ def test_cli_flag_and_key_agree(tmp_path, monkeypatch, how):
                    + ("share_forwards: true\n" if how == "key" else ""))
     assert main(["run", str(cfg), "--quiet"] + (["--share-forwards"] if how == "flag" else [])) == 0
     assert len(_records(out)) == 4 and len(groups) == (0 if how == "neither" else 1)
+
+
+def test_without_greenlet_a_group_is_a_clear_error(monkeypatch):
+    import blackboxbench.shared as shared_mod
+    from blackboxbench.errors import BenchError
+
+    monkeypatch.setattr(shared_mod, "greenlet", None)
+    with pytest.raises(BenchError, match="pip install greenlet"):
+        SharedForward(Counting(), 1, chunk=4).run([lambda: None])
