@@ -120,7 +120,7 @@ def main(argv=None):
                    help="keep: glibc keeps freed memory for the next step (about 10x fewer page faults; "
                         "blackboxbench/malloc.py); default: leave glibc's settings")
     p.add_argument("--share-forwards", action="store_true",
-                   help="runs on the same target model run at once and share its forwards (the config's "
+                   help="runs on the same target model take turns and share its forwards (the config's "
                         "share_forwards; blackboxbench/shared.py)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("leaderboard", help="export every run under a results directory as one CSV")

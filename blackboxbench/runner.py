@@ -35,11 +35,11 @@ from .config import ConfigError, check_family_keys, config_hash, finish_threat, 
 from .defense import build_defenses, parse_defenses
 from .errors import BenchError
 from .family import RunInputs
+from .oracle import forward_chunk
 from .prep.data import resolve_data_root
 from .prep.inference import inference_copy, is_randomized
 from .prep.models import build_model
 from .prep.targets import choose_targets
-from .oracle import forward_chunk
 from .registry import ASSET, DATASET
 from .rng import Streams
 from .shared import SharedForward

@@ -154,6 +154,8 @@ def test_kill_9_detection_run_resumes_identically(tmp_path):
     and duplicates no image, and its records equal an uninterrupted run's."""
     from test_runner import kill_and_resume
 
+    for name in ("shapes_fcos", "shapes_fcos_b"):  # trained and cached here, not inside the run to be killed
+        build_model(name)
     text = """
 dataset: {name: shapes, n: 30, seed: 0}
 attack: tog_untargeted
