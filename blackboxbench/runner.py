@@ -339,6 +339,7 @@ class Runner:
         self.run_dir, self.hash = run_dir_for(self.plan, self.device)
         self.fresh = fresh
         self.bar_position = None  # the progress bar's line when several runs show theirs at once
+        self.shared_with = None   # runs in this run's share_forwards group (its wall time covers their turns)
 
     def _data(self):
         exp, source = self.exp, self.exp["_source"]
@@ -486,7 +487,7 @@ class Runner:
                  norm=t["norm"], eps=t["eps"], targeted=t["targeted"], budget=t.get("max_queries"),
                  feedback=t.get("feedback"), seed=exp["seed"], batch_size=exp["batch_size"],
                  config_hash=self.hash, version=__version__, device=self.device.type, wall_time=wall,
-                 randomized_models=", ".join(self.randomized) or None)
+                 randomized_models=", ".join(self.randomized) or None, shared_forwards=self.shared_with)
         return s
 
 
@@ -553,7 +554,7 @@ def run_all(runners, session, share=False, done=lambda runner: None):
         shared = SharedForward(model, len(members), forward_chunk(runners[members[0]].device))
         for slot, i in enumerate(members):
             inputs[i].models[key] = [shared.member(slot)]
-            runners[i].bar_position = slot
+            runners[i].bar_position, runners[i].shared_with = slot, len(members)
         outcome = shared.run([lambda r=runners[i], inp=inputs[i]: r.run(inp) for i in members])
         for i, (summary, error) in zip(members, outcome):
             summaries[i] = summary

@@ -140,6 +140,9 @@ def test_shared_runs_give_the_records_of_separate_runs(tmp_path, monkeypatch):
         cfg.write_text(CONFIG.replace("OUT", str(paths[mode])) + ("share_forwards: true\n" if mode == "share" else ""))
         assert main(["run", str(cfg), "--quiet"]) == 0
     seq, share = _records(paths["seq"]), _records(paths["share"])
+    shared_with = {f.parent.name: json.loads(f.read_text())["shared_forwards"]
+                   for f in paths["share"].glob("*/summary.json")}
+    assert sorted(shared_with.values(), key=str) == [3, 3, 3, None]  # the digits_cnn run went alone
     assert len(seq) == 4 and seq == share
     assert len(groups) == 1 and len(groups[0].asks) == 3  # one group: the MLP's three runs
     g = groups[0]  # a round per call of the run that asks most (every round waits for it), not of every run
