@@ -541,8 +541,8 @@ def run_all(runners, session, share=False, done=lambda runner: None):
     inputs = [r.inputs() for r in runners]
     groups = {}
     for i, (r, inp) in enumerate(zip(runners, inputs)):
-        key = r.shared_model(inp)
-        groups.setdefault(("model", id(key[1])) if key else ("alone", i), []).append(i)
+        key = r.shared_model(inp)  # one group per model and image shape (a round's images go in one tensor)
+        groups.setdefault(("model", id(key[1]), tuple(inp.data.x.shape[1:])) if key else ("alone", i), []).append(i)
     summaries = [None] * len(runners)
     for members in groups.values():
         if len(members) == 1:

@@ -10,6 +10,7 @@ from torch import nn
 
 import blackboxbench.runner as runner_mod
 from blackboxbench.cli import main
+from blackboxbench.registry import MODEL
 from blackboxbench.shared import SharedForward
 
 import test_engine  # noqa: F401  (registers test_digits_mlp_f64, a batch-invariant model)
@@ -175,3 +176,33 @@ def test_without_greenlet_a_group_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(shared_mod, "greenlet", None)
     with pytest.raises(BenchError, match="pip install greenlet"):
         SharedForward(Counting(), 1, chunk=4).run([lambda: None])
+
+
+@MODEL.register("test_pooled_cnn", dataset="digits")
+def pooled_cnn(data_root=None):
+    """A grayscale CNN that takes any image size (adaptive pooling): one model object for two datasets."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                         nn.Linear(32, 10)).eval()
+
+
+def test_runs_on_images_of_another_shape_form_their_own_group(tmp_path, monkeypatch, data_root):
+    """The same model object on 8x8 digits and 28x28 MNIST: two groups (a round's images share one tensor)."""
+    groups = []
+    monkeypatch.setattr(runner_mod, "SharedForward", lambda *a: groups.append(SharedForward(*a)) or groups[-1])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+model: test_pooled_cnn
+data_root: {data_root}
+threat: {{norm: linf, eps: 0.2, max_queries: 50}}
+device: cpu
+output_dir: {tmp_path / "o"}
+share_forwards: true
+runs:
+  - {{attack: square_linf, dataset: {{name: digits, n: 6}}}}
+  - {{attack: rays, dataset: {{name: digits, n: 6}}}}
+  - {{attack: square_linf, dataset: {{name: mnist, n: 6}}}}
+  - {{attack: rays, dataset: {{name: mnist, n: 6}}}}
+""")
+    assert main(["run", str(cfg), "--quiet"]) == 0
+    assert len(groups) == 2 and all(len(g.asks) == 2 for g in groups)
