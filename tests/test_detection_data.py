@@ -147,3 +147,22 @@ def test_detection_images_asset():
     assert len(a.data.targets) == 4 and a.cache == {}
     with pytest.raises(BenchError, match="has no boxes"):
         detection_images(None, "cpu", spec={"name": "digits", "n": 4})
+
+
+@pytest.mark.parametrize("spec", ["shapes_fcos"] + [{"name": "torchvision_det", "arch": a, "num_classes": 21,
+                                                     "label_map": "identity"}
+                                                    for a in ("ssdlite320_mobilenet_v3_large", "retinanet_resnet50_fpn")])
+def test_candidate_boxes_are_the_detectors_own(spec):
+    """``candidates(x, boxes=True)`` decodes each candidate's box as the detector's post-processing does: every
+    detection's box (clipped, in image pixels) is one of the candidates' boxes (in units of the image side)."""
+    det = build_model(spec)
+    det.harmonize(1e-6, 20)  # random weights: keep every candidate
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = det(x)
+        probs, boxes = det.candidates(x, boxes=True)
+    assert boxes.shape == (*probs.shape[:2], 4)
+    for d, b in zip(out, boxes.clamp(0, 1) * 64):
+        assert len(d["boxes"]) > 0
+        gap = torch.cdist(d["boxes"].double(), b.double()).min(1).values
+        assert float(gap.max()) < 1e-3, gap

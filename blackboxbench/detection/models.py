@@ -117,8 +117,10 @@ class Detector(nn.Module):
         out = body(images.tensors)
         return list(out.values()) if isinstance(out, dict) else [out]
 
-    def candidates(self, x):
-        """Pre-NMS per-candidate class scores over the dataset's classes, (N, A, C), differentiable."""
+    def candidates(self, x, boxes=False):
+        """Pre-NMS per-candidate class scores over the dataset's classes, (N, A, C), differentiable; ``boxes``:
+        also each candidate's decoded box, (N, A, 4) as x1, y1, x2, y2 in units of the (resized) image's width and
+        height."""
         if self.kind not in ("fcos", "retinanet", "ssd"):
             raise BenchError(f"this attack needs a one-stage head's candidate scores (FCOS, RetinaNet, SSD); the "
                              f"{self.kind} detector has none")
@@ -134,7 +136,15 @@ class Detector(nn.Module):
         else:
             probs = torch.softmax(logits, -1)
         cols = (self.label_map >= 0).nonzero().flatten()
-        return probs[..., cols]
+        if not boxes:
+            return probs[..., cols]
+        anchors, reg = torch.stack(self.net.anchor_generator(images, feats)), head["bbox_regression"]
+        if self.kind == "fcos":
+            decoded = self.net.box_coder.decode(reg, anchors)
+        else:
+            decoded = self.net.box_coder.decode_single(reg.reshape(-1, 4), anchors.reshape(-1, 4)).view_as(reg)
+        h, w = images.image_sizes[0]
+        return probs[..., cols], decoded / decoded.new_tensor([w, h, w, h])
 
 
 # ---------------------------------------------------------------- tiny detectors on the synthetic shapes
