@@ -209,3 +209,21 @@ def test_sponge_area_term_is_the_mean_candidate_area(setup):
         expected = torch.stack([a.mean() for a in areas if len(a)]).mean()
         gap = sponge_loss(model, x, 0.25, area=10.0) - sponge_loss(model, x, 0.25)
     assert all(len(a) for a in areas) and float(gap) == pytest.approx(10 * float(expected), rel=1e-5)
+
+
+def test_sponge_max_objects_term_by_hand(setup):
+    """The max-objects term as the authors': over the candidates whose best score is below the threshold, the
+    shortfall of the chosen class's score (``target_class``) or of the best one, divided by all candidates."""
+    from blackboxbench.detection.attacks import sponge_loss
+    from blackboxbench.errors import BenchError
+
+    model, data = setup
+    x = data.x[:2]
+    with torch.no_grad():
+        probs = model.candidates(x)
+        below = probs.amax(-1) < 0.25
+        for tc, s in ((None, probs.amax(-1)), (1, probs[..., 1])):
+            expected = ((0.25 - s).clamp_min(0) * below).sum() / below.numel()
+            assert float(sponge_loss(model, x, 0.25, target_class=tc)) == pytest.approx(float(expected), rel=1e-6)
+        with pytest.raises(BenchError, match="target_class 3 is not a class"):
+            sponge_loss(model, x, 0.25, target_class=3)

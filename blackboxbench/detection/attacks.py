@@ -9,6 +9,7 @@ result does not depend on its neighbours' images up to that positive scale.
 """
 import torch
 
+from ..errors import BenchError
 from ..registry import DET_CRAFT, DET_OBJECTIVE
 from ..threat import flat_norm, per_sample
 
@@ -379,16 +380,21 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
 PS = "Shapira et al., WACV 2023 (PhantomSponges); AvishagS422/PhantomSponges attack/uap_phantom_sponge.py"
 
 
-def sponge_loss(model, x, conf, area=0.0):
-    """PhantomSponges' loss, to minimize: the max-objects term, relu(conf - p) summed over the candidates below
-    ``conf`` and divided by the number of candidates of the batch (p: a candidate's best class score; more
-    candidates pass to NMS), plus ``area`` times the bounding-box term, the mean area of the candidates at or above
-    ``conf`` in units of the image's area, averaged over the images that have such candidates (smaller boxes
-    overlap less, so NMS suppresses fewer of them). The IoU term (lambda1 < 1) is not built."""
+def sponge_loss(model, x, conf, area=0.0, target_class=None):
+    """PhantomSponges' loss, to minimize: the max-objects term, relu(conf - s) summed over the candidates whose
+    best class score is below ``conf`` and divided by the number of candidates of the batch (s: the score of
+    ``target_class``, a dataset class index, or the best class score when None; more candidates pass to NMS),
+    plus ``area`` times the bounding-box term, the mean area of the candidates at or above ``conf`` in units of the
+    image's area, averaged over the images that have such candidates (smaller boxes overlap less, so NMS
+    suppresses fewer of them). The IoU term (lambda1 < 1) is not built."""
     probs, boxes = model.candidates(x, boxes=True)
     p = probs.amax(-1)
+    if target_class is not None and not 0 <= target_class < probs.shape[-1]:
+        raise BenchError(f"phantom_sponges: target_class {target_class} is not a class of the detector's "
+                         f"{probs.shape[-1]}")
+    s = p if target_class is None else probs[..., target_class]
     below = p < conf
-    loss = (torch.relu(conf - p) * below).sum() / p.numel()
+    loss = (torch.relu(conf - s) * below).sum() / p.numel()
     if area:
         wh = (boxes[..., 2:] - boxes[..., :2]).clamp_min(0)
         above = (~below).to(wh.dtype)
@@ -402,22 +408,23 @@ def sponge_loss(model, x, conf, area=0.0):
 @DET_CRAFT.register("phantom_sponges", paper=PS + " (universal; lambda1 1 (IoU term off), lambda2 10, step 0.0005, "
                     "batch 8, 70 epochs, patience 7, L2 70 at 640x640)", needs=("assets",),
                     ranges={"epochs": "int [1, inf)", "patience": "int [1, inf)", "lr": "(0, 1]",
-                            "batch": "int [1, inf)", "conf": "(0, 1)", "area": "[0, inf)"})
+                            "batch": "int [1, inf)", "conf": "(0, 1)", "area": "[0, inf)",
+                            "target_class": "int [0, inf)"})
 def phantom_sponges(ctx, objective, *, epochs=70, patience=7, lr=0.0005, batch=8, conf=0.25, area=10.0,
-                    asset="train"):
+                    target_class=None, asset="train"):
     """A universal perturbation learnt once per run on the attacker's training images (``ctx.assets[asset]``, a
     ``detection_images`` asset) with the surrogate: per batch of ``batch`` images, uap <- clamp(uap - lr *
     sign(grad of :func:`sponge_loss`), 0, 1) (non-negative), then projected to the threat's L2 ball; up to
     ``epochs`` epochs, stopping after ``patience`` epochs without a lower epoch loss. Every test image gets the
-    same perturbation (x + uap, clipped to [0, 1]). ``area``: the weight lambda2 of the bounding-box term."""
-    from ..errors import BenchError
-
+    same perturbation (x + uap, clipped to [0, 1]). ``area``: the weight lambda2 of the bounding-box term;
+    ``target_class``: the class whose score the max-objects term raises (the authors': COCO's car; None: each
+    candidate's best class)."""
     p, model = ctx.problem, ctx.model
     train = ctx.assets.get(asset)
     if train is None or not hasattr(train, "cache"):
         raise BenchError(f"phantom_sponges needs a detection_images asset named '{asset}' (assets: {{{asset}: "
                          "{name: detection_images}}})")
-    key = ("phantom_sponges", id(model), p.eps, p.norm, epochs, patience, lr, batch, conf, area)
+    key = ("phantom_sponges", id(model), p.eps, p.norm, epochs, patience, lr, batch, conf, area, target_class)
     if key not in train.cache:
         xs = train.data.x.to(p.x.device)
         uap = torch.zeros_like(xs[:1])
@@ -427,7 +434,7 @@ def phantom_sponges(ctx, objective, *, epochs=70, patience=7, lr=0.0005, batch=8
             for i in range(0, len(xs), batch):
                 ug = uap.detach().requires_grad_(True)
                 with torch.enable_grad():
-                    loss = sponge_loss(model, (xs[i:i + batch] + ug).clamp(0, 1), conf, area)
+                    loss = sponge_loss(model, (xs[i:i + batch] + ug).clamp(0, 1), conf, area, target_class)
                     g = torch.autograd.grad(loss, ug)[0]
                 uap = (uap - lr * g.sign()).clamp(0, 1)
                 uap = uap * torch.clamp(p.eps / (flat_norm(uap, p.norm) + 1e-12), max=1.0).view(-1, 1, 1, 1)
