@@ -97,6 +97,9 @@ class Family:
     table = None  # [(summary key, header)] of the terminal table after a run; None: the classification one (cli)
     surrogate_may_be_target = False  # a white-box surrogate equal to a black-box target is a config error
     classifier_models = True  # the runner checks class counts and randomness on logits; else check_inputs does
+    # share_forwards: the config key of the one model whose forwards this family's runs may share (shared.py);
+    # its worker must only call that model (images in, a tensor out) and read its parameters. None: never shared.
+    shared_key = None
 
     def finish_threat(self, threat, recipe, source):
         """Fill this family's threat defaults and check its threat keys; returns the threat dict."""

@@ -426,13 +426,10 @@ class Runner:
 
     def shared_model(self, inputs):
         """``(config key, model)`` of the one model this run may share forwards of with other runs
-        (:mod:`.shared`): the run's only forward-only model, when it has exactly one; else None. A run with
-        several (a transfer or detection run's targets) never waits on two groups at once."""
-        keys = self.family.model_keys
-        fwd = [(k, ms) for k, ms in inputs.models.items() if keys[k].forward_only]
-        if len(fwd) == 1 and len(fwd[0][1]) == 1:
-            return fwd[0][0], fwd[0][1][0]
-        return None
+        (:mod:`.shared`): its family's ``shared_key`` model (a query run's target); None for a family that
+        declares none (transfer and detection workers do more with their targets than call them)."""
+        key = self.family.shared_key
+        return None if key is None else (key, inputs.models[key][0])
 
     def run(self, inputs=None):
         inputs = inputs or self.inputs()  # every model, asset and class check before anything is created

@@ -206,3 +206,25 @@ runs:
 """)
     assert main(["run", str(cfg), "--quiet"]) == 0
     assert len(groups) == 2 and all(len(g.asks) == 2 for g in groups)
+
+
+def test_runs_of_a_family_without_shared_key_run_alone(tmp_path, monkeypatch):
+    """Transfer runs with one target each do not share it: the family declares no ``shared_key`` (its worker does
+    more with its targets than a query run's oracle does)."""
+    groups = []
+    monkeypatch.setattr(runner_mod, "SharedForward", lambda *a: groups.append(SharedForward(*a)) or groups[-1])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+dataset: {{name: digits, n: 6}}
+surrogates: [digits_cnn]
+targets: [digits_mlp]
+threat: {{norm: linf, eps: 0.2}}
+device: cpu
+output_dir: {tmp_path / "o"}
+share_forwards: true
+runs:
+  - {{attack: {{recipe: i_fgsm, hyper: {{iterations: 2}}}}}}
+  - {{attack: {{recipe: mi_fgsm, hyper: {{iterations: 2}}}}}}
+""")
+    assert main(["run", str(cfg), "--quiet"]) == 0
+    assert not groups and len(list((tmp_path / "o").glob("*/summary.json"))) == 2

@@ -318,6 +318,7 @@ class QueryFamily(Family):
                   "surrogates": ModelKey("surrogate", False, True)}
     threat_keys = {"max_queries": (int,), "feedback": (str,), "success_rule": (str, dict)}
     run_keys = {"defense": (str, dict, list)}  # defenses inside the oracle (defense.py)
+    shared_key = "model"  # the target: only called, by the oracle, the clean check and the audit
     hyper = {"eot": 1}  # EOT (spec sheet section 7): k queries per logical evaluation; 1 is the paper's default
     record_fields = {"success": (bool,), "queries": (int,), "audit_adv": (bool, type(None)), "stalled": (bool,),
                      "success_rule": (str,), "defense": (str,), "eot": (int,),
