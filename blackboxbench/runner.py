@@ -523,10 +523,10 @@ def _progress(total, initial, enabled, desc, position=None):
 
 def run_all(runners, session, share=False, done=lambda runner: None):
     """Run ``runners`` (validated) with one ``session``; ``done(runner)`` after each. Returns their summaries in
-    order. ``share`` (the config's ``share_forwards``): runs whose one forward-only model is the same object
-    (:meth:`Runner.shared_model`) take turns and share its forwards (:mod:`.shared`); every run's inputs are
-    built first, in order, so models are built once and every check passes before any run starts. A run of a
-    group that fails lets the others finish; its error is raised then."""
+    order. ``share`` (the config's ``share_forwards``): runs whose family's shared model
+    (:meth:`Runner.shared_model`) is the same object, on images of one shape, take turns and share its forwards
+    (:mod:`.shared`); every run's inputs are built first, in order, so models are built once and every check
+    passes before any run starts. A run of a group that fails lets the others finish; its error is raised then."""
     for r in runners:
         r.session = session
     if not share:
@@ -536,18 +536,19 @@ def run_all(runners, session, share=False, done=lambda runner: None):
             done(r)
         return out
     inputs = [r.inputs() for r in runners]
-    groups = {}
+    groups = {}  # one group per model and image shape (a round's images go in one tensor): [shared, members]
     for i, (r, inp) in enumerate(zip(runners, inputs)):
-        key = r.shared_model(inp)  # one group per model and image shape (a round's images go in one tensor)
-        groups.setdefault(("model", id(key[1]), tuple(inp.data.x.shape[1:])) if key else ("alone", i), []).append(i)
+        shared = r.shared_model(inp)
+        where = ("model", id(shared[1]), tuple(inp.data.x.shape[1:])) if shared else ("alone", i)
+        groups.setdefault(where, [shared, []])[1].append(i)
     summaries = [None] * len(runners)
-    for members in groups.values():
+    for target, members in groups.values():
         if len(members) == 1:
             i = members[0]
             summaries[i] = runners[i].run(inputs[i])
             done(runners[i])
             continue
-        key, model = runners[members[0]].shared_model(inputs[members[0]])
+        key, model = target
         shared = SharedForward(model, len(members), forward_chunk(runners[members[0]].device))
         for slot, i in enumerate(members):
             inputs[i].models[key] = [shared.member(slot)]

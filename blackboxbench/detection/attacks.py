@@ -398,10 +398,10 @@ def sponge_loss(model, x, conf, area=0.0, target_class=None):
     if area:
         wh = (boxes[..., 2:] - boxes[..., :2]).clamp_min(0)
         above = (~below).to(wh.dtype)
-        per_image = (wh[..., 0] * wh[..., 1] * above).sum(1) / above.sum(1).clamp_min(1)
-        has = above.sum(1) > 0
+        count = above.sum(1)
+        has = count > 0
         if bool(has.any()):
-            loss = loss + area * per_image[has].mean()
+            loss = loss + area * ((wh[..., 0] * wh[..., 1] * above).sum(1)[has] / count[has]).mean()
     return loss
 
 

@@ -143,8 +143,8 @@ class Detector(nn.Module):
             decoded = self.net.box_coder.decode(reg, anchors)
         else:
             decoded = self.net.box_coder.decode_single(reg.reshape(-1, 4), anchors.reshape(-1, 4)).view_as(reg)
-        h, w = images.image_sizes[0]
-        return probs[..., cols], decoded / decoded.new_tensor([w, h, w, h])
+        hw = decoded.new_tensor(images.image_sizes)  # (N, 2): each image's size after the transform's resize
+        return probs[..., cols], decoded / torch.cat([hw.flip(1), hw.flip(1)], 1)[:, None]
 
 
 # ---------------------------------------------------------------- tiny detectors on the synthetic shapes
