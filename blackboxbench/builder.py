@@ -12,7 +12,7 @@ from . import catalog
 from .config import (ConfigError, check_block_params, check_keys, check_plain_name, deep_merge, load_yaml,
                      parse_number)
 from .errors import BenchError
-from .registry import FAMILY, is_numeric
+from .registry import FAMILY, block_params, is_numeric
 from .threat import NORMS
 
 RECIPE_KEYS = {"name", "family", "paper", "defaults", "norms", "targeted", "blocks", "hyper", "notes"}
@@ -157,15 +157,32 @@ def build_attack(recipe, threat, source):
         except ValueError as e:
             raise ConfigError(str(e), source, f"attack.hyper.{k}") from None
     meta = {k: recipe.get(k) for k in ("name", "family", "paper", "defaults")}
-    meta.update(source=source, needs=block_needs(bound))
+    meta.update(source=source, needs=block_needs(bound), assets=block_assets(bound))
     return family.build(recipe["name"], bound, hyper, meta)
+
+
+def _blocks(bound):
+    return (b for v in bound.values() for b in (v if isinstance(v, list) else [v]))
+
+
+def block_assets(bound):
+    """{asset name: (block name, asset kind)} of the assets the bound blocks read: a block registered with
+    ``asset_params={"context": "detection_context"}`` reads ``ctx.assets[<its parameter context>]``, an asset of
+    that registry entry, unless the parameter is None."""
+    out = {}
+    for b in _blocks(bound):
+        for param, kind in b.func.registry_meta.get("asset_params", {}).items():
+            name = b.keywords.get(param, block_params(b.func)[param])
+            if name is not None:
+                out.setdefault(name, (b.func.registry_meta["name"], kind))
+    return out
 
 
 def block_needs(bound):
     """{config key: block name} of what the bound blocks declare they need (``needs=("surrogates",)`` at
     registration: a block that reads ``ctx.surrogates``), so that a config without it fails at validation."""
     needs = {}
-    for b in (b for v in bound.values() for b in (v if isinstance(v, list) else [v])):
+    for b in _blocks(bound):
         for need in b.func.registry_meta.get("needs", ()):
             needs.setdefault(need, b.func.registry_meta["name"])
     return needs

@@ -134,6 +134,10 @@ def prepare(exp):
         if not exp.get(need):
             raise ConfigError(f"attack '{recipe['name']}' needs '{need}' (its block '{block}' uses them)", source,
                               need)
+    for name, (block, kind) in attack.meta["assets"].items():
+        if name not in exp["assets"]:
+            raise ConfigError(f"attack '{recipe['name']}' needs an asset named '{name}' (its block '{block}' reads "
+                              f"it): declare assets: {{{name}: {{name: {kind}}}}}", source, "assets")
     roles = family.roles(exp)
     if not family.surrogate_may_be_target:  # a white-box surrogate is never the black-box target
         targets = [s for key, _, s in roles if family.model_keys[key].role == "target"]

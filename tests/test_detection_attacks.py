@@ -4,6 +4,7 @@ mislabel: CSR; fabrication: detections per image up; untargeted: mAP), and its q
 bound. The family runs end to end from a config (records, summary, leaderboard, detection CSV, heatmaps), and a
 classification dataset or model is a one-line config error."""
 import csv
+import functools
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from blackboxbench.builder import build_attack, load_recipe
 from blackboxbench.config import ConfigError, finish_threat, validate_experiment
+from blackboxbench.detection.context import detection_context
 from blackboxbench.detection.data import shapes
 from blackboxbench.family import RunInputs
 from blackboxbench.prep.models import build_model
@@ -27,9 +29,15 @@ def setup():
     return build_model("shapes_fcos"), shapes(None, n=N)
 
 
+@functools.lru_cache(maxsize=None)
+def context():
+    """CAA's context tables of the shapes train split (the ``detection_context`` asset's default)."""
+    return detection_context(None, "cpu")
+
+
 def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None, extra=()):
     """Records and summary of a detection recipe on ``data`` with ``model`` as surrogate (then ``extra``) and
-    target."""
+    target; CAA gets the default context tables as asset ``context``."""
     recipe, src = load_recipe({"recipe": attack, **(overrides or {})}, "test")
     fam = FAMILY.get("detection")
     t = finish_threat(threat or {}, recipe, fam, "test")
@@ -37,7 +45,8 @@ def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None
     sur = [model, *extra]
     run = RunInputs(attack=atk, threat=t, data=data, models={"surrogates": sur, "targets": [model]},
                     model_names={"surrogates": [f"s{k}" for k in range(len(sur))], "targets": ["m"]}, streams=Streams(seed, len(data.y), "cpu"),
-                    device=torch.device("cpu"), slots=slots, assets={}, save_adv=True)
+                    device=torch.device("cpu"), slots=slots,
+                    assets={"context": context()} if attack.startswith("caa") else {}, save_adv=True)
     records = []
     schedule(fam.worker(run), range(len(data.y)), records.extend, lambda _: None)
     return sorted(records, key=lambda r: r["index"]), fam.summarize(records), t
@@ -134,19 +143,23 @@ def test_config_errors(tmp_path, change, match):
     assert not any(tmp_path.iterdir())
 
 
-# EBAD at eps 30 (the od benchmark's Tables 4-5) and CAA mislabel one object per image: CSR (recall at the
-# detector's operating point) must drop, AP_loc need not. Measured on these 4 images with the first surrogate
-# only: ebad_30 CSR -37.5 % (mAP -56.8 %), caa_30 -37.5 % (-47.7 %); on 16 images with two surrogates
-# (benchmarks/RESULTS.md): ebad_10 -27.6 %, ebad_30 -37.9 %, caa_10 -41.4 %, caa_30 -44.8 %. OSFD is held to its
-# bound only: it distorts the backbone's features, and the tiny detector's backbone is three convolutions.
+# EBAD at eps 30 (the od benchmark's Tables 4-5) and CAA mislabel: CSR (recall at the detector's operating point)
+# must drop, AP_loc need not. Measured on these 4 images with the first surrogate only: ebad_30 CSR -37.5 % (mAP
+# -56.8 %); caa_30 CSR -37.5 %, mAP -64.3 %, 4.0 -> 7.5 detections per image (its last plan adds helper objects:
+# with select first_hit, 3.75). On 48 images with two surrogates (benchmarks/RESULTS.md): caa_10 CSR -29.5 %,
+# caa_30 -49.5 %. OSFD is held to its bound only: it distorts the backbone's features, and the tiny detector's
+# backbone is three convolutions.
 @pytest.mark.parametrize("attack,metric", [("ebad_30", "csr"), ("caa_30", "csr"), ("osfd", None)])
 def test_benchmark_attacks_bound_and_effect(setup, attack, metric):
     model, data = setup
     records, s, t = run_recipe(attack, model, data.subset(range(4)), slots=4)
     _check_bound(records, data, t)
     assert t["eps"] == pytest.approx({"ebad_30": 30, "caa_30": 30, "osfd": 5}[attack] / 255)
+    p = s["per_target"]["m"]
     if metric:
-        assert s["per_target"]["m"][f"drop_{metric}"] >= 0.3, s["per_target"]
+        assert p[f"drop_{metric}"] >= 0.3, p
+    if attack == "caa_30":  # the helper objects of the context plans are detected
+        assert p["adv_n_det"] >= 1.3 * p["clean_n_det"], p
 
 
 def test_kill_9_detection_run_resumes_identically(tmp_path):

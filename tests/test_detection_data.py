@@ -123,6 +123,26 @@ def test_torchvision_detectors_offline(tmp_path, monkeypatch):
     assert det.candidates(torch.rand(1, 3, 64, 64)).shape[-1] == 20
 
 
+def test_random_weight_detectors_are_the_same_every_run():
+    """A detector with random weights (``pretrained: false``, a torchvision architecture without weights) is
+    drawn from a fixed seed, so a config that names one gives the same records in every run and process, and
+    building it leaves the caller's random stream alone."""
+    specs = [{"name": "shapes_fcos_b", "pretrained": False}, {"name": "shapes_fcos_c", "pretrained": False},
+             {"name": "torchvision_det", "arch": "ssdlite320_mobilenet_v3_large", "num_classes": 4,
+              "label_map": "identity"}]
+    torch.manual_seed(123)
+    a = [build_model(s).state_dict() for s in specs]
+    after = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), after)
+    torch.manual_seed(7)  # another global state: the same weights
+    b = [build_model(s).state_dict() for s in specs]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert not torch.equal(a[0]["net.head.classification_head.cls_logits.weight"],
+                           a[1]["net.head.classification_head.cls_logits.weight"])  # each tiny its own seed
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return build_model("shapes_fcos")

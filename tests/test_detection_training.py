@@ -39,3 +39,17 @@ def test_adversarial_images_are_white_box_and_bounded():
     assert x.shape == (2, 3, 64, 64)
     d = (x - data.x[[1, 3]]).abs().flatten(1).amax(1)
     assert (d <= 8 / 255 + 1e-6).all() and (d > 0).all()
+
+
+def test_training_sets_of_attacks_that_read_assets():
+    """An attack that reads an asset (CAA its context tables, PhantomSponges its training images) crafts a training
+    set too: the attacker's assets come from another shapes seed than the detectors' training images."""
+    from blackboxbench.detection.data import shapes
+
+    base, data = build_model("shapes_fcos"), shapes(None, n=2, split="train")
+    for name, eps in [("caa_10", 10 / 255), ("phantom_sponges", None)]:
+        x = adversarial_images(base, data, name, [0, 1])
+        d = (x - data.x[[0, 1]]).flatten(1)
+        assert x.shape == (2, 3, 64, 64) and (d.abs().amax(1) > 0).all()
+        if eps:
+            assert (d.abs().amax(1) <= eps + 1e-6).all()

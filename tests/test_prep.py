@@ -152,6 +152,22 @@ class Spy(nn.Module):
         return x.flatten(1)[:, :10]
 
 
+@pytest.mark.parametrize("spec", [{"name": "cifar_resnet20", "pretrained": False},
+                                  {"name": "digits_cnn", "pretrained": False},
+                                  {"name": "torchvision", "arch": "resnet18", "num_classes": 10}])
+def test_random_weights_are_the_same_every_run(spec):
+    """A model with random weights is drawn from a fixed seed: the same weights whatever the global random
+    state, and building it leaves the caller's stream where it was."""
+    torch.manual_seed(1)
+    a = M.build_model(spec).state_dict()
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    assert torch.equal(torch.rand(3), after)
+    torch.manual_seed(2)
+    b = M.build_model(spec).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_normalized_resize_and_gradients():
     spy = Spy()
     model = M.Normalized(spy, mean=(0.5, 0.4, 0.3), std=(0.2, 0.2, 0.1), resize=16)

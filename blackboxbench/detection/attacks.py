@@ -255,30 +255,37 @@ EBAD = "Cai et al., CVPR 2023 (EBAD); CSIPlab/EBAD attack_bb_det.py, utils_mmdet
 CAA = "Cai et al., AAAI 2022 (context-aware attacks); CSIPlab/context-aware-attacks run_sequential_attack.py"
 
 
-def relabel_one(ctx, conf_thr, which, u=None):
-    """Targets per image: the surrogate's clean detections (score >= conf_thr) with object ``victim`` (a random
-    one, the sample's stream) relabelled to a random class absent from the image; ``which``: ``one`` relabels the
-    victim only, ``class`` every detection of the victim's class (a context-consistent plan). Returns (targets,
-    victim boxes (n, 4), target labels (n,)); images without a detection keep empty targets (label -1). ``u``:
-    the (n, 2) uniforms that pick the victim and its class (default: drawn from the samples' streams)."""
-    p, c = ctx.problem, ctx.problem.num_classes
-    dets = pseudo_truth(ctx, conf_thr)
-    u = (ctx.rng.uniform((2,)) if u is None else u).tolist()
-    out, vboxes, vlabels = [], [], []
-    for d, (u1, u2) in zip(dets, u):
-        labels = d["labels"].clone()
+def pick_victims(ctx, conf_thr, u):
+    """Per image: the surrogate's clean detections (score >= conf_thr), a random one of them as the victim (its
+    index, None when there is no detection) and a random class absent from the image as its target (any other
+    class when every class is present); ``u`` (n, 2) uniforms pick the victim and the class."""
+    c, out = ctx.problem.num_classes, []
+    for d, (u1, u2) in zip(pseudo_truth(ctx, conf_thr), u.tolist()):
+        labels = d["labels"]
         if not len(labels):
-            out.append(d)
-            vboxes.append(p.x.new_zeros(4))
-            vlabels.append(-1)
+            out.append((d, None, -1))
             continue
         v = min(int(u1 * len(labels)), len(labels) - 1)
         absent = [j for j in range(c) if j not in set(labels.tolist())] or [j for j in range(c) if j != int(labels[v])]
-        new = absent[min(int(u2 * len(absent)), len(absent) - 1)]
-        mask = labels == labels[v] if which == "class" else torch.arange(len(labels)) == v
-        labels[mask.to(labels.device)] = new
-        out.append({"boxes": d["boxes"], "labels": labels})
-        vboxes.append(d["boxes"][v])
+        out.append((d, v, absent[min(int(u2 * len(absent)), len(absent) - 1)]))
+    return out
+
+
+def relabel_one(ctx, conf_thr, u=None):
+    """Targets per image: the surrogate's clean detections with the victim relabelled to its target class
+    (:func:`pick_victims`; ``u`` default: drawn from the samples' streams). Returns (targets, victim boxes (n, 4),
+    target labels (n,)); images without a detection keep empty targets (label -1)."""
+    p = ctx.problem
+    out, vboxes, vlabels = [], [], []
+    for d, v, new in pick_victims(ctx, conf_thr, ctx.rng.uniform((2,)) if u is None else u):
+        if v is None:
+            out.append(d)
+            vboxes.append(p.x.new_zeros(4))
+        else:
+            labels = d["labels"].clone()
+            labels[v] = new
+            out.append({"boxes": d["boxes"], "labels": labels})
+            vboxes.append(d["boxes"][v])
         vlabels.append(new)
     return out, torch.stack(vboxes), torch.tensor(vlabels, device=p.x.device)
 
@@ -324,7 +331,7 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
     image has its own weights, as in the authors' code."""
     p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
     victim = models[0]
-    targets, vboxes, vlabels = relabel_one(ctx, conf_thr, "one")
+    targets, vboxes, vlabels = relabel_one(ctx, conf_thr)
     alpha = 3 * p.eps / 20
     with torch.no_grad():
         inv = torch.tensor([1 / max(float(sum(m.losses(p.x, targets).values())), 1e-6) for m in models])
@@ -350,28 +357,54 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
     return x_adv
 
 
-@DET_CRAFT.register("caa", paper=CAA + " (eps 30/255, step 2/255, 50 iterations per plan, loss 4 L_FRCNN + "
-                    "L_YOLOv3, success at IoU > 0.3)", per_image=True,
+@DET_CRAFT.register("caa", paper=CAA + " (eps 30/255, step 2/255, 50 iterations per plan, plans ap0-ap5, loss 4 "
+                    "L_FRCNN + L_YOLOv3, success at IoU > 0.3)", per_image=True,
+                    asset_params={"context": "detection_context"},
                     ranges={"iterations": "int [1, inf)", "alpha": "(0, 1]", "weights": "list [0, inf)",
-                            "conf_thr": "[0, 1]", "iou_thr": "[0, 1]"})
-def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=0.3, iou_thr=0.3):
-    """Context-aware attack, plans ap0 (relabel the victim object) and ap1 (relabel every object of its class,
-    a context-consistent scene): each plan starts from the clean image and descends the weighted training losses
-    of the surrogates (``weights``, default 4, 1, 1, ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of
-    ``alpha`` inside the eps ball; an image keeps the first plan after which the first surrogate detects the
-    target label on the victim at IoU > iou_thr (else the last plan). The helper-box plans (ap2-ap5) need the
-    VOC co-occurrence tables and are not built."""
+                            "conf_thr": "[0, 1]", "iou_thr": "[0, 1]", "steps": "int [0, inf)",
+                            "select": ("last", "first_hit")})
+def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=0.3, iou_thr=0.3, steps=5,
+        context=None, select="last"):
+    """Context-aware attack, the authors' sequential plans ap0..ap``steps`` (:func:`~blackboxbench.detection.
+    context.sequential_plans`): ap0 relabels a random victim to a class absent from the image; each later plan
+    also relabels the next other object, then adds a helper object, with helper labels from the co-occurrence
+    row of the target class and helper boxes placed by the distance and size tables of ``ctx.assets[context]``
+    (a ``detection_context`` asset, named by the recipe; none is needed with ``steps: 0``). Each plan starts from
+    the clean image and descends the weighted training losses of the surrogates (``weights``, default 4, 1, 1,
+    ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of ``alpha`` inside the eps ball. ``select``:
+    ``last`` returns every image's last plan (all plans run, as the authors' script); ``first_hit`` the first
+    plan after which the first surrogate (the authors' indicator model) detects the target label on the victim at
+    IoU > iou_thr (else the last), stopping there."""
+    from .context import U_STEP, ContextTables, sequential_plans
+
+    tables = ctx.assets.get(context) if steps and context is not None else None
+    if steps and not isinstance(tables, ContextTables):
+        raise BenchError(f"caa: plans after ap0 need CAA's context tables, a detection_context asset named by "
+                         f"blocks.craft.context (now {context!r}; assets: {{context: {{name: detection_context}}}}), "
+                         "or blocks.craft.steps: 0 for plan ap0 alone")
     p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
     w = list(weights) if weights is not None else [4.0] + [1.0] * (len(models) - 1)
+    u = ctx.rng.uniform((2 + U_STEP * steps,))  # victim, target class, then one row per plan step
+    h, wd = p.x.shape[-2:]
+    plans, vboxes, vlabels = [], [], []
+    for (d, v, target), ui in zip(pick_victims(ctx, conf_thr, u[:, :2]), u[:, 2:]):
+        if v is None:
+            plans.append([d] * (steps + 1))
+            vboxes.append(p.x.new_zeros(4))
+        else:
+            seq = sequential_plans(d["boxes"], d["labels"], v, target, tables, h, wd, steps, ui.view(steps, U_STEP))
+            plans.append([{"boxes": b, "labels": lab} for b, lab in seq])
+            vboxes.append(d["boxes"][v])
+        vlabels.append(target)
+    vboxes, vlabels = torch.stack(vboxes), torch.tensor(vlabels, device=p.x.device)
     x_best, done = p.x.clone(), torch.zeros(p.n, dtype=torch.bool, device=p.x.device)
-    u = ctx.rng.uniform((2,))  # one victim and target class per image for every plan
-    for plan in ("one", "class"):
-        targets, vboxes, vlabels = relabel_one(ctx, conf_thr, plan, u)
-        xc = descend(ctx, models, w[:len(models)], targets, p.x, iterations, alpha)
+    for k in range(steps + 1):
+        xc = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha)
         x_best = torch.where(per_sample(done, p.x).bool(), x_best, xc)
-        done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
-        if bool(done.all()):
-            break
+        if select == "first_hit" and k < steps:
+            done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
+            if bool(done.all()):
+                break
     return x_best
 
 
@@ -406,7 +439,7 @@ def sponge_loss(model, x, conf, area=0.0, target_class=None):
 
 
 @DET_CRAFT.register("phantom_sponges", paper=PS + " (universal; lambda1 1 (IoU term off), lambda2 10, step 0.0005, "
-                    "batch 8, 70 epochs, patience 7, L2 70 at 640x640)", needs=("assets",),
+                    "batch 8, 70 epochs, patience 7, L2 70 at 640x640)", asset_params={"asset": "detection_images"},
                     ranges={"epochs": "int [1, inf)", "patience": "int [1, inf)", "lr": "(0, 1]",
                             "batch": "int [1, inf)", "conf": "(0, 1)", "area": "[0, inf)",
                             "target_class": "int [0, inf)"})

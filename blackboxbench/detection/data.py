@@ -18,7 +18,7 @@ import torch
 
 from ..errors import BenchError
 from ..prep.data import Dataset, _decode_image, _first_line, _need, data_path
-from ..registry import ASSET, DATASET
+from ..registry import ASSET, DATASET, check_params
 
 SHAPES = ("square", "circle", "triangle")
 VOC_CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -235,13 +235,22 @@ class TrainImages:
     cache: dict = field(default_factory=dict)
 
 
+def detection_dataset(data_root, spec, who):
+    """The detection dataset of ``spec`` ({name: ..., params}) for asset ``who``; a wrong name, parameter or a
+    dataset without boxes is a one-line error naming ``spec.<param>``."""
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    fn = DATASET.get(name)
+    check_params(fn, spec, f"{who}: spec.")
+    data = fn(data_root, **spec)
+    if not isinstance(data, DetectionDataset):
+        raise BenchError(f"{who}: dataset {name} has no boxes")
+    return data
+
+
 @ASSET.register("detection_images", source="a detection dataset spec (default: the shapes train split)")
 def detection_images(data_root, device, *, spec=None):
     """The images of detection dataset ``spec`` ({name: ..., params}; default ``{name: shapes, split: train,
     n: 64}``) for attacks that train on images of their own (PhantomSponges' universal perturbation)."""
-    spec = dict(spec or {"name": "shapes", "split": "train", "n": 64})
-    name = spec.pop("name", None)
-    data = DATASET.get(name)(data_root, **spec)
-    if not isinstance(data, DetectionDataset):
-        raise BenchError(f"detection_images: dataset {name} has no boxes")
-    return TrainImages(data)
+    return TrainImages(detection_dataset(data_root, spec or {"name": "shapes", "split": "train", "n": 64},
+                                         "detection_images"))

@@ -63,7 +63,6 @@ class DetectionAttack:
     craft: Callable
     objective: Optional[Callable]
     meta: dict = field(default_factory=dict)
-    needs_train: bool = False
     per_image: bool = False
 
 
@@ -302,8 +301,7 @@ class DetectionFamily(Family):
 
     def build(self, name, blocks, hyper, meta):
         craft = blocks["craft"]
-        needs = craft.func.registry_meta.get("needs", ())
-        return DetectionAttack(name, craft, blocks.get("objective"), meta, needs_train="train" in needs,
+        return DetectionAttack(name, craft, blocks.get("objective"), meta,
                                per_image=bool(craft.func.registry_meta.get("per_image")))
 
     def check_inputs(self, models, data, source):

@@ -28,10 +28,11 @@ TINY_SCORE_THR = 0.3  # the tiny detectors' own operating point (their scores ar
 VOC_TO_COCO = (5, 2, 16, 9, 44, 6, 3, 17, 62, 21, 67, 18, 19, 4, 1, 64, 20, 63, 7, 72)
 
 
-def _rng_free(fn, *args):
-    """Run ``fn`` under a forked, seeded global RNG (R-CNN heads sample proposals from it)."""
+def _rng_free(fn, *args, seed=0):
+    """Run ``fn`` under a forked global RNG seeded with ``seed`` (R-CNN heads sample proposals from it; a
+    random init draws from it), leaving the caller's stream untouched."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         return fn(*args)
 
 
@@ -210,8 +211,8 @@ def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
 
 
 def tiny_detector(name, pretrained=True):
-    kind, width, _ = TINY[name]
-    net = _tiny_net(kind, width, len(SHAPES) + 1, 64)
+    kind, width, seed = TINY[name]
+    net = _rng_free(_tiny_net, kind, width, len(SHAPES) + 1, 64, seed=seed)  # the same random init every run
     if pretrained:
         net = cached_or_trained(net, f"{name}-{TINY_VERSION}.pt", lambda: train_tiny(name))
     return Detector(net, [-1, 0, 1, 2], kind)
@@ -257,7 +258,7 @@ def torchvision_det(data_root, *, arch, pretrained=False, checkpoint=None, num_c
     kw = {"weights_backbone": None}
     if weights is None:
         kw["num_classes"] = num_classes
-    try:
+    try:  # random weights come from build_model's seeded stream
         net = torchvision.models.get_model(arch, weights=weights, **kw)
     except (ValueError, TypeError) as err:
         raise BenchError(f"torchvision_det:{arch}: {err}") from None

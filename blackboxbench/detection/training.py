@@ -18,6 +18,7 @@ import torch
 from ..errors import BenchError
 from ..prep.models import build_model, cached_or_trained
 from ..registry import MODEL
+from .context import detection_context
 from .data import detection_images, shapes
 from .models import TINY_VERSION, Detector
 
@@ -37,6 +38,14 @@ def split_plan(n, attacks, fraction):
     return plan
 
 
+# the assets an attack crafting a training set reads, by kind: images of another shapes seed than the detectors'
+ATTACKER_ASSETS = {
+    "detection_images": lambda root: detection_images(root, "cpu", spec={"name": "shapes", "split": "train", "n": 64,
+                                                                         "seed": 1}),
+    "detection_context": lambda root: detection_context(root, "cpu", spec={"name": "shapes", "split": "train",
+                                                                           "n": 256, "seed": 1})}
+
+
 def adversarial_images(base, data, name, index, seed=0, data_root=None):
     """The adversarial images (float, uint8 grid) of recipe ``name`` crafted white-box on ``base`` for images
     ``index`` of ``data``, with its recipe's default threat model."""
@@ -53,9 +62,9 @@ def adversarial_images(base, data, name, index, seed=0, data_root=None):
     if fam.name != "detection":
         raise BenchError(f"adv_finetuned: '{name}' is not a detection recipe")
     threat = finish_threat({}, recipe, fam, "adv_finetuned")
-    assets = {"train": detection_images(data_root, "cpu", spec={"name": "shapes", "split": "train", "n": 64,
-                                                                 "seed": 1})}
-    run = RunInputs(attack=build_attack(recipe, threat, src), threat=threat, data=sub,
+    attack = build_attack(recipe, threat, src)
+    assets = {k: ATTACKER_ASSETS[kind](data_root) for k, (_, kind) in attack.meta["assets"].items()}
+    run = RunInputs(attack=attack, threat=threat, data=sub,
                     models={"surrogates": [base], "targets": [base]}, model_names={"surrogates": ["b"],
                                                                                     "targets": ["b"]},
                     streams=Streams(seed, len(index), "cpu"), device=torch.device("cpu"), slots=32, assets=assets,

@@ -99,8 +99,11 @@ def input_mean(model):
 
 def build_model(spec, data_root=None, device="cpu"):
     """Build a zoo model from ``spec``: frozen, in eval mode, on ``device``; ``model.arch_id`` names its
-    architecture (:func:`arch_name`) for per-architecture parameters (:func:`blackboxbench.prep.layers.per_arch`)."""
-    model = _create(spec, data_root)
+    architecture (:func:`arch_name`) for per-architecture parameters (:func:`blackboxbench.prep.layers.per_arch`).
+    Random weights (``pretrained: false``, an architecture without a checkpoint) come from seed 0."""
+    with torch.random.fork_rng(devices=[]):  # a random init is the same in every run; the caller's stream is kept
+        torch.manual_seed(0)
+        model = _create(spec, data_root)
     model.arch_id = arch_name(spec)
     model.requires_grad_(False)
     return model.eval().to(device)

@@ -1,0 +1,205 @@
+"""CAA's context tables and sequential plans (blackboxbench/detection/context.py) against independent references:
+the tables against a per-pair loop written as the authors' notebook counts (dicts of lists, then means), the
+plans and helper boxes against the rules of the authors' get_sequential_attack_plan / generate_box checked by
+hand, and the asset's config errors."""
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blackboxbench.config import ConfigError, validate_experiment
+from blackboxbench.detection.attacks import caa
+from blackboxbench.detection.context import (HELPER_P, U_STEP, ContextTables, context_tables, detection_context,
+                                             helper_box, helper_distribution, pick, sequential_plans)
+from blackboxbench.errors import BenchError
+from blackboxbench.runner import run_experiment
+
+
+def reference_tables(targets, sizes, k):
+    """The authors' notebook's counting, written out pair by pair."""
+    co = [[0] * k for _ in range(k)]
+    dist, size, single = defaultdict(list), defaultdict(list), defaultdict(list)
+    for t, (h, w) in zip(targets, sizes):
+        diag = math.sqrt(w * w + h * h)
+        objs = [(int(lab), [float(v) for v in box]) for box, lab in zip(t["boxes"], t["labels"])]
+        for lab, (x0, y0, x1, y1) in objs:
+            single[lab].append(((y1 - y0) / diag, (x1 - x0) / diag))
+        for i in range(len(objs)):
+            for j in range(i + 1, len(objs)):
+                (o1, b1), (o2, b2) = objs[i], objs[j]
+                d = math.dist(((b1[0] + b1[2]) / 2, (b1[1] + b1[3]) / 2), ((b2[0] + b2[2]) / 2, (b2[1] + b2[3]) / 2))
+                s12 = ((b2[3] - b2[1]) / diag, (b2[2] - b2[0]) / diag)
+                s21 = ((b1[3] - b1[1]) / diag, (b1[2] - b1[0]) / diag)
+                co[o1][o2] += 1
+                dist[o1, o2].append(d / diag)
+                size[o1, o2].append(s12)
+                if o1 != o2:
+                    co[o2][o1] += 1
+                    dist[o2, o1].append(d / diag)
+                    size[o2, o1].append(s21)
+    return co, dist, size, single
+
+
+def _random_targets(n, k, gen):
+    out = []
+    for _ in range(n):
+        m = int(torch.randint(0, 6, (), generator=gen))
+        xy = torch.rand(m, 2, generator=gen) * 50
+        wh = torch.rand(m, 2, generator=gen) * 30 + 2
+        out.append({"boxes": torch.cat([xy, xy + wh], 1), "labels": torch.randint(0, k, (m,), generator=gen)})
+    return out
+
+
+def test_tables_match_the_pairwise_reference():
+    gen = torch.Generator().manual_seed(3)
+    k = 4
+    targets = _random_targets(40, k, gen)
+    sizes = [(64, 80)] * 20 + [(100, 60)] * 20
+    t = context_tables(targets, sizes, k)
+    co, dist, size, single = reference_tables(targets, sizes, k)
+    assert t.count.tolist() == co
+    for i in range(k):
+        for j in range(k):
+            if co[i][j]:
+                assert float(t.dist[i, j]) == pytest.approx(sum(dist[i, j]) / len(dist[i, j]), abs=1e-12)
+                ref = torch.tensor(size[i, j], dtype=torch.float64).mean(0)
+                assert torch.allclose(t.size[i, j], ref, atol=1e-12)
+            else:
+                assert float(t.dist[i, j]) == 0 and not t.size[i, j].any()
+        if single[i]:
+            assert torch.allclose(t.single[i], torch.tensor(single[i], dtype=torch.float64).mean(0), atol=1e-12)
+        assert int(t.single_n[i]) == len(single[i])
+
+
+def test_tables_by_hand():
+    """Two squares of class 0 and a class-1 box on a 30 x 40 image (diagonal 50): a same-class pair is counted
+    once on the diagonal, a mixed pair in both orders."""
+    boxes = torch.tensor([[0., 0, 10, 10], [30, 0, 40, 10], [0, 20, 10, 30]])
+    t = context_tables([{"boxes": boxes, "labels": torch.tensor([0, 0, 1])}], [(30, 40)], 2)
+    assert t.count.tolist() == [[1, 2], [2, 0]]
+    assert float(t.dist[0, 0]) == pytest.approx(30 / 50)
+    assert float(t.dist[0, 1]) == pytest.approx((20 + math.hypot(30, 20)) / 2 / 50)
+    assert t.size[0, 1].tolist() == pytest.approx([10 / 50, 10 / 50])
+    assert t.single_n.tolist() == [2, 1]
+
+
+def _tables(count, dist=0.3, size=(0.1, 0.15)):
+    k = len(count)
+    count = torch.tensor(count, dtype=torch.float64)
+    return ContextTables(count, torch.full((k, k), dist, dtype=torch.float64),
+                         torch.tensor(size, dtype=torch.float64).expand(k, k, 2).clone(),
+                         torch.tensor(size, dtype=torch.float64).expand(k, 2).clone(),
+                         torch.ones(k, dtype=torch.float64))
+
+
+def test_helper_distribution_drops_rare_classes():
+    t = _tables([[10, 1, 89, 0], [1, 0, 0, 0], [0, 0, 0, 0], [5, 5, 5, 5]])
+    p = helper_distribution(t, 0)
+    assert p.tolist() == pytest.approx([10 / 99, 0, 89 / 99, 0])  # 1 % and 0 % dropped (threshold 5 %)
+    assert p[1] == 0 and HELPER_P == 0.05
+    assert helper_distribution(t, 2).tolist() == pytest.approx([0.25] * 4)  # an empty row: every class alike
+    assert helper_distribution(t, 3).tolist() == pytest.approx([0.25] * 4)
+
+
+@pytest.mark.parametrize("u,expect", [(0.0, 0), (0.099, 0), (0.101, 2), (0.9999999, 2)])
+def test_pick_is_the_inverse_cdf_over_nonzero_classes(u, expect):
+    assert pick(torch.tensor([0.1, 0.0, 0.9, 0.0], dtype=torch.float64), u) == expect
+
+
+def test_helper_box_at_the_table_distance_and_size():
+    """A pair seen together: the box has the table's size (h, w in units of the diagonal) and its centre lies
+    at the table's distance from the victim's centre (int truncation as the authors: within 1.5 px), in a
+    quadrant between two free directions; the same uniforms give the same box."""
+    h, w = 120, 160
+    diag = math.hypot(w, h)
+    t = _tables([[1, 3], [3, 1]], dist=0.2, size=(0.1, 0.15))
+    victim = [70.0, 50.0, 90.0, 70.0]  # centre (80, 60)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        u = torch.rand(7, generator=gen).tolist()
+        box = helper_box(victim, 0, 1, t, h, w, u)
+        assert box == helper_box(victim, 0, 1, t, h, w, u)
+        bh, bw = box[3] - box[1], box[2] - box[0]
+        assert (bh, bw) == (2 * (int(0.1 * diag) // 2), 2 * (int(0.15 * diag) // 2))
+        cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+        assert math.hypot(cx - 80, cy - 60) == pytest.approx(int(0.2 * diag), abs=1.5)
+        assert 0 <= box[0] < box[2] <= w and 0 <= box[1] < box[3] <= h
+        # near the top-right corner only the quadrant between left and down has room: the box is never clipped
+        corner = helper_box([130.0, 10.0, 150.0, 30.0], 0, 1, t, h, w, u)
+        assert (corner[3] - corner[1], corner[2] - corner[0]) == (bh, bw)
+        assert corner[0] + bw / 2 <= 140 and corner[1] + bh / 2 >= 20
+
+
+def test_helper_box_halves_the_distance_then_falls_back_to_a_random_place():
+    h = w = 64
+    diag = math.hypot(w, h)
+    victim = [24.0, 24.0, 40.0, 40.0]  # centre (32, 32)
+    u = [0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.75]
+    near = helper_box(victim, 0, 1, _tables([[1, 3], [3, 1]], dist=0.5, size=(0.1, 0.1)), h, w, u)
+    cx, cy = (near[0] + near[2]) / 2, (near[1] + near[3]) / 2
+    assert math.hypot(cx - 32, cy - 32) == pytest.approx(0.5 * int(0.5 * diag), abs=1.5)  # halved: 45 px won't fit
+    far = helper_box(victim, 0, 1, _tables([[1, 3], [3, 1]], dist=2.0, size=(0.1, 0.1)), h, w, u)
+    side = int(0.1 * diag)
+    x0, y0 = int(0.25 * (w - side + 1)), int(0.75 * (h - side + 1))
+    assert far == [x0, y0, x0 + side, y0 + side]  # no quarter fits either: the random position
+    unseen = helper_box(victim, 0, 1, _tables([[1, 0], [0, 1]], dist=0.1, size=(0.2, 0.2)), h, w, u)
+    side = int(0.2 * diag)  # never seen together: the helper class's own size, at a random position
+    x0, y0 = int(0.25 * (w - side + 1)), int(0.75 * (h - side + 1))
+    assert unseen == [x0, y0, x0 + side, y0 + side]
+
+
+@pytest.mark.parametrize("n_det,steps", [(2, 5), (1, 5), (7, 5), (3, 0), (3, 2)])
+def test_sequential_plans_follow_the_authors_order(n_det, steps):
+    """ap0 relabels the victim (moved to the first row); each later plan extends the one before, relabelling
+    the next detection with a helper label (co-occurrence > 5 % with the target), then adding a helper box."""
+    gen = torch.Generator().manual_seed(n_det)
+    xy = torch.rand(n_det, 2, generator=gen) * 40
+    boxes = torch.cat([xy, xy + 10 + torch.rand(n_det, 2, generator=gen) * 10], 1)
+    labels = torch.randint(0, 3, (n_det,), generator=gen)
+    t = _tables([[4, 0, 6, 1], [0, 1, 1, 1], [6, 1, 2, 1], [1, 1, 1, 1]])
+    victim, target = n_det // 2, 3
+    plans = sequential_plans(boxes, labels, victim, target, t, 64, 64, steps,
+                             torch.rand(steps, U_STEP, generator=gen))
+    assert len(plans) == steps + 1
+    b0, l0 = plans[0]
+    order = [victim] + [i for i in range(n_det) if i != victim]
+    assert torch.equal(b0, boxes[order]) and l0[0] == target and torch.equal(l0[1:], labels[order][1:])
+    allowed = set(torch.nonzero(helper_distribution(t, target)).flatten().tolist())
+    for k in range(1, steps + 1):
+        (bp, lp), (b, lab) = plans[k - 1], plans[k]
+        assert torch.equal(b[:len(bp)], bp)
+        if k < n_det:  # relabel detection k, keep the rest
+            assert len(lab) == n_det and int(lab[k]) in allowed
+            assert torch.equal(lab[:k], lp[:k]) and torch.equal(lab[k + 1:], lp[k + 1:])
+        else:  # add one helper object inside the image
+            assert len(lab) == len(lp) + 1 and torch.equal(lab[:-1], lp) and int(lab[-1]) in allowed
+            x0, y0, x1, y1 = b[-1].tolist()
+            assert 0 <= x0 < x1 <= 64 and 0 <= y0 < y1 <= 64
+
+
+def test_asset_default_and_config_errors(tmp_path):
+    t = detection_context(None, "cpu", spec={"name": "shapes", "split": "train", "n": 32})
+    assert t.num_classes == 3 and float(t.count.sum()) > 0
+    with pytest.raises(BenchError, match=r"detection_context: spec.bogus: unknown parameter"):
+        detection_context(None, "cpu", spec={"name": "shapes", "bogus": 1})
+    with pytest.raises(BenchError, match="has no boxes"):
+        detection_context(None, "cpu", spec={"name": "digits", "n": 4})
+    base = {"dataset": {"name": "shapes", "n": 2}, "attack": "caa_10", "surrogates": ["shapes_fcos"],
+            "targets": ["shapes_fcos"], "device": "cpu", "output_dir": str(tmp_path / "runs")}
+    for assets, match in [({"context": {"name": "detection_context", "spec": {"name": "shapes", "n": 0}}},
+                           r"assets.context.*spec.n"), ({}, "needs an asset named 'context'.*detection_context")]:
+        exp = validate_experiment({**base, "assets": assets}, "test.yaml")
+        exp.update(_source="test.yaml", _base_dir=".")
+        with pytest.raises(ConfigError, match=match):
+            run_experiment(exp, progress=False)
+        assert not (tmp_path / "runs").exists()  # refused before anything ran
+    # plan ap0 alone needs no context
+    exp = validate_experiment({**base, "attack": {"recipe": "caa_10", "blocks": {"craft": {
+        "steps": 0, "context": None, "iterations": 2}}}}, "test.yaml")
+    exp.update(_source="test.yaml", _base_dir=".")
+    _, summary = run_experiment(exp, progress=False)
+    assert summary["n"] == 2
+    with pytest.raises(BenchError, match="plans after ap0 need CAA's context tables"):
+        caa(SimpleNamespace(assets={}, steps=1), None, steps=1, context=None)
