@@ -16,7 +16,8 @@ import torch  # noqa: E402
 from blackboxbench import catalog  # noqa: E402
 from blackboxbench.builder import build_attack, load_recipe  # noqa: E402
 from blackboxbench.config import finish_threat, load_yaml  # noqa: E402
-from blackboxbench.detection.data import detection_images, shapes  # noqa: E402
+from blackboxbench.detection.data import shapes  # noqa: E402
+from blackboxbench.detection.training import ATTACKER_ASSETS  # noqa: E402
 from blackboxbench.family import RunInputs  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import FAMILY  # noqa: E402
@@ -42,8 +43,9 @@ def main():
     for name in names:
         recipe, src = load_recipe(name, "bench")
         t = finish_threat({}, recipe, fam, "bench")
-        assets = {"train": detection_images(None, "cpu")}
-        run = RunInputs(attack=build_attack(recipe, t, src), threat=t, data=data,
+        attack = build_attack(recipe, t, src)
+        assets = {k: ATTACKER_ASSETS[kind](None) for k, (_, kind) in attack.meta["assets"].items()}
+        run = RunInputs(attack=attack, threat=t, data=data,
                         models={"surrogates": [model], "targets": [model]},
                         model_names={"surrogates": ["m"], "targets": ["m"]}, streams=Streams(0, args.n, "cpu"),
                         device=torch.device("cpu"), slots=args.n, assets=assets, save_adv=False)

@@ -59,13 +59,22 @@ def _check_bound(records, data, t):
         assert d.abs().max() <= t["eps"] + 1e-6 and abs(d.abs().max().item() - r["linf"]) < 1e-6
 
 
+@pytest.fixture(scope="module")
+def frcnn():
+    return build_model("shapes_frcnn")
+
+
 @pytest.mark.parametrize("attack,metric", [("tog_vanishing", "ap_loc"), ("tog_untargeted", "map"),
                                            ("tog_mislabel_ml", "csr"), ("tog_mislabel_ll", "csr")])
-def test_tog_lowers_its_metric(setup, attack, metric):
+@pytest.mark.parametrize("kind", ["fcos", "frcnn"])
+def test_tog_lowers_its_metric(setup, frcnn, attack, metric, kind):
+    """On the tiny FCOS and the tiny two-stage Faster R-CNN (its RPN and RoI-head losses)."""
     model, data = setup
+    model = model if kind == "fcos" else frcnn
     records, s, t = run_recipe(attack, model, data)
     assert t["eps"] == pytest.approx(8 / 255)  # the recipe's default budget
     p = s["per_target"]["m"]
+    assert p["clean_map"] >= 0.6, p  # a trained detector (these 8 images: FCOS 0.95, Faster R-CNN 0.92)
     assert p[f"drop_{metric}"] >= 0.30, p
     _check_bound(records, data, t)
 
@@ -160,6 +169,43 @@ def test_benchmark_attacks_bound_and_effect(setup, attack, metric):
         assert p[f"drop_{metric}"] >= 0.3, p
     if attack == "caa_30":  # the helper objects of the context plans are detected
         assert p["adv_n_det"] >= 1.3 * p["clean_n_det"], p
+    _check_goals(records, p, model, attack != "osfd")
+
+
+def _check_goals(records, p, model, targeted):
+    """Each record's goal (the victim's box and target label) scored again on its saved image, independently:
+    the detector finds the label on the box at IoU above the goal's threshold."""
+    from torchvision.ops import box_iou
+
+    if not targeted:
+        assert all(r["goal"] is None and r["targets"]["m"]["goal"] is None for r in records)
+        assert p["goal_rate"] is None and p["goal_rate_clean"] is None
+        return
+    met = []
+    for r in records:
+        g = r["goal"]
+        assert g is not None
+        with torch.no_grad():
+            d = model(r["_image"][None].float() / 255)[0]
+        m = d["labels"] == g["label"]
+        ref = bool(m.any()) and bool((box_iou(torch.tensor([g["box"]]), d["boxes"][m]) > g["iou"]).any())
+        assert r["targets"]["m"]["goal"] == ref
+        met.append(ref)
+    assert p["goal_rate"] == pytest.approx(sum(met) / len(met))
+    clean = [r["targets"]["m"]["goal_clean"] for r in records]
+    # the control: the goal on the clean image (met where a tiny detector already put the target label on the
+    # victim's box, e.g. a second label on one shape)
+    assert p["goal_rate_clean"] == pytest.approx(sum(clean) / len(clean))
+
+
+def test_goal_met_by_hand():
+    from blackboxbench.detection.attacks import goal_met
+
+    dets = [{"boxes": torch.tensor([[0., 0, 10, 10], [20, 20, 30, 30]]), "labels": torch.tensor([1, 2])}] * 4
+    boxes = torch.tensor([[0., 0, 10, 10], [0, 0, 10, 10], [0, 0, 5, 10], [0, 0, 10, 10]])
+    labels = torch.tensor([1, 2, 1, -1])
+    assert goal_met(dets, boxes, labels, 0.3) == [True, False, True, None]  # label 2 is elsewhere; IoU 0.5
+    assert goal_met(dets, boxes, labels, 0.9) == [True, False, False, None]
 
 
 def test_kill_9_detection_run_resumes_identically(tmp_path):

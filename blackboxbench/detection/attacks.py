@@ -7,6 +7,8 @@ The torchvision training losses are batch means; an objective built on them retu
 image, which keeps each image's gradient direction (the steps are sign or per-image normalized), so a sample's
 result does not depend on its neighbours' images up to that positive scale.
 """
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import BenchError
@@ -305,17 +307,41 @@ def descend(ctx, models, weights, targets, x0, iterations, alpha):
     return x_adv
 
 
-def hit(model, x, boxes, labels, iou_thr):
-    """(n,) whether ``model`` detects label ``labels[i]`` at IoU > iou_thr with ``boxes[i]`` (label -1: no)."""
+@dataclass
+class Crafted:
+    """A craft block's images with the goal its attack set each of them (EBAD, CAA: the victim relabelled): the
+    attack succeeds on image i where a detector finds label ``labels[i]`` at IoU > ``iou`` with ``boxes[i]``
+    (label -1: no goal, an image without a detection). The family scores the goal on every target detector."""
+
+    x: torch.Tensor
+    boxes: torch.Tensor
+    labels: torch.Tensor
+    iou: float
+
+    @staticmethod
+    def cat(parts):
+        return Crafted(torch.cat([c.x for c in parts]), torch.cat([c.boxes for c in parts]),
+                       torch.cat([c.labels for c in parts]), parts[0].iou)
+
+
+def goal_met(dets, boxes, labels, iou_thr):
+    """Per image: whether detections ``dets[i]`` hold label ``labels[i]`` at IoU > iou_thr with ``boxes[i]``
+    (None where the label is -1: no goal)."""
     from torchvision.ops import box_iou
 
-    with torch.no_grad():
-        dets = model(x)
     out = []
     for d, b, lab in zip(dets, boxes, labels.tolist()):
         m = d["labels"] == lab
-        out.append(lab >= 0 and bool(m.any()) and bool((box_iou(b[None], d["boxes"][m]) > iou_thr).any()))
-    return torch.tensor(out, device=x.device)
+        out.append(None if lab < 0 else
+                   bool(m.any()) and bool((box_iou(b[None].to(d["boxes"]), d["boxes"][m]) > iou_thr).any()))
+    return out
+
+
+def hit(model, x, boxes, labels, iou_thr):
+    """(n,) whether ``model`` detects label ``labels[i]`` at IoU > iou_thr with ``boxes[i]`` (label -1: no)."""
+    with torch.no_grad():
+        dets = model(x)
+    return torch.tensor([bool(h) for h in goal_met(dets, boxes, labels, iou_thr)], device=x.device)
 
 
 @DET_CRAFT.register("ebad", paper=EBAD + " (eps 10/255, 20 PGD steps of 3 eps / 20, 10 queries, lr_w 0.01, "
@@ -354,7 +380,7 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
         _, w, xc = min(cands, key=lambda c: c[0])
         x_adv = torch.where(per_sample(done, p.x).bool(), x_adv, xc)
         done = done | hit(victim, x_adv, vboxes, vlabels, iou_thr)
-    return x_adv
+    return Crafted(x_adv, vboxes, vlabels, iou_thr)
 
 
 @DET_CRAFT.register("caa", paper=CAA + " (eps 30/255, step 2/255, 50 iterations per plan, plans ap0-ap5, loss 4 "
@@ -405,7 +431,7 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
             done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
             if bool(done.all()):
                 break
-    return x_best
+    return Crafted(x_best, vboxes, vlabels, iou_thr)
 
 
 # ---------------------------------------------------------------- PhantomSponges (universal)

@@ -8,11 +8,15 @@ sign-gradient loop of TOG, DAG's unbounded loop, EBAD's weight search, a univers
 Block contracts (``ctx`` is the :class:`~blackboxbench.context.BlockContext`; ``ctx.problem`` is a
 :class:`DetProblem`: clean images, eps, norm, the ground truth ``gt`` and the surrogate's clean detections
 ``clean``; ``ctx.model`` the white-box surrogate :class:`~blackboxbench.detection.models.Detector`,
-``ctx.surrogates`` all of them; ``ctx.assets["train"]`` the attacker's training images when the recipe needs them):
+``ctx.surrogates`` all of them; ``ctx.assets[name]`` the assets its blocks declare, e.g. the attacker's training
+images):
 
 * ``objective(ctx, x_adv) -> (N,)``: a per-image loss to *maximize* (differentiable in ``x_adv``).
 * ``craft(ctx, objective) -> x_adv``: adversarial images for the batch inside the eps ball and [0, 1]; the worker
-  quantizes them to uint8 towards the clean image and checks the threat model.
+  quantizes them to uint8 towards the clean image and checks the threat model. A targeted attack returns a
+  :class:`~blackboxbench.detection.attacks.Crafted` (the images and each one's goal: a label on a box), and every
+  target's record says whether its detections meet the goal (``goal``; the summary's ``goal_rate``) and whether
+  its clean detections already did (``goal_clean``, the control: ``goal_rate_clean``).
 
 Every sample takes the same work, so a unit of work is one whole batch (as the transfer family). Records hold,
 per target detector, the matching of the clean and the adversarial image (per detection: score, label, TP/FP/
@@ -34,6 +38,7 @@ from ..errors import BenchError, ConfigError
 from ..family import BlockKind, Family, ModelKey, WholeBatchWorker, check_outputs, to_uint8
 from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL
 from ..threat import Problem, flat_norm
+from .attacks import Crafted, goal_met
 from .data import DetectionDataset
 from .metrics import match_image, pool_matches
 from .models import Detector
@@ -148,6 +153,9 @@ def summarize_detection(records):
         per[t] = {**{f"clean_{k}": v for k, v in clean.items()}, **{f"adv_{k}": v for k, v in adv.items()},
                   **{f"drop_{k}": _drop(clean[k], adv[k]) for k in ("map", "ap_loc", "csr")},
                   "det_ratio": None if not clean["n_det"] else adv["n_det"] / clean["n_det"],
+                  **{f"goal_rate{sfx}": _mean([float(g) for g in (r["targets"][t].get(f"goal{sfx}")
+                                                                   for r in attacked) if g is not None])
+                     for sfx in ("", "_clean")},
                   "score_thr": attacked[0]["targets"][t]["score_thr"] if attacked else None,
                   "max_det": attacked[0]["targets"][t]["max_det"] if attacked else None}
     out = {"n": len(records), "n_attacked": len(attacked), "per_target": per,
@@ -157,6 +165,7 @@ def summarize_detection(records):
            "time_per_image": _mean([r["time"] for r in attacked])}
     for k in ("map", "ap_loc", "csr"):
         out[f"mean_drop_{k}"] = _mean([p[f"drop_{k}"] for p in per.values()])
+    out["mean_goal_rate"] = _mean([p["goal_rate"] for p in per.values()])
     for k in ("l2", "linf", "ssim", "lpips"):
         out[f"mean_{k}"] = _mean([r[k] for r in attacked])
         vals = sorted(r[k] for r in attacked if r[k] is not None)
@@ -212,7 +221,8 @@ class DetectionWorker(WholeBatchWorker):
         if not a.per_image:
             return a.craft(ctx, a.objective)
         rows = torch.arange(ctx.problem.n, device=ctx.device)
-        return torch.cat([a.craft(ctx.sub(rows[k:k + 1]), a.objective) for k in range(ctx.problem.n)])
+        parts = [a.craft(ctx.sub(rows[k:k + 1]), a.objective) for k in range(ctx.problem.n)]
+        return Crafted.cat(parts) if isinstance(parts[0], Crafted) else torch.cat(parts)
 
     def step(self):
         index = self.take()
@@ -231,8 +241,9 @@ class DetectionWorker(WholeBatchWorker):
         problem = DetProblem(x, y, t["eps"], t["norm"], None, data.num_classes, gt=gt, clean=clean)
         ctx = BlockContext(problem=problem, rng=run.streams.view(idx), surrogates=tuple(self.surrogates),
                            assets=run.assets, pool=self.pool, model=self.model)
-        x_adv = self.craft(ctx)
-        x_adv = problem.quantize(problem.project(x_adv.detach()))
+        out = self.craft(ctx)
+        goal = out if isinstance(out, Crafted) else None  # the attack's own goal per image (EBAD, CAA)
+        x_adv = problem.quantize(problem.project((out.x if goal else out).detach()))
         check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
         per = (time.perf_counter() - t0) / len(index)  # the attack's time (evaluation excluded)
         legacy, count_thr = getattr(data, "legacy_coords", False), t["count_thr"]
@@ -240,8 +251,11 @@ class DetectionWorker(WholeBatchWorker):
         for name, m in self.targets:
             c = forward_dets(m, x, name)
             a = forward_dets(m, x_adv, name)
+            met, met0 = ([goal_met(d, goal.boxes, goal.labels, goal.iou) for d in (a, c)] if goal else
+                         ([None] * len(index), [None] * len(index)))
             results[name] = [{"clean": match_record(c[k], gt[k], count_thr, legacy),
-                              "adv": match_record(a[k], gt[k], count_thr, legacy)} for k in range(len(index))]
+                              "adv": match_record(a[k], gt[k], count_thr, legacy), "goal": met[k],
+                              "goal_clean": met0[k]} for k in range(len(index))]
         ssim, lp = self.perceptual(x_adv, x)
         l2, linf = flat_norm(x_adv - x, "l2").tolist(), flat_norm(x_adv - x, "linf").tolist()
         images = to_uint8(x_adv) if run.save_adv else None
@@ -250,6 +264,9 @@ class DetectionWorker(WholeBatchWorker):
             r = {"index": int(i), "label": 0, "target": None, "clean_correct": True, "attacked": True,
                  "l2": float(l2[k]), "linf": float(linf[k]), "ssim": ssim[k], "lpips": lp[k], "time": per,
                  "n_gt": int((~gt[k]["difficult"]).sum()),
+                 "goal": None if goal is None or int(goal.labels[k]) < 0 else
+                 {"box": [round(float(v), ROUND) for v in goal.boxes[k]], "label": int(goal.labels[k]),
+                  "iou": goal.iou},
                  "targets": {name: dict(res[k], score_thr=m.score_thr, max_det=m.max_det)
                              for (name, m), res in zip(self.targets, results.values())}}
             if images is not None:
@@ -266,11 +283,11 @@ class DetectionFamily(Family):
     threat_keys = {"score_thr": (int, float, type(None)), "max_det": (int, type(None)),
                    "count_thr": (int, float, type(None))}
     record_fields = {"targets": (dict,), "ssim": (float, int, type(None)), "lpips": (float, int, type(None)),
-                     "n_gt": (int,)}
+                     "n_gt": (int,), "goal": (dict, type(None))}
     surrogate_may_be_target = True  # a target equal to the surrogate is the white-box result
     classifier_models = False
     columns = (("mean_drop_map", "higher"), ("mean_drop_ap_loc", "higher"), ("mean_drop_csr", "higher"),
-               ("mean_ssim", "higher"), ("mean_lpips", "lower"), ("time_per_image", "lower"))
+               ("mean_goal_rate", "higher"), ("mean_ssim", "higher"), ("mean_lpips", "lower"), ("time_per_image", "lower"))
     table = [("attack", "attack"), ("target_model", "targets"), ("norm", "norm"), ("eps", "eps"), ("n", "n"),
              ("clean_acc", "clean mAP"), ("mean_drop_map", "mAP drop"), ("mean_drop_ap_loc", "AP_loc drop"),
              ("mean_drop_csr", "CSR drop"), ("mean_linf", "mean Linf"), ("mean_ssim", "mean SSIM"),

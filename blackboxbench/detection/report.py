@@ -1,7 +1,9 @@
 """Detection reports written after a config's runs, next to its leaderboard ``<board>.csv``:
 
 * ``<board>_detection.csv``: one row per run x target detector (attack, surrogate, target, clean and adversarial
-  mAP / AP_loc / CSR, their relative drops, detections per image, L2, Linf, SSIM, LPIPS, time per image, the
+  mAP / AP_loc / CSR, their relative drops, detections per image, the attack's own success rate (``goal_rate``:
+  EBAD's and CAA's victim relabelled, on that detector; ``goal_rate_clean``: the same on the clean image, the
+  control), L2, Linf, SSIM, LPIPS, time per image, the
   harmonized score threshold and cap);
 * ``<board>_transfer.png``: heatmap of the relative mAP drop, rows attack (surrogate), columns target detector;
 * ``<board>_robustness.png``: heatmap of the adversarial mAP, rows target detector, columns attack (a white-box
@@ -18,7 +20,7 @@ from ..leaderboard import cell, collect
 
 COLUMNS = ("attack", "surrogate", "target", "n", "clean_map", "adv_map", "drop_map", "clean_ap_loc", "adv_ap_loc",
            "drop_ap_loc", "clean_csr", "adv_csr", "drop_csr", "clean_map_area", "adv_map_area", "clean_n_det",
-           "adv_n_det", "det_ratio", "mean_l2", "mean_linf", "mean_l2_255", "mean_linf_255", "mean_ssim",
+           "adv_n_det", "det_ratio", "goal_rate", "goal_rate_clean", "mean_l2", "mean_linf", "mean_l2_255", "mean_linf_255", "mean_ssim",
            "mean_lpips", "time_per_image", "score_thr", "max_det", "run")
 
 
