@@ -138,6 +138,9 @@ def prepare(exp):
         if name not in exp["assets"]:
             raise ConfigError(f"attack '{recipe['name']}' needs an asset named '{name}' (its block '{block}' reads "
                               f"it): declare assets: {{{name}: {{name: {kind}}}}}", source, "assets")
+        if exp["assets"][name]["name"] != kind:
+            raise ConfigError(f"attack '{recipe['name']}' reads it as a {kind} asset (its block '{block}'), not "
+                              f"{exp['assets'][name]['name']}", source, f"assets.{name}.name")
     roles = family.roles(exp)
     if not family.surrogate_may_be_target:  # a white-box surrogate is never the black-box target
         targets = [s for key, _, s in roles if family.model_keys[key].role == "target"]

@@ -189,7 +189,8 @@ def test_asset_default_and_config_errors(tmp_path):
     base = {"dataset": {"name": "shapes", "n": 2}, "attack": "caa_10", "surrogates": ["shapes_fcos"],
             "targets": ["shapes_fcos"], "device": "cpu", "output_dir": str(tmp_path / "runs")}
     for assets, match in [({"context": {"name": "detection_context", "spec": {"name": "shapes", "n": 0}}},
-                           r"assets.context.*spec.n"), ({}, "needs an asset named 'context'.*detection_context")]:
+                           r"assets.context.*spec.n"), ({}, "needs an asset named 'context'.*detection_context"),
+                          ({"context": {"name": "detection_images"}}, r"assets.context.name.*a detection_context")]:
         exp = validate_experiment({**base, "assets": assets}, "test.yaml")
         exp.update(_source="test.yaml", _base_dir=".")
         with pytest.raises(ConfigError, match=match):

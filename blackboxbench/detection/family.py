@@ -287,7 +287,8 @@ class DetectionFamily(Family):
     surrogate_may_be_target = True  # a target equal to the surrogate is the white-box result
     classifier_models = False
     columns = (("mean_drop_map", "higher"), ("mean_drop_ap_loc", "higher"), ("mean_drop_csr", "higher"),
-               ("mean_goal_rate", "higher"), ("mean_ssim", "higher"), ("mean_lpips", "lower"), ("time_per_image", "lower"))
+               ("mean_goal_rate", "higher"), ("mean_ssim", "higher"), ("mean_lpips", "lower"),
+               ("time_per_image", "lower"))
     table = [("attack", "attack"), ("target_model", "targets"), ("norm", "norm"), ("eps", "eps"), ("n", "n"),
              ("clean_acc", "clean mAP"), ("mean_drop_map", "mAP drop"), ("mean_drop_ap_loc", "AP_loc drop"),
              ("mean_drop_csr", "CSR drop"), ("mean_linf", "mean Linf"), ("mean_ssim", "mean SSIM"),

@@ -63,6 +63,10 @@ def adversarial_images(base, data, name, index, seed=0, data_root=None):
         raise BenchError(f"adv_finetuned: '{name}' is not a detection recipe")
     threat = finish_threat({}, recipe, fam, "adv_finetuned")
     attack = build_attack(recipe, threat, src)
+    missing = [kind for _, kind in attack.meta["assets"].values() if kind not in ATTACKER_ASSETS]
+    if missing:
+        raise BenchError(f"adv_finetuned: '{name}' reads a {missing[0]} asset, which a training set cannot be "
+                         f"crafted with (known: {', '.join(ATTACKER_ASSETS)})")
     assets = {k: ATTACKER_ASSETS[kind](data_root) for k, (_, kind) in attack.meta["assets"].items()}
     run = RunInputs(attack=attack, threat=threat, data=sub,
                     models={"surrogates": [base], "targets": [base]}, model_names={"surrogates": ["b"],
