@@ -9,10 +9,12 @@ import pytest
 import torch
 from PIL import Image
 
-from blackboxbench.detection.data import coco_json, detection_images, shapes, voc2007
+from blackboxbench.config import ConfigError, validate_experiment
+from blackboxbench.detection.data import VOC_CLASSES, coco_json, detection_images, shapes, voc2007
 from blackboxbench.detection.metrics import eval_map
 from blackboxbench.errors import BenchError
 from blackboxbench.prep.models import build_model
+from blackboxbench.runner import run_experiment
 
 
 def test_shapes_are_deterministic_and_prefix_stable():
@@ -86,6 +88,38 @@ def test_voc_loader_keeps_difficult_and_scales_boxes(tmp_path):
         voc2007(None, root=str(tmp_path / "nowhere"))
 
 
+def test_boxes_only_reads_no_pixels(tmp_path):
+    """``boxes_only``: the same boxes (scaled by each image's header size), an all-zero placeholder for the
+    pixels that takes no memory, and a file whose pixels are corrupt still gives its boxes; the context asset
+    reads VOC so, and the detection family refuses such a dataset as the one to attack."""
+    from blackboxbench.detection.context import detection_context
+
+    _voc_fixture(tmp_path)
+    full, light = voc2007(None, root=str(tmp_path), size=50), voc2007(None, root=str(tmp_path), size=50,
+                                                                       boxes_only=True)
+    assert all(torch.equal(a["boxes"], b["boxes"]) and torch.equal(a["labels"], b["labels"])
+               for a, b in zip(full.targets, light.targets))
+    assert light.boxes_only and not full.boxes_only and light.x.shape == full.x.shape
+    assert light.x.stride(0) == 0 and not light.x.any()
+    jpg = tmp_path / "VOCdevkit" / "VOC2007" / "JPEGImages" / "000002.jpg"
+    raw = jpg.read_bytes()
+    sos = raw.index(b"\xff\xda")
+    jpg.write_bytes(raw[:sos + 2 + int.from_bytes(raw[sos + 2:sos + 4], "big") + 8])  # header kept, pixels cut
+    with pytest.raises(BenchError, match="cannot decode image"):
+        voc2007(None, root=str(tmp_path), size=50)
+    assert voc2007(None, root=str(tmp_path), size=50, boxes_only=True).targets[1]["labels"].tolist() == [6]
+    spec = {"name": "voc2007", "root": str(tmp_path), "size": 50}
+    t = detection_context(None, "cpu", spec=spec)  # boxes only: the corrupt file does not matter
+    dog, person = VOC_CLASSES.index("dog"), VOC_CLASSES.index("person")
+    assert t.count.sum() == 2 and t.count[dog, person] == t.count[person, dog] == 1  # one pair, both orders
+    exp = validate_experiment({"dataset": {**spec, "boxes_only": True}, "attack": "tog_vanishing",
+                               "surrogates": ["shapes_fcos"], "targets": ["shapes_fcos"], "device": "cpu",
+                               "output_dir": str(tmp_path / "out")}, "test.yaml")
+    exp.update(_source="test.yaml", _base_dir=".")
+    with pytest.raises(ConfigError, match="dataset.boxes_only"):
+        run_experiment(exp, progress=False)
+
+
 def test_coco_json_loader(tmp_path):
     (tmp_path / "img").mkdir()
     for k in (1, 2):
@@ -97,6 +131,9 @@ def test_coco_json_loader(tmp_path):
     (tmp_path / "ann.json").write_text(json.dumps(doc))
     d = coco_json(None, annotations=str(tmp_path / "ann.json"), images=str(tmp_path / "img"), size=40)
     assert d.classes == ("car", "person") and d.x.shape == (2, 3, 40, 40)
+    light = coco_json(None, annotations=str(tmp_path / "ann.json"), images=str(tmp_path / "img"), size=40,
+                      boxes_only=True)
+    assert light.boxes_only and all(torch.equal(a["boxes"], b["boxes"]) for a, b in zip(d.targets, light.targets))
     t = d.targets[0]
     assert t["labels"].tolist() == [1, 0] and t["difficult"].tolist() == [False, True]
     assert torch.allclose(t["boxes"][0], torch.tensor([4.0, 4.0, 12.0, 12.0]))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import ASSET
+from ..registry import ASSET, DATASET, block_params
 from .data import detection_dataset
 
 HELPER_P = 0.05   # a helper class needs co-occurrence probability above 5 % with the target (the authors')
@@ -162,8 +162,11 @@ def sequential_plans(boxes, labels, victim, target, tables, height, width, steps
                 "the shapes train split, 256 images)")
 def detection_context(data_root, device, *, spec=None):
     """:class:`ContextTables` of detection dataset ``spec`` ({name: ..., params}; default ``{name: shapes, split:
-    train, n: 256}``); for VOC as the authors, ``{name: voc2007, image_set: trainval}``. Never the test images."""
-    data = detection_dataset(data_root, spec or {"name": "shapes", "split": "train", "n": 256},
-                             "detection_context")
+    train, n: 256}``); for VOC as the authors, ``{name: voc2007, image_set: trainval}``. Never the test images.
+    A dataset that can skip its pixels (``boxes_only``: VOC, COCO json) reads only its boxes and image sizes."""
+    spec = dict(spec or {"name": "shapes", "split": "train", "n": 256})
+    if "boxes_only" in block_params(DATASET.get(spec.get("name"))):
+        spec.setdefault("boxes_only", True)
+    data = detection_dataset(data_root, spec, "detection_context")
     h, w = data.x.shape[-2:]
     return context_tables(data.targets, [(h, w)] * len(data.targets), data.num_classes)

@@ -37,18 +37,24 @@ class DetectionDataset(Dataset):
     classes: tuple = ()
     legacy_coords: bool = False
     source: Optional[str] = None
+    boxes_only: bool = False  # x is a placeholder: the pixels were never read
 
     def subset(self, idx):
         idx = [int(i) for i in idx]
         t = torch.as_tensor(idx, dtype=torch.long)
         return DetectionDataset(self.name, self.x[t], self.y[t], self.num_classes, None, [self.targets[i] for i in idx],
-                                self.classes, self.legacy_coords, self.source)
+                                self.classes, self.legacy_coords, self.source, self.boxes_only)
 
 
-def _make(name, images, targets, classes, legacy=False, source=None):
-    x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div(255.0).contiguous()
-    return DetectionDataset(name, x, torch.zeros(len(images), dtype=torch.long), len(classes), None, targets,
-                            tuple(classes), legacy, source)
+def _make(name, images, targets, classes, legacy=False, source=None, size=None):
+    """The dataset of uint8 HxWx3 ``images``; None (boxes only): an all-zero ``size`` x ``size`` placeholder
+    that takes no memory."""
+    if images is None:
+        x = torch.zeros(1, 3, size, size).expand(len(targets), -1, -1, -1)
+    else:
+        x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div(255.0).contiguous()
+    return DetectionDataset(name, x, torch.zeros(len(targets), dtype=torch.long), len(classes), None, targets,
+                            tuple(classes), legacy, source, images is None)
 
 
 def _target(boxes, labels, difficult=None):
@@ -141,16 +147,39 @@ def _resize(img, target, size):
     h, w = img.shape[:2]
     if size and (h, w) != (size, size):
         img = np.asarray(Image.fromarray(img).resize((size, size), Image.BILINEAR))
-        target = dict(target, boxes=target["boxes"] * torch.tensor([size / w, size / h, size / w, size / h]))
-    return img, target
+    return img, _scale(target, h, w, size)
+
+
+def _scale(target, h, w, size):
+    if not size or (h, w) == (size, size):
+        return target
+    return dict(target, boxes=target["boxes"] * torch.tensor([size / w, size / h, size / w, size / h]))
+
+
+def _image_or_size(path, target, size, boxes_only):
+    """(uint8 image resized to size x size, target scaled alike); ``boxes_only``: (None, the target scaled by the
+    image's size read from its header, the pixels never decoded)."""
+    if not boxes_only:
+        return _resize(_decode_image(path, None), target, size)
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise BenchError(f"cannot read the size of image {path}: {_first_line(err)}") from None
+    return None, _scale(target, h, w, size)
 
 
 @DATASET.register("voc2007", source="torchvision.datasets.VOCDetection (local copy, never downloaded)",
                   ranges={"n": "int [1, inf)", "size": "int [32, 2048]"})
-def voc2007(data_root, *, root="VOC", image_set="test", year="2007", n=None, size=512, keep_difficult=True):
+def voc2007(data_root, *, root="VOC", image_set="test", year="2007", n=None, size=512, keep_difficult=True,
+            boxes_only=False):
     """VOC ``year`` ``image_set`` from ``root`` (relative to the data root, or absolute; the folder holding
     ``VOCdevkit``), in file order; ``difficult`` flags kept (ignored by the metrics). Boxes keep VOC's 1-based
-    integer pixels (``legacy_coords``), minus 1 to put them at 0-based positions."""
+    integer pixels (``legacy_coords``), minus 1 to put them at 0-based positions. ``boxes_only``: the boxes
+    without the pixels (``x`` an all-zero placeholder), for assets that read boxes alone (CAA's context tables:
+    VOC trainval's 5,011 images at 512 px would take 16 GB)."""
     import torchvision
 
     path = data_path(data_root, root)
@@ -179,19 +208,20 @@ def voc2007(data_root, *, root="VOC", image_set="test", year="2007", n=None, siz
             boxes.append([float(b["xmin"]) - 1, float(b["ymin"]) - 1, float(b["xmax"]) - 1, float(b["ymax"]) - 1])
             labels.append(VOC_CLASSES.index(o["name"]))
             diff.append(d)
-        img, t = _resize(_decode_image(img_path, None), _target(boxes, labels, diff), size)
+        img, t = _image_or_size(img_path, _target(boxes, labels, diff), size, boxes_only)
         images.append(img)
         targets.append(t)
-    return _make("voc2007", images, targets, VOC_CLASSES, legacy=True, source=str(path))
+    return _make("voc2007", None if boxes_only else images, targets, VOC_CLASSES, legacy=True, source=str(path),
+                 size=size)
 
 
 @DATASET.register("coco_json", source="a COCO-style annotation file and its images",
                   ranges={"n": "int [1, inf)", "size": "int [32, 2048]"})
-def coco_json(data_root, *, annotations, images, n=None, size=512, classes=None):
+def coco_json(data_root, *, annotations, images, n=None, size=512, classes=None, boxes_only=False):
     """Images listed in ``annotations`` (COCO json: images, annotations with ``bbox`` [x, y, w, h],
     categories) under folder ``images``, in the file's image order. Class ids are the categories in the file's
     order (or ``classes``: the category names to keep, in class-id order; other categories are dropped).
-    ``iscrowd`` boxes are kept as difficult (ignored by the metrics)."""
+    ``iscrowd`` boxes are kept as difficult (ignored by the metrics). ``boxes_only``: as :func:`voc2007`'s."""
     ann_path = _need(data_path(data_root, annotations), "annotation file")
     folder = _need(data_path(data_root, images), "image folder")
     try:
@@ -218,10 +248,10 @@ def coco_json(data_root, *, annotations, images, n=None, size=512, classes=None)
     for image_id, fname in imgs[:count]:
         objs = by_image.get(image_id, [])
         t = _target([o[0] for o in objs], [o[1] for o in objs], [o[2] for o in objs])
-        img, t = _resize(_decode_image(_need(folder / fname, "image"), None), t, size)
+        img, t = _image_or_size(_need(folder / fname, "image"), t, size, boxes_only)
         images_out.append(img)
         targets.append(t)
-    return _make("coco_json", images_out, targets, names, source=str(ann_path))
+    return _make("coco_json", None if boxes_only else images_out, targets, names, source=str(ann_path), size=size)
 
 
 # ---------------------------------------------------------------- the attacker's own training images

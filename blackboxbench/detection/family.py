@@ -326,6 +326,9 @@ class DetectionFamily(Family):
         if not isinstance(data, DetectionDataset):
             raise ConfigError(f"dataset {data.name} has no boxes: the detection family needs a detection dataset "
                               "(shapes, voc2007, coco_json)", source, "dataset")
+        if data.boxes_only:
+            raise ConfigError("boxes_only reads no pixels: it is for assets that need the boxes alone", source,
+                              "dataset.boxes_only")
         for key, ms in models.items():
             for i, m in enumerate(ms):
                 if not isinstance(m, Detector):
