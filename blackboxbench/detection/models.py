@@ -22,6 +22,7 @@ from ..prep.models import _load_into, cached_or_trained, load_state, torchvision
 from ..registry import MODEL
 from .data import SHAPES, VOC_CLASSES, shapes
 
+TWO_STAGE = ("fasterrcnn", "maskrcnn", "keypointrcnn")
 TINY_VERSION = "v2"  # bump when a tiny detector or its training changes (names the cache file)
 TINY_SCORE_THR = 0.3  # the tiny detectors' own operating point (their scores are not calibrated like COCO models')
 # VOC class -> torchvision COCO category id (91-entry numbering), spec sheet section 3
@@ -117,6 +118,23 @@ class Detector(nn.Module):
             return out
         out = body(images.tensors)
         return list(out.values()) if isinstance(out, dict) else [out]
+
+    def two_stage_logits(self, x):
+        """Two-stage (R-CNN) heads: per image, the RPN objectness logit of every anchor, (N, A), and the RoI head's
+        class logits (background first) of the RPN's proposals, a list of (P_i, C + 1); differentiable in ``x``
+        (the proposals' boxes are not, as in torchvision's RPN)."""
+        if self.kind not in TWO_STAGE:
+            raise BenchError(f"this attack needs a two-stage head's RPN and RoI scores; the {self.kind} detector "
+                             "has none")
+        net = self.net
+        images, _ = net.transform(list(x))
+        feats = net.backbone(images.tensors)
+        feats = feats if isinstance(feats, dict) else OrderedDict([("0", feats)])
+        objectness, _ = net.rpn.head(list(feats.values()))
+        proposals, _ = net.rpn(images, feats)
+        pooled = net.roi_heads.box_roi_pool(feats, proposals, images.image_sizes)
+        logits, _ = net.roi_heads.box_predictor(net.roi_heads.box_head(pooled))
+        return torch.cat([o.flatten(1) for o in objectness], 1), list(logits.split([len(p) for p in proposals]))
 
     def candidates(self, x, boxes=False):
         """Pre-NMS per-candidate class scores over the dataset's classes, (N, A, C), differentiable; ``boxes``:
