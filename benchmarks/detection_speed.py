@@ -1,8 +1,18 @@
 #!/usr/bin/env python
-"""Seconds per image of every detection recipe on the tiny FCOS (white-box, surrogate = target) over the first
-``--n`` shapes test images, with the relative drops of mAP / AP_loc / CSR and the detection ratio.
+"""Seconds per image of every detection recipe (white-box: the surrogate is the target) over the first ``--n``
+shapes test images, with the relative drops of mAP / AP_loc / CSR and the detection ratio.
 
     python benchmarks/detection_speed.py --threads 2 --n 16 [--only tog_vanishing,dag]
+
+The issue's GPU figure (the od benchmark reports 17 s for EBAD, 44 s for OSFD and 84 s for CAA per image on a
+TITAN RTX): torchvision's Faster R-CNN at 512 px with random weights, a random-weight FCOS as the second surrogate
+of the ensembles (EBAD, CAA; the benchmark's YOLOv3), and the score threshold lowered so that the random heads
+return detections to attack (4 classes, labels mapped one to one to the 3 shapes):
+
+    python benchmarks/detection_speed.py --device cuda --n 2 --size 512 --score-thr 0.0 --max-det 20 --only \\
+        ebad_10,osfd,caa_10 --model "{name: torchvision_det, arch: fasterrcnn_resnet50_fpn, num_classes: 4, \\
+        label_map: identity}" --extra "{name: torchvision_det, arch: fcos_resnet50_fpn, num_classes: 4, \\
+        label_map: identity}"
 """
 import argparse
 import sys
@@ -12,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from blackboxbench import catalog  # noqa: E402
 from blackboxbench.builder import build_attack, load_recipe  # noqa: E402
@@ -30,9 +41,21 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--only", default="")
+    ap.add_argument("--model", default="shapes_fcos", help="the surrogate and target (a zoo name, name:arch, or a "
+                    "spec in YAML flow form)")
+    ap.add_argument("--extra", default="", help="a second surrogate for the ensembles (EBAD, CAA)")
+    ap.add_argument("--size", type=int, default=64, help="side of the shapes images")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--score-thr", type=float, default=None, help="harmonized score threshold (threat.score_thr)")
+    ap.add_argument("--max-det", type=int, default=None, help="harmonized detection cap (threat.max_det)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, data = build_model("shapes_fcos"), shapes(None, n=args.n)
+    dev = torch.device(args.device)
+    spec = lambda text: yaml.safe_load(text) if text.startswith("{") else text  # noqa: E731
+    model, data = build_model(spec(args.model), device=dev), shapes(None, n=args.n, size=args.size)
+    extra = [build_model(spec(args.extra), device=dev)] if args.extra else []
+    print(f"model {args.model}, extra surrogate {args.extra or '-'}, {args.n} shapes images of {args.size} px, "
+          f"device {dev}, score_thr {args.score_thr}, max_det {args.max_det}")
     fam = FAMILY.get("detection")
     names = [n for n, p in catalog.entries("attacks").items() if load_yaml(p)["family"] == "detection"]
     if args.only:
@@ -42,13 +65,13 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         recipe, src = load_recipe(name, "bench")
-        t = finish_threat({}, recipe, fam, "bench")
+        t = finish_threat({"score_thr": args.score_thr, "max_det": args.max_det}, recipe, fam, "bench")
         attack = build_attack(recipe, t, src)
         assets = {k: ATTACKER_ASSETS[kind](None) for k, (_, kind) in attack.meta["assets"].items()}
         run = RunInputs(attack=attack, threat=t, data=data,
-                        models={"surrogates": [model], "targets": [model]},
-                        model_names={"surrogates": ["m"], "targets": ["m"]}, streams=Streams(0, args.n, "cpu"),
-                        device=torch.device("cpu"), slots=args.n, assets=assets, save_adv=False)
+                        models={"surrogates": [model, *extra], "targets": [model]},
+                        model_names={"surrogates": ["m", "e"][:1 + len(extra)], "targets": ["m"]},
+                        streams=Streams(0, args.n, dev), device=dev, slots=args.n, assets=assets, save_adv=False)
         records = []
         t0 = time.perf_counter()
         schedule(fam.worker(run), range(args.n), records.extend, lambda _: None)

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Run ON THE DEVICE MACHINE, as one call of the device tool (after benchmarks/device/prepare.sh here):
-#   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 420
-# Prints every row as it finishes; targets: within 6 minutes.
+#   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 540
+# Prints every row as it finishes; targets: within 8 minutes (timeout_s 540).
 # 1. Every query and transfer recipe of the CIFAR-10 configs on the same N images with device cpu and cuda:
 #    ASR on each and the difference (bar: 3 points); the runner checks every output and budget on both.
 # 2. The benchmark's throughput section on the GPU (wall time, images/s as a share of the bare forward, model
 #    calls) against torchattacks' Square and ART's HopSkipJump. Results also land in $OUT.
 # 3. SI / Admix / SIA with hyper.copies_per_forward 1 (the default) and 0 (all copies in one forward).
 # 4. Three query attacks on one target one after the other and sharing its forwards (share_forwards).
-# DEVICE=cpu and N/N_TP/N_HSJA let the script itself be tried on a CPU machine.
+# 5. Seconds per image of OSFD, EBAD and CAA on torchvision's Faster R-CNN at 512 px with random weights (FCOS as
+#    the ensembles' second surrogate): the issue's GPU figure against the od benchmark's 44 / 17 / 84 s.
+# DEVICE=cpu and N/N_TP/N_HSJA/N_COPIES/N_SHARED (and DET_MODEL=shapes_fcos DET_EXTRA=shapes_fcos_b DET_SIZE=64)
+# let the script itself be tried on a CPU machine.
 set -uo pipefail
 device=${DEVICE:-cuda}
 out=${OUT:-/tmp/bbb_device_out}
@@ -37,5 +40,11 @@ timeout "${BUDGET_COPIES_S:-60}" python3 benchmarks/transfer_copies.py --device 
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout "${BUDGET_SHARED_S:-45}" python3 benchmarks/shared_forwards.py --device "$device" --n "${N_SHARED:-32}" \
     --attacks square_linf,simba_dct,signhunter 2>&1 | tee "$out/shared.md" | grep '^|'
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+rcnn="{name: torchvision_det, arch: fasterrcnn_resnet50_fpn, num_classes: 4, label_map: identity}"
+fcos="{name: torchvision_det, arch: fcos_resnet50_fpn, num_classes: 4, label_map: identity}"
+timeout "${BUDGET_DET_S:-100}" python3 benchmarks/detection_speed.py --device "$device" --n "${N_DET:-1}" \
+    --size "${DET_SIZE:-512}" --score-thr 0.0 --max-det 20 --only osfd,ebad_10,caa_10 \
+    --model "${DET_MODEL:-$rcnn}" --extra "${DET_EXTRA:-$fcos}" 2>&1 | tee "$out/detection.md" | grep '^|\|^model'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status
