@@ -179,6 +179,21 @@ def test_sequential_plans_follow_the_authors_order(n_det, steps):
             assert 0 <= x0 < x1 <= 64 and 0 <= y0 < y1 <= 64
 
 
+def test_random_helpers_reach_classes_the_context_excludes():
+    """The authors' ``-random`` control: helper labels drawn uniformly, so a class without co-occurrence with the
+    target (class 1 for target 0 here) becomes a helper too; the context draw never picks it."""
+    t = _tables([[4, 0, 6], [0, 1, 1], [6, 1, 2]])
+    boxes, labels = torch.tensor([[10., 10, 20, 20]]), torch.tensor([2])
+    gen = torch.Generator().manual_seed(0)
+    seen = {"context": set(), "random": set()}
+    for _ in range(30):
+        u = torch.rand(5, U_STEP, generator=gen)
+        for mode in seen:
+            plans = sequential_plans(boxes, labels, 0, 0, t, 64, 64, 5, u, random_helpers=mode == "random")
+            seen[mode] |= set(plans[-1][1][1:].tolist())
+    assert seen["context"] == {0, 2} and seen["random"] == {0, 1, 2}
+
+
 def test_asset_default_and_config_errors(tmp_path):
     t = detection_context(None, "cpu", spec={"name": "shapes", "split": "train", "n": 32})
     assert t.num_classes == 3 and float(t.count.sum()) > 0

@@ -134,17 +134,19 @@ def _clip(box, height, width):
             float(min(max(y1, 0), height))]
 
 
-def sequential_plans(boxes, labels, victim, target, tables, height, width, steps, u):
+def sequential_plans(boxes, labels, victim, target, tables, height, width, steps, u, random_helpers=False):
     """CAA's plans ap0..ap``steps`` for one image, each a (boxes, labels) pair extending the one before: ap0 is
     the detections with object ``victim`` relabelled to ``target``; each later plan relabels the next other
     detection (in detection order) to a helper label drawn from :func:`helper_distribution`, and once every
     detection is relabelled, adds a helper object (:func:`helper_box`). ``u``: (steps, 8) uniforms, one row per
-    step (label 1, box 7). ``boxes`` (n, 4), ``labels`` (n,) long, n >= 1."""
+    step (label 1, box 7). ``boxes`` (n, 4), ``labels`` (n,) long, n >= 1. ``random_helpers``: every class alike
+    as a helper label (the authors' ``-random`` control, which shows what the context adds)."""
     order = [victim] + [i for i in range(len(labels)) if i != victim]
     bx, lab = boxes[order].clone(), labels[order].clone()
     lab[0] = target
     plans = [(bx.clone(), lab.clone())]
-    probs = helper_distribution(tables, target) if steps else None
+    probs = None if not steps else (torch.full((tables.num_classes,), 1.0 / tables.num_classes, dtype=torch.float64)
+                                     if random_helpers else helper_distribution(tables, target))
     for k in range(steps):
         row = u[k].tolist()
         helper = pick(probs, row[0])
