@@ -7,13 +7,17 @@ The torchvision training losses are batch means; an objective built on them retu
 image, which keeps each image's gradient direction (the steps are sign or per-image normalized), so a sample's
 result does not depend on its neighbours' images up to that positive scale.
 """
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import BenchError
 from ..registry import DET_CRAFT, DET_OBJECTIVE
 from ..threat import flat_norm, per_sample
+from .context import U_STEP, ContextTables, sequential_plans
+from .models import TWO_STAGE
 
 TOG = "Chow et al., TPS-ISA 2020 (TOG); git-disl/TOG tog/attacks.py"
 
@@ -107,10 +111,6 @@ def tog_fabrication(ctx, x, *, rpn=1.0):
     included), per image. TOG scores the RoIs its training-mode sampler draws; here the RPN's test-time
     proposals. On the tiny Faster R-CNN the RPN term saturates the proposals and cancels the fabrication (8
     shapes images: 2.88 -> 2.75 detections per image at weight 1, 2.88 -> 9.0 at weight 0)."""
-    import torch.nn.functional as F
-
-    from .models import TWO_STAGE
-
     if ctx.model.kind in TWO_STAGE:
         objectness, roi = ctx.model.two_stage_logits(x)
         bce = F.binary_cross_entropy_with_logits(objectness, torch.ones_like(objectness), reduction="none").mean(1)
@@ -221,10 +221,6 @@ def rrb(ctx, x, copies, angle, jitter, scale, sigma):
     """OSFD's random robust transform, ``copies`` stacked copies (K*n, C, H, W): a rotation by up to ``angle``
     degrees about the image centre moved by up to ``jitter`` pixels, a rescale by a factor in [scale[0],
     scale[1]] and Gaussian noise of std ``sigma`` (all from the samples' streams; differentiable in ``x``)."""
-    import math
-
-    import torch.nn.functional as F
-
     n, c, h, w = x.shape
     rows = ctx.rows(copies * n)
     u = ctx.rng.uniform((4,), rows=rows).to(x)
@@ -289,13 +285,13 @@ def pick_victims(ctx, conf_thr, u):
     return out
 
 
-def relabel_one(ctx, conf_thr, u=None):
+def relabel_one(ctx, conf_thr):
     """Targets per image: the surrogate's clean detections with the victim relabelled to its target class
-    (:func:`pick_victims`; ``u`` default: drawn from the samples' streams). Returns (targets, victim boxes (n, 4),
-    target labels (n,)); images without a detection keep empty targets (label -1)."""
+    (:func:`pick_victims`, from the samples' streams). Returns (targets, victim boxes (n, 4), target labels (n,));
+    images without a detection keep empty targets (label -1)."""
     p = ctx.problem
     out, vboxes, vlabels = [], [], []
-    for d, v, new in pick_victims(ctx, conf_thr, ctx.rng.uniform((2,)) if u is None else u):
+    for d, v, new in pick_victims(ctx, conf_thr, ctx.rng.uniform((2,))):
         if v is None:
             out.append(d)
             vboxes.append(p.x.new_zeros(4))
@@ -418,8 +414,6 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     plan after which the first surrogate (the authors' indicator model) detects the target label on the victim at
     IoU > iou_thr (else the last), stopping there. ``helpers: random`` draws helper labels uniformly (the authors'
     ``-random`` control)."""
-    from .context import U_STEP, ContextTables, sequential_plans
-
     tables = ctx.assets.get(context) if steps and context is not None else None
     if steps and not isinstance(tables, ContextTables):
         raise BenchError(f"caa: plans after ap0 need CAA's context tables, a detection_context asset named by "
