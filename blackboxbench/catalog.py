@@ -7,6 +7,7 @@ from .registry import close_matches
 
 _PKG = Path(__file__).resolve().parent
 KINDS = ("attacks", "defenses", "analysis")
+SINGULAR = {"attacks": "attack", "defenses": "defense", "analysis": "analysis"}
 
 
 def catalog_dir(kind):
@@ -31,6 +32,6 @@ def entries(kind="attacks"):
 def find(name, kind="attacks"):
     found = entries(kind)
     if name not in found:
-        raise BenchError(f"unknown {kind[:-1] if kind.endswith('s') else kind} recipe '{name}'"
+        raise BenchError(f"unknown {SINGULAR.get(kind, kind)} recipe '{name}'"
                          f"{close_matches(name, found)}")
     return found[name]

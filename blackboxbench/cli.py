@@ -1,6 +1,7 @@
 """Command line: ``blackboxbench run CONFIG [--set k=v ...]``, ``blackboxbench leaderboard DIR -o CSV``,
-``blackboxbench robustness DIR -o CSV``, ``blackboxbench list``. Errors caused by input print one line and exit
-with status 2."""
+``blackboxbench robustness DIR -o CSV``, ``blackboxbench plot RESULTS -r RECIPE -o PNG``,
+``blackboxbench analyze -r RECIPE --run RUN_DIR -o PNG``, ``blackboxbench list``. Errors caused by input print
+one line and exit with status 2."""
 import argparse
 import os
 import sys
@@ -95,6 +96,55 @@ def cmd_leaderboard(args):
     return 0
 
 
+def _assignments(items, flag):
+    """``--flag key=value`` items -> {key: value}; a value reads as YAML, then as arithmetic (``8/255``)."""
+    from .config import parse_number, parse_yaml
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise BenchError(f"{flag} expects key=value, got {item!r}")
+        value = parse_yaml(raw, flag, key, what=f"{flag} value is not valid YAML")
+        if isinstance(value, str):
+            try:
+                value = parse_number(value)
+            except ValueError:
+                pass
+        out[key.strip()] = value
+    return out
+
+
+def cmd_plot(args):
+    from .analysis.recipes import plot
+    params = {k: v for k, v in (("x", args.x), ("y", args.y), ("hue", args.hue), ("size", args.size)) if v is not None}
+    params.update(_assignments(args.param, "--param"))
+    png, table, n, skipped = plot(args.recipe, args.results, args.output, params, _assignments(args.where, "--where"))
+    print(f"{args.recipe}: {png} and {table} ({n} result rows)")
+    for s in skipped:
+        print(str(s), file=sys.stderr)
+    return 0
+
+
+def _yaml_arg(text, flag):
+    from .config import parse_yaml
+    return None if text is None else parse_yaml(text, flag, what=f"{flag} is not valid YAML")
+
+
+def cmd_analyze(args):
+    from .analysis.recipes import analyze
+    from .runner import resolve_device
+    try:
+        indices = None if args.indices is None else [int(i) for i in args.indices.split(",")]
+    except ValueError:
+        raise BenchError(f"--indices expects comma-separated integers, got {args.indices!r}") from None
+    png, table, npz, n = analyze(args.recipe, args.output, _assignments(args.param, "--param"),
+                                 resolve_device(args.device), run=args.run, model=_yaml_arg(args.model, "--model"),
+                                 dataset=_yaml_arg(args.dataset, "--dataset"), data_root=args.data_root, n=args.n,
+                                 indices=indices, seed=args.seed)
+    print(f"{args.recipe}: {png}, {table} and {npz} ({n} images)")
+    return 0
+
+
 def cmd_list(args):
     from . import catalog, registry
     from .config import load_yaml
@@ -102,6 +152,10 @@ def cmd_list(args):
         for name, path in catalog.entries("attacks").items():
             r = load_yaml(path)
             print(f"{name:24s} {r.get('family', '?'):9s} {','.join(r.get('norms', [])):8s} {r.get('paper', '')}")
+    elif args.what == "analysis":
+        for name, path in catalog.entries("analysis").items():
+            r = load_yaml(path)
+            print(f"{name:24s} {r.get('tool', '?'):14s} {r.get('params', '')}")
     else:
         for reg in (v for v in vars(registry).values() if isinstance(v, registry.Registry)):
             print(f"{reg.kind}: {', '.join(reg.names())}")
@@ -131,8 +185,34 @@ def main(argv=None):
     p.add_argument("results")
     p.add_argument("-o", "--output", default="robustness.csv")
     p.set_defaults(fn=cmd_robustness)
-    p = sub.add_parser("list", help="list the attack catalog or the registered blocks")
-    p.add_argument("what", choices=("attacks", "blocks"), nargs="?", default="attacks")
+    p = sub.add_parser("plot", help="an analysis figure (AEV line, scatter, bar, bubble, heatmap) of a leaderboard "
+                                    "CSV or a results directory: a PNG and its numbers as CSV")
+    p.add_argument("results", help="a leaderboard CSV or a results directory")
+    p.add_argument("-r", "--recipe", required=True, help="an analysis recipe (blackboxbench list analysis) or .yaml")
+    p.add_argument("-o", "--output", default="plot.png", help="the figure; its numbers go next to it as .csv")
+    for key in ("x", "y", "hue", "size"):
+        p.add_argument(f"--{key}", default=None, help=f"the column for {key} (overrides the recipe)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other tool parameter")
+    p.add_argument("--where", action="append", default=[], metavar="COLUMN=VALUE",
+                   help="keep the rows with this value (the fixed components; e.g. norm=linf, eps=8/255)")
+    p.set_defaults(fn=cmd_plot)
+    p = sub.add_parser("analyze", help="a model-level analysis (decision surface, dbViz, FSM, FullGrad) of a run's "
+                                       "images or of a model and a dataset: a PNG, its numbers as CSV, arrays as NPZ")
+    p.add_argument("-r", "--recipe", required=True, help="an analysis recipe (blackboxbench list analysis) or .yaml")
+    p.add_argument("--run", default=None, help="a run directory (its config names the dataset and model; with "
+                                                 "save_adv: true its adversarial images are read too)")
+    p.add_argument("--model", default=None, help="a model spec (YAML: a name or {name: ..., ...}); overrides the run's")
+    p.add_argument("--dataset", default=None, help="a dataset spec (YAML); overrides the run's")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--n", type=int, default=None, help="the first n images (of the run's saved ones)")
+    p.add_argument("--indices", default=None, help="comma-separated dataset indices")
+    p.add_argument("--seed", type=int, default=0, help="seed of random directions (a run's own seed wins)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a tool parameter")
+    p.add_argument("-o", "--output", default="analysis.png", help="the figure; .csv and .npz go next to it")
+    p.set_defaults(fn=cmd_analyze)
+    p = sub.add_parser("list", help="list the attack or analysis catalog, or the registered blocks")
+    p.add_argument("what", choices=("attacks", "analysis", "blocks"), nargs="?", default="attacks")
     p.set_defaults(fn=cmd_list)
     args = parser.parse_args(argv)
     try:

@@ -250,6 +250,7 @@ MODEL = Registry("model")
 TARGET_LABEL = Registry("target_label")
 METRIC = Registry("metric")
 ASSET = Registry("asset")            # named trained artifacts a config declares under ``assets:``
+ANALYSIS = Registry("analysis")      # analysis tools: result rows -> (table, draw); see analysis/__init__.py
 DEFENSE = Registry("defense")        # defenses that wrap a target inside the oracle: see defense.py
 DET_CRAFT = Registry("det_craft")    # detection: how a batch's adversarial images are crafted (detection/attacks.py)
 DET_OBJECTIVE = Registry("det_objective")  # detection: the per-image loss a craft block maximizes

@@ -33,8 +33,9 @@ def test_installed_copy_when_installed(tmp_path):
     if out.returncode != 0 or Path(out.stdout.strip()).parent == REPO:
         import pytest
         pytest.skip("blackboxbench is not installed outside this checkout")
-    bundled = Path(out.stdout.strip()) / "_catalogs" / "attacks"
-    assert {p.stem for p in bundled.rglob("*.yaml")} == {p.stem for p in (REPO / "attacks").rglob("*.yaml")}
+    for kind in ("attacks", "defenses", "analysis"):
+        bundled = Path(out.stdout.strip()) / "_catalogs" / kind
+        assert {p.stem for p in bundled.rglob("*.yaml")} == {p.stem for p in (REPO / kind).rglob("*.yaml")}, kind
 
 
 def test_cli_list(capsys):
@@ -43,3 +44,5 @@ def test_cli_list(capsys):
     assert "square_linf" in out and "mi_fgsm" in out
     assert main(["list", "blocks"]) == 0
     assert "perturb:" in capsys.readouterr().out
+    assert main(["list", "analysis"]) == 0
+    assert "aev_heatmap" in capsys.readouterr().out

@@ -13,10 +13,10 @@
   before and after each attack.
 """
 import csv
-import json
 from pathlib import Path
 
 from ..leaderboard import cell, collect
+from ..plotting import heatmap
 
 COLUMNS = ("attack", "surrogate", "target", "n", "clean_map", "adv_map", "drop_map", "clean_ap_loc", "adv_ap_loc",
            "drop_ap_loc", "clean_csr", "adv_csr", "drop_csr", "clean_map_area", "adv_map_area", "clean_n_det",
@@ -49,30 +49,6 @@ def _matrix(rows, row_key, col_key, value):
         if v is not None:
             m[rlabels.index(row_key(r))][clabels.index(col_key(r))] = v
     return rlabels, clabels, m
-
-
-def heatmap(path, rlabels, clabels, m, title, fmt="{:.2f}", cmap="viridis"):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    a = np.array(m, dtype=float)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(clabels), 1.2 + 0.45 * len(rlabels)))
-    im = ax.imshow(a, cmap=cmap, aspect="auto")
-    ax.set_xticks(range(len(clabels)), clabels, rotation=35, ha="right", fontsize=8)
-    ax.set_yticks(range(len(rlabels)), rlabels, fontsize=8)
-    for i in range(a.shape[0]):
-        for j in range(a.shape[1]):
-            if np.isfinite(a[i, j]):
-                ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="w")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.04)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def transfer_matrix(rows):
@@ -178,16 +154,3 @@ def examples(summaries, results_dirs, path, per_run=2, max_runs=8):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def load_rows(csv_path):
-    """The rows of a ``<board>_detection.csv`` (numbers as floats)."""
-    with open(csv_path, newline="", encoding="utf-8") as f:
-        return [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
-
-
-def _num(v):
-    try:
-        return json.loads(v)
-    except ValueError:
-        return v

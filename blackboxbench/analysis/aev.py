@@ -1,0 +1,226 @@
+"""Attack-component Effect Visualization (AEV), the first five analysis tools of BlackboxBench (Tab. III; Supp.
+B-1): line, scatter, bar, bubble and heatmap plots of a metric while one component of the attack scenario (method,
+setting, target model, dataset) varies and the others stay fixed.
+
+Rows come from a leaderboard CSV (``blackboxbench leaderboard``) or from the run summaries under a results
+directory. There, a summary with per-target results (a transfer or detection run) gives one row per target: its
+``target_model`` is the target's name and the target's own values (ASR, clean accuracy, mAP drops...) replace the
+run's averages. ``where`` keeps the rows whose columns equal the given values (the fixed components).
+
+A tool is a pure function ``tool(rows, *, x, y, ...) -> (header, table, draw)``: the numbers it plots and
+``draw(path, title)``, which writes the figure. Line, bar and heatmap aggregate ``y`` over the rows that share
+(``hue``, ``x``): mean, sample standard deviation and count (the paper's mean +- std bars, Figs. 8 and 21).
+Scatter and bubble plot the rows themselves. :func:`blackboxbench.analysis.recipes.plot` runs a recipe of the
+``analysis/`` catalog and writes ``<out>.png`` and ``<out>.csv``.
+"""
+import math
+import statistics
+from pathlib import Path
+
+from ..errors import BenchError
+from ..leaderboard import collect
+from ..plotting import heatmap, read_csv
+from ..registry import ANALYSIS, close_matches
+
+AGGREGATE_HEADER = ("mean", "std", "n")
+
+
+def summary_rows(summaries):
+    """One row per run summary; a summary with per-target results, one row per target (see the module docstring)."""
+    rows = []
+    for s in summaries:
+        base = {k: v for k, v in s.items() if k != "per_target"}
+        per = s.get("per_target")
+        if isinstance(per, dict) and per and all(isinstance(v, dict) for v in per.values()):
+            rows += [{**base, **v, "target_model": t} for t, v in per.items()]
+        else:
+            rows.append(base)
+    return rows
+
+
+def load_rows(source):
+    """``(rows, skipped)`` of a leaderboard CSV or of the finished runs under a results directory (``skipped``:
+    the runs left out, :class:`~blackboxbench.leaderboard.Skipped`)."""
+    p = Path(source)
+    if p.is_dir():
+        summaries, skipped = collect(p)
+        return summary_rows(summaries), skipped
+    if p.is_file():
+        return read_csv(p), []
+    raise BenchError(f"results not found: {source} (give a leaderboard CSV or a results directory)")
+
+
+def is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _same(a, b):
+    if is_number(a) and is_number(b):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+    return str(a) == str(b)
+
+
+def need(rows, *names):
+    """Raise a one-line error unless every column in ``names`` (empty names skipped) is in some row."""
+    have = set().union(*rows) if rows else set()
+    for n in names:
+        if n and n not in have:
+            raise BenchError(f"no column '{n}' in the results{close_matches(n, have)}")
+
+
+def select(rows, where):
+    """The rows whose column ``k`` equals ``v`` (numbers within 1e-6 relative, else as text; a list: any of its
+    values) for every ``k: v`` of ``where``."""
+    need(rows, *(where or {}))
+    wanted = {k: v if isinstance(v, list) else [v] for k, v in (where or {}).items()}
+    return [r for r in rows if all(any(_same(r.get(k), w) for w in ws) for k, ws in wanted.items())]
+
+
+def order(values):
+    """The distinct values: ascending when all are numbers, else in order of first appearance."""
+    distinct = list(dict.fromkeys(values))
+    return sorted(distinct) if distinct and all(is_number(v) for v in distinct) else distinct
+
+
+def aggregate(rows, x, y, hue=""):
+    """``[{"hue", "x", "mean", "std", "n"}]``: ``y`` over the rows sharing (``hue``, ``x``), rows without a
+    number in ``y`` or a value in ``x`` left out; sorted by hue, then x (see :func:`order`); ``std`` is the sample
+    standard deviation (0 for one row)."""
+    need(rows, x, y, hue)
+    groups = {}
+    for r in rows:
+        if is_number(r.get(y)) and r.get(x) is not None:
+            groups.setdefault((r.get(hue) if hue else "", r[x]), []).append(float(r[y]))
+    if not groups:
+        raise BenchError(f"no row has a number in '{y}' and a value in '{x}'")
+    hues, xs = order([h for h, _ in groups]), order([v for _, v in groups])
+    out = [{"hue": h, "x": v, "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+            "n": len(vals)} for (h, v), vals in groups.items()]
+    return sorted(out, key=lambda r: (hues.index(r["hue"]), xs.index(r["x"])))
+
+
+def _aggregate_table(table, x, hue):
+    header = ([hue] if hue else []) + [x, *AGGREGATE_HEADER]
+    return header, [([r["hue"]] if hue else []) + [r["x"]] + [r[k] for k in AGGREGATE_HEADER] for r in table]
+
+
+def _figure(draw_axes, x, y, hue):
+    """``draw(path, title)`` for a single-axes figure drawn by ``draw_axes(ax)``."""
+    def draw(path, title):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        draw_axes(ax)
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.set_title(title, fontsize=9)
+        if hue and ax.get_legend_handles_labels()[0]:
+            ax.legend(title=hue, fontsize=7, title_fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+    return draw
+
+
+def _categorical_axis(ax, xs):
+    ax.set_xticks(range(len(xs)), [str(v) for v in xs], rotation=30, ha="right", fontsize=8)
+
+
+@ANALYSIS.register("aev_line", paper="BlackboxBench Tab. III (AEV, line); Figs. 15, 18-20, 22")
+def aev_line(rows, *, x, y, hue=""):
+    """Mean (+- std) of ``y`` against ``x``, one line per ``hue`` value (e.g. ASR vs eps per attack)."""
+    table = aggregate(rows, x, y, hue)
+    xs = order([r["x"] for r in table])
+    numeric = all(is_number(v) for v in xs)
+
+    def axes(ax):
+        for h in order([r["hue"] for r in table]):
+            part = [r for r in table if r["hue"] == h]
+            ax.errorbar([r["x"] if numeric else xs.index(r["x"]) for r in part], [r["mean"] for r in part],
+                        yerr=[r["std"] for r in part], marker="o", capsize=3, label=str(h) if hue else None)
+        if not numeric:
+            _categorical_axis(ax, xs)
+
+    return (*_aggregate_table(table, x, hue), _figure(axes, x, y, hue))
+
+
+@ANALYSIS.register("aev_bar", paper="BlackboxBench Tab. III (AEV, bar); Figs. 8, 12, 21, 24")
+def aev_bar(rows, *, x, y, hue=""):
+    """Mean (+- std) of ``y`` per ``x`` value, grouped bars per ``hue`` value (e.g. AQN per target model)."""
+    table = aggregate(rows, x, y, hue)
+    xs, hues = order([r["x"] for r in table]), order([r["hue"] for r in table])
+    width = 0.8 / len(hues)
+
+    def axes(ax):
+        for k, h in enumerate(hues):
+            part = [r for r in table if r["hue"] == h]
+            ax.bar([xs.index(r["x"]) + (k - (len(hues) - 1) / 2) * width for r in part], [r["mean"] for r in part],
+                   width, yerr=[r["std"] for r in part], capsize=2, label=str(h) if hue else None)
+        _categorical_axis(ax, xs)
+
+    return (*_aggregate_table(table, x, hue), _figure(axes, x, y, hue))
+
+
+@ANALYSIS.register("aev_heatmap", paper="BlackboxBench Tab. III (AEV, heatmap); Figs. 7, 14, 25, 26, 33")
+def aev_heatmap(rows, *, x, y, hue, average=True):
+    """Mean of ``y`` with rows ``hue`` and columns ``x`` (e.g. transfer ASR, surrogate x target); a missing
+    combination is a gray cell; ``average`` adds a column with each row's mean over its present cells (Fig. 7)."""
+    table = aggregate(rows, x, y, hue)
+    rl, cl = order([r["hue"] for r in table]), order([r["x"] for r in table])
+    m = [[math.nan] * len(cl) for _ in rl]
+    for r in table:
+        m[rl.index(r["hue"])][cl.index(r["x"])] = r["mean"]
+    if average:
+        m = [line + [statistics.fmean([v for v in line if not math.isnan(v)])] for line in m]
+        cl = cl + ["average"]
+    header = [f"{hue} \\ {x}", *cl]
+    body = [[h] + [None if math.isnan(v) else v for v in line] for h, line in zip(rl, m)]
+    return header, body, lambda path, title: heatmap(path, [str(v) for v in rl], [str(v) for v in cl], m, title)
+
+
+def _points(rows, columns):
+    need(rows, *columns)
+    keep = [r for r in rows if all(is_number(r.get(c)) for c in columns[1:] if c)]
+    if not keep:
+        raise BenchError(f"no row has numbers in all of {', '.join(repr(c) for c in columns[1:] if c)}")
+    return keep
+
+
+@ANALYSIS.register("aev_scatter", paper="BlackboxBench Tab. III (AEV, scatter); Figs. 5a, 9")
+def aev_scatter(rows, *, x, y, hue=""):
+    """One point per row, ``y`` against ``x``, coloured by ``hue`` (e.g. ASR against AQN per attack)."""
+    pts = _points(rows, (hue, x, y))
+    hues = order([r.get(hue) if hue else "" for r in pts])
+
+    def axes(ax):
+        for h in hues:
+            part = [r for r in pts if (r.get(hue) if hue else "") == h]
+            ax.scatter([r[x] for r in part], [r[y] for r in part], label=str(h) if hue else None)
+
+    header = ([hue] if hue else []) + [x, y, "run"]
+    return header, [([r.get(hue)] if hue else []) + [r[x], r[y], r.get("run")] for r in pts], _figure(axes, x, y, hue)
+
+
+@ANALYSIS.register("aev_bubble", paper="BlackboxBench Tab. III (AEV, bubble); Figs. 5b-c, 6b-c")
+def aev_bubble(rows, *, x, y, size, hue=""):
+    """One bubble per row at (``x``, ``y``), its area growing linearly with ``size`` (20 to 500 points^2 over the
+    rows' range), coloured by ``hue``."""
+    pts = _points(rows, (hue, x, y, size))
+    lo, hi = min(r[size] for r in pts), max(r[size] for r in pts)
+    area = {id(r): 20 + 480 * ((r[size] - lo) / (hi - lo) if hi > lo else 0.5) for r in pts}
+    hues = order([r.get(hue) if hue else "" for r in pts])
+
+    def axes(ax):
+        for h in hues:
+            part = [r for r in pts if (r.get(hue) if hue else "") == h]
+            ax.scatter([r[x] for r in part], [r[y] for r in part], s=[area[id(r)] for r in part], alpha=0.6,
+                       label=str(h) if hue else None)
+
+    header = ([hue] if hue else []) + [x, y, size, "run"]
+    body = [([r.get(hue)] if hue else []) + [r[x], r[y], r[size], r.get("run")] for r in pts]
+    return header, body, _figure(axes, x, y, hue)

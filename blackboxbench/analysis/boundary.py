@@ -1,0 +1,172 @@
+"""Decision boundary visualization (DBV; BlackboxBench Tab. III, Supp. I): the decision surface (DBV-A, Yu et al.
+2018, eqs. I.11-I.12) and dbViz (DBV-B, Somepalli et al., CVPR 2022).
+
+Model-level tools take :class:`~blackboxbench.analysis.inputs.Inputs` and return ``(header, rows, arrays,
+draw)``: a per-image table, the arrays behind the figure (saved as ``.npz``) and ``draw(path, title)``.
+"""
+import math
+
+import numpy as np
+import torch
+
+from ..errors import BenchError
+from ..registry import ANALYSIS
+from ..rng import Streams
+
+
+def margin(logits, y):
+    """S(x) = Z(x)_y - max_{i != y} Z(x)_i (eq. I.12): positive when the class is ``y``, zero on the boundary."""
+    true = logits.gather(1, y[:, None])[:, 0]
+    return true - logits.scatter(1, y[:, None], float("-inf")).amax(1)
+
+
+def forward(model, x, chunk=512):
+    with torch.no_grad():
+        return torch.cat([model(x[i:i + chunk]).float() for i in range(0, len(x), chunk)])
+
+
+def unit(v):
+    """``v`` divided by its L2 norm, per sample."""
+    norm = v.flatten(1).norm(dim=1).clamp_min(1e-12)
+    return v / norm.view(-1, *[1] * (v.dim() - 1))
+
+
+def random_directions(seed, index, alpha):
+    """A standard normal direction per image from the image's own stream (``seed``, its dataset ``index``), made
+    orthogonal to ``alpha`` (Gram-Schmidt; both unit L2), so a plot's two axes are independent directions."""
+    beta = Streams(seed, max(index) + 1, "cpu").view(index).normal(alpha.shape[1:]).to(alpha)
+    beta = beta - (beta * alpha).flatten(1).sum(1).view(-1, *[1] * (alpha.dim() - 1)) * alpha
+    return unit(beta)
+
+
+def first_crossing(values, steps):
+    """The first ``steps`` position where ``values`` (S along a ray from S > 0) reaches 0 or below, linearly
+    interpolated between grid points; NaN when it does not within the ray (or starts at or below 0)."""
+    if values[0] <= 0:
+        return math.nan
+    for k in range(1, len(values)):
+        if values[k] <= 0:
+            return float(steps[k - 1] + (steps[k] - steps[k - 1]) * values[k - 1] / (values[k - 1] - values[k]))
+    return math.nan
+
+
+def _grid_figure(path, title, panels, draw_panel):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.1 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        draw_panel(ax, panel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@ANALYSIS.register("decision_surface", inputs="model", paper="BlackboxBench Supp. I, eqs. I.11-I.12 (DBV-A)",
+                   ranges={"steps": "int [3, 401]", "scale": "(0, inf)", "max_images": "int [1, 64]"})
+def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
+    """V(i, j) = S(o + i alpha + j beta) (eq. I.11) on a ``steps`` x ``steps`` grid, i and j from -R to R in L2
+    units, R = ``scale`` x ||x_adv - o||_2 per image: o the clean image, alpha the unit direction of the run's
+    adversarial perturbation, beta a unit random direction orthogonal to it (from the image's stream). Points are
+    not clipped to [0, 1] (eq. I.11 has no clip). The table gives each image's distance to the boundary (S = 0)
+    along +alpha and along the nearer of +-beta, to the grid's resolution."""
+    if inputs.x_adv is None:
+        raise BenchError("decision_surface needs the run's adversarial images: give a run saved with save_adv: true")
+    x, y = inputs.x[:max_images], inputs.y[:max_images]
+    delta = inputs.x_adv[:max_images] - x
+    size = delta.flatten(1).norm(dim=1)
+    if bool((size == 0).any()):
+        raise BenchError(f"image {inputs.index[int((size == 0).nonzero()[0])]} has no perturbation (not attacked); "
+                         "pick attacked images with --indices")
+    alpha = unit(delta)
+    beta = random_directions(inputs.seed, inputs.index[:len(x)], alpha)
+    t = torch.linspace(-1, 1, steps, device=x.device)
+    surfaces, header, rows = [], ["index", "label", "l2_adv", "radius", "dist_adv", "dist_random"], []
+    for k in range(len(x)):
+        radius = float(scale * size[k])
+        a, b = torch.meshgrid(t * radius, t * radius, indexing="ij")
+        pts = x[k] + a.reshape(-1, 1, 1, 1) * alpha[k] + b.reshape(-1, 1, 1, 1) * beta[k]
+        v = margin(forward(inputs.model, pts), y[k].expand(len(pts))).view(steps, steps).cpu().numpy()
+        surfaces.append(v)
+        mid, pos = steps // 2, (t[steps // 2:] * radius).cpu().numpy()
+        rand = min(first_crossing(v[mid, mid:], pos), first_crossing(v[mid, mid::-1], pos),
+                   key=lambda d: math.inf if math.isnan(d) else d)
+        rows.append([inputs.index[k], int(y[k]), float(size[k]), radius, first_crossing(v[mid:, mid], pos), rand])
+    arrays = {"surface": np.stack(surfaces), "axis": t.cpu().numpy(), "radius": np.array([r[3] for r in rows]),
+              "index": np.array(inputs.index[:len(x)])}
+
+    def panel(ax, k):
+        r, s = rows[k][3], surfaces[k].T  # surfaces[k][i, j]: i along alpha (x axis), j along beta (y axis)
+        ext, top = (-r, r, -r, r), float(np.abs(s).max()) or 1.0
+        im = ax.imshow(s, origin="lower", extent=ext, cmap="RdBu", aspect="auto", vmin=-top, vmax=top)
+        ax.contour(s, levels=[0.0], colors="k", extent=ext, origin="lower")
+        ax.plot([rows[k][2]], [0], "k*")  # the adversarial image
+        ax.set_xlabel("adversarial direction (L2)", fontsize=7)
+        ax.set_ylabel("random direction (L2)", fontsize=7)
+        ax.set_title(f"index {rows[k][0]}, label {rows[k][1]}", fontsize=8)
+        ax.figure.colorbar(im, ax=ax, fraction=0.046)
+
+    def draw(path, title):
+        return _grid_figure(path, title, list(range(len(rows))), panel)
+
+    return header, rows, arrays, draw
+
+
+@ANALYSIS.register("dbviz", inputs="model", paper="Somepalli et al., CVPR 2022 (dbViz); BlackboxBench Supp. I (DBV-B)",
+                   ranges={"resolution": "int [3, 501]", "margin": "[0, 1]", "planes": "int [1, 16]",
+                           "classes_shown": "int [1, 20]"})
+def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
+    """The predicted class on the plane through three images x1, x2, x3 (consecutive in the selection): points
+    x1 + b v1 + p (v2 - proj_v1 v2), v1 = x2 - x1, v2 = x3 - x1, b and p from -``margin`` to 1 + ``margin`` on a
+    ``resolution`` x ``resolution`` grid (dbViz's plane; no clipping). The figure colours the ``classes_shown``
+    most frequent classes of the plane (the paper shows the top 10) and marks the three images. The table gives,
+    per plane, the number of distinct classes and the share of the plane each image's own label holds."""
+    if len(inputs.x) < 3 * planes:
+        raise BenchError(f"dbviz needs 3 images per plane: {planes} plane(s), {len(inputs.x)} image(s) given")
+    t = torch.linspace(-margin, 1 + margin, resolution, device=inputs.x.device)
+    b, p = torch.meshgrid(t, t, indexing="ij")
+    grids, marks, header, rows = [], [], ["plane", "index_1", "index_2", "index_3", "n_classes", "share_1",
+                                          "share_2", "share_3"], []
+    for q in range(planes):
+        x1, x2, x3 = inputs.x[3 * q:3 * q + 3]
+        v1, v2 = x2 - x1, x3 - x1
+        c = float((v1 * v2).sum() / (v1 * v1).sum().clamp_min(1e-12))
+        pts = x1 + b.reshape(-1, 1, 1, 1) * v1 + p.reshape(-1, 1, 1, 1) * (v2 - c * v1)
+        labels = forward(inputs.model, pts).argmax(1).view(resolution, resolution).cpu().numpy()
+        grids.append(labels)
+        marks.append([(0.0, 0.0), (1.0, 0.0), (c, 1.0)])
+        own = [int(v) for v in inputs.y[3 * q:3 * q + 3]]
+        rows.append([q, *inputs.index[3 * q:3 * q + 3], int(len(np.unique(labels))),
+                     *[float((labels == k).mean()) for k in own]])
+    arrays = {"labels": np.stack(grids), "axis": t.cpu().numpy(), "marks": np.array(marks),
+              "index": np.array(inputs.index[:3 * planes])}
+
+    def panel(ax, q):
+        import matplotlib
+
+        counts = np.bincount(grids[q].ravel())
+        top = [int(k) for k in np.argsort(-counts)[:classes_shown] if counts[k] > 0]
+        shown = np.full(grids[q].shape, len(top), dtype=float)  # the rest: one shared gray
+        for rank, k in enumerate(top):
+            shown[grids[q] == k] = rank
+        colors = matplotlib.colormaps["tab10" if len(top) <= 10 else "tab20"].colors[:len(top)] + ((0.8, 0.8, 0.8),)
+        cmap = matplotlib.colors.ListedColormap(colors)
+        ext = (t[0].item(), t[-1].item(), t[0].item(), t[-1].item())
+        ax.imshow(shown.T, origin="lower", extent=ext, cmap=cmap, vmin=-0.5, vmax=len(top) + 0.5,
+                  interpolation="nearest")
+        for (u, w), lab in zip(marks[q], inputs.y[3 * q:3 * q + 3].tolist()):
+            ax.plot([u], [w], "k^", ms=7)
+            ax.annotate(str(lab), (u, w), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        handles = [matplotlib.patches.Patch(color=colors[r], label=str(k)) for r, k in enumerate(top)]
+        ax.legend(handles=handles, fontsize=6, loc="upper right", title="class", title_fontsize=6)
+        ax.set_title(f"plane {q}: images {', '.join(map(str, inputs.index[3 * q:3 * q + 3]))}", fontsize=8)
+
+    return header, rows, arrays, lambda path, title: _grid_figure(path, title, list(range(planes)), panel)

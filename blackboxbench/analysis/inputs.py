@@ -1,0 +1,102 @@
+"""What the model-level analysis tools read (decision surface, dbViz, FSM, FullGrad): a white-box model, images
+with their labels and dataset indices, and, from a finished run saved with ``save_adv: true``, the adversarial
+images. An analysis sees the model's gradients: it is a tool for the evaluator, never part of an attack.
+
+:func:`load_inputs` builds them from a run directory (its ``config.yaml`` names the dataset and the model, its
+``adv/<index>.png`` hold the returned images) or from a model and a dataset spec.
+"""
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+
+from ..errors import BenchError
+from ..prep.data import resolve_data_root
+from ..prep.models import build_model
+from ..registry import DATASET
+
+
+@dataclass
+class Inputs:
+    """Images ``x`` (N, C, H, W) in [0, 1], labels ``y``, their dataset ``index`` (list of int), the adversarial
+    images ``x_adv`` of a run (or None), the ``model`` (eval mode, frozen parameters) and its name, and the
+    ``seed`` of the random directions some tools draw (per sample: :class:`blackboxbench.rng.Streams`)."""
+
+    model: torch.nn.Module
+    model_name: str
+    x: torch.Tensor
+    y: torch.Tensor
+    index: list
+    x_adv: Optional[torch.Tensor] = None
+    seed: int = 0
+
+
+def _spec_name(spec):
+    return spec if isinstance(spec, str) else spec.get("name", "?")
+
+
+def _run_config(run):
+    path = Path(run) / "config.yaml"
+    if not path.is_file():
+        raise BenchError(f"not a run directory (no config.yaml): {run}")
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise BenchError(f"{path} cannot be read ({type(e).__name__})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("dataset"), dict):
+        raise BenchError(f"{path} is not a resolved run config (no dataset mapping)")
+    return cfg
+
+
+def _run_model(cfg, path):
+    """The model a run attacked: a query run's target, else a transfer run's first target."""
+    spec = cfg.get("model") or (cfg.get("targets") or [None])[0]
+    if spec is None:
+        raise BenchError(f"{path}: the run names no model; give one with --model")
+    return {k: v for k, v in spec.items() if k != "defense"} if isinstance(spec, dict) else spec
+
+
+def _adv_images(run, index):
+    out = []
+    for i in index:
+        path = Path(run) / "adv" / f"{i:06d}.png"  # as the runner writes them
+        if not path.is_file():
+            return None
+        out.append(torch.from_numpy(np.array(Image.open(path))).float().div(255))
+    return torch.stack([a.permute(2, 0, 1) if a.dim() == 3 else a[None] for a in out])
+
+
+def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indices=None, seed=0, device="cpu"):
+    """:class:`Inputs` of a run directory (``model`` / ``dataset`` override what its config names) or of a model
+    and a dataset spec (a name or ``{name: ..., params}``). ``indices`` picks dataset indices; else the first
+    ``n`` (with a run: its first ``n`` saved adversarial images, or its first ``n`` images when it saved none)."""
+    cfg = _run_config(run) if run is not None else {}
+    model = model if model is not None else (_run_model(cfg, run) if run is not None else None)
+    dataset = dataset if dataset is not None else cfg.get("dataset")
+    if model is None or dataset is None:
+        raise BenchError("give a run directory (--run) or both a model (--model) and a dataset (--dataset)")
+    root = data_root or cfg.get("data_root")
+    root = resolve_data_root(root) if root or os.environ.get("BLACKBOXBENCH_DATA") else None
+    ds = dict(dataset) if isinstance(dataset, dict) else {"name": dataset}
+    data = DATASET.get(ds.pop("name"))(root, **ds)
+    if indices is None:
+        saved = sorted(int(p.stem) for p in (Path(run) / "adv").glob("*.png") if p.stem.isdigit()) \
+            if run is not None and (Path(run) / "adv").is_dir() else []
+        indices = [i for i in saved if i < len(data.y)] or list(range(len(data.y)))
+        indices = indices[:n] if n else indices
+    bad = [i for i in indices if not 0 <= int(i) < len(data.y)]
+    if bad or not indices:
+        raise BenchError(f"image indices {bad or indices} are not in the dataset ({len(data.y)} images)")
+    index = [int(i) for i in indices]
+    net = build_model(model, root, device)
+    x_adv = _adv_images(run, index) if run is not None else None
+    if x_adv is not None and x_adv.shape != data.x[index].shape:
+        raise BenchError(f"{run}/adv: images of shape {tuple(x_adv.shape[1:])}, the dataset's are "
+                         f"{tuple(data.x.shape[1:])}")
+    return Inputs(net, str(_spec_name(model)), data.x[index].to(device), data.y[index].to(device), index,
+                  None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)))

@@ -1,0 +1,95 @@
+"""Running an analysis recipe (the ``analysis/`` catalog): :func:`plot` for the tools that read results (AEV),
+:func:`analyze` for the tools that read a model and images (decision surface, dbViz, FSM, FullGrad; their
+registration says ``inputs="model"``). A recipe names its tool, the paper behind it and default parameters;
+``where`` (results tools) fixes components of the scenario. Both write ``<out>.png`` (the figure) and
+``<out>.csv`` (the numbers behind it); model tools also ``<out>.npz`` (the maps and grids)."""
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from ..catalog import find
+from ..config import check_keys, load_yaml
+from ..errors import BenchError, ConfigError
+from ..leaderboard import cell
+from ..registry import ANALYSIS, check_params, close_matches
+from .aev import load_rows, select
+from .inputs import load_inputs
+
+RECIPE_KEYS = ("name", "tool", "paper", "notes", "params", "where")
+COMMANDS = {"results": "blackboxbench plot RESULTS -r", "model": "blackboxbench analyze --run RUN_DIR -r"}
+
+
+def load_recipe(recipe, inputs):
+    """``(path, recipe dict, tool)`` of a catalog name or a ``.yaml`` path, its keys and types checked; its tool
+    must read ``inputs`` (``results`` or ``model``)."""
+    path = Path(recipe) if str(recipe).endswith((".yaml", ".yml")) else find(recipe, "analysis")
+    r = load_yaml(path)
+    check_keys(r, RECIPE_KEYS, path, "")
+    for key in ("name", "tool", "paper"):
+        if not isinstance(r.get(key), str):
+            raise ConfigError("required: a string", path, key)
+    for key in ("params", "where"):
+        if not isinstance(r.get(key) or {}, dict):
+            raise ConfigError("must be a mapping", path, key)
+    if r["tool"] not in ANALYSIS:
+        raise ConfigError(f"unknown analysis tool '{r['tool']}'{close_matches(r['tool'], ANALYSIS.names())}", path,
+                          "tool")
+    tool = ANALYSIS.get(r["tool"])
+    kind = tool.registry_meta.get("inputs", "results")
+    if kind != inputs:
+        raise ConfigError(f"tool '{r['tool']}' reads {kind}, not {inputs}: run it with {COMMANDS[kind]} "
+                          f"{r['name']}", path, "tool")
+    if inputs == "model" and r.get("where"):
+        raise ConfigError("only tools that read results take where", path, "where")
+    return path, r, tool
+
+
+def _params(path, r, tool, params):
+    p = {**(r.get("params") or {}), **(params or {})}
+    check_params(tool, p, f"{path}: params.")
+    return p
+
+
+def _write(out, header, body, draw, title, arrays=None):
+    out = Path(out)
+    png, table = out.with_suffix(".png"), out.with_suffix(".csv")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(table, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([header] + [[cell(v) for v in line] for line in body])
+        if arrays is not None:
+            np.savez_compressed(out.with_suffix(".npz"), **arrays)
+    except OSError as e:
+        raise BenchError(f"cannot write next to {out}: {e.strerror or e}") from None
+    draw(png, title)
+    return png, table
+
+
+def plot(recipe, source, out, params=None, where=None):
+    """Run a results recipe on ``source`` (a leaderboard CSV or a results directory); ``params`` and ``where``
+    override the recipe's. Returns ``(png, csv, rows used, skipped runs)``."""
+    path, r, tool = load_recipe(recipe, "results")
+    p = _params(path, r, tool, params)
+    w = {**(r.get("where") or {}), **(where or {})}
+    rows, skipped = load_rows(source)
+    rows = select(rows, w)
+    if not rows:
+        raise BenchError(f"no result row in {source} matches where {w}")
+    header, body, draw = tool(rows, **p)
+    fixed = ", ".join(f"{k}={v}" for k, v in w.items())
+    png, table = _write(out, header, body, draw, f"{r['name']}: {p.get('y')} by {p.get('x')}" +
+                        (f" ({fixed})" if fixed else ""))
+    return png, table, len(rows), skipped
+
+
+def analyze(recipe, out, params=None, device="cpu", **source):
+    """Run a model recipe on the images of ``source`` (the keyword arguments of
+    :func:`~blackboxbench.analysis.inputs.load_inputs`: ``run``, ``model``, ``dataset``, ``data_root``, ``n``,
+    ``indices``, ``seed``). Returns ``(png, csv, npz, images used)``."""
+    path, r, tool = load_recipe(recipe, "model")
+    p = _params(path, r, tool, params)
+    inputs = load_inputs(device=device, **source)
+    header, body, arrays, draw = tool(inputs, **p)
+    png, table = _write(out, header, body, draw, f"{r['name']}: {inputs.model_name}", arrays)
+    return png, table, Path(out).with_suffix(".npz"), len(inputs.index)

@@ -1,0 +1,213 @@
+"""Model attention visualization (MAV; BlackboxBench Tab. III, Supp. I): FullGrad saliency (MAV-A, Srinivas and
+Fleuret, NeurIPS 2019, eq. I.1) and the frequency saliency map (MAV-B, FSM, eqs. I.2-I.3).
+
+Both read the gradient of a class score ``f`` (the logit of the true label, or of the predicted one) with respect
+to the image in [0, 1] (the model's own normalization is part of ``f``). Tools return ``(header, rows, arrays,
+draw)`` as in :mod:`blackboxbench.analysis.boundary`.
+"""
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BenchError
+from ..prep.models import Normalized
+from ..registry import ANALYSIS
+from .boundary import _grid_figure
+
+SCORES = ("label", "predicted")
+
+
+def class_score(model, x, y, score="label"):
+    """The logits of ``x`` and, per image, the logit of its label ``y`` (``score: label``) or of the model's
+    top class (``predicted``)."""
+    logits = model(x)
+    cls = y if score == "label" else logits.argmax(1)
+    return logits, logits.gather(1, cls[:, None])[:, 0]
+
+
+def input_gradient(model, x, y, score="label"):
+    """d f / d x for the class score of :func:`class_score`, per image (the images are independent)."""
+    x = x.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        _, f = class_score(model, x, y, score)
+        (g,) = torch.autograd.grad(f.sum(), x)
+    return g
+
+
+# ---------------------------------------------------------------- FSM
+
+def fsm(grad):
+    """|DFT_{h,w}(grad)| per image and channel, low frequencies in the centre (fftshift): eq. I.3."""
+    return torch.fft.fftshift(torch.fft.fft2(grad.double()).abs(), dim=(-2, -1))
+
+
+def radial_profile(m):
+    """Mean of the (H, W) centred spectrum ``m`` per integer radius from the centre (the zero frequency)."""
+    h, w = m.shape
+    yy, xx = np.indices((h, w))
+    r = np.rint(np.hypot(yy - h // 2, xx - w // 2)).astype(int)
+    return np.bincount(r.ravel(), weights=m.ravel()) / np.bincount(r.ravel())
+
+
+@ANALYSIS.register("fsm", inputs="model", paper="BlackboxBench Supp. I, eqs. I.2-I.3 (MAV-B, FSM)",
+                   ranges={"score": SCORES})
+def frequency_saliency(inputs, *, score="label", adversarial=False, log=True):
+    """The frequency saliency map: the magnitude of the channel-wise 2-D DFT of the class score's input gradient,
+    averaged over the images and channels (the paper's Fig. 25 shows one map per model). ``adversarial``: on the
+    run's adversarial images instead of the clean ones. The table is the map's radial profile (mean magnitude per
+    integer frequency radius), the figure the map (``log``: on a log scale)."""
+    x = _images(inputs, adversarial)
+    m = fsm(input_gradient(inputs.model, x, inputs.y, score)).mean(dim=(0, 1)).cpu().numpy()
+    prof = radial_profile(m)
+
+    def draw(path, title):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(4.2, 3.6))
+        shown = np.log10(m + 1e-12) if log else m
+        im = ax.imshow(shown, cmap="viridis")
+        ax.set_title(title + (" (log10)" if log else ""), fontsize=8)
+        ax.axis("off")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    return (["radius", "mean_magnitude"], [[r, float(v)] for r, v in enumerate(prof)],
+            {"fsm": m, "index": np.array(inputs.index)}, draw)
+
+
+def _images(inputs, adversarial):
+    if not adversarial:
+        return inputs.x
+    if inputs.x_adv is None:
+        raise BenchError("adversarial: true needs the run's adversarial images (a run saved with save_adv: true)")
+    return inputs.x_adv
+
+
+# ---------------------------------------------------------------- FullGrad
+
+def implicit_bias(module):
+    """``(where, bias)`` of a layer with a bias, per channel: ``where`` is ``"out"`` (the bias is added at the
+    module's output: convolution and linear layers with a bias, BatchNorm in eval mode, whose bias is
+    beta - gamma mu / sqrt(var + eps)) or ``"net"`` (a :class:`Normalized` model: -mean / std added before its
+    network); None for other modules."""
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and module.bias is not None:
+        return "out", module.bias.detach()
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not module.training and module.running_mean is not None:
+        scale = torch.rsqrt(module.running_var + module.eps)
+        w = module.weight if module.affine else torch.ones_like(scale)
+        b = module.bias if module.affine else torch.zeros_like(scale)
+        return "out", (b - w * module.running_mean * scale).detach()
+    if isinstance(module, Normalized) and module.mean is not None:
+        std = module.std if module.std is not None else torch.ones_like(module.mean)
+        return "net", (-module.mean / std).flatten()
+    return None
+
+
+def full_gradients(model, x, y, score="label"):
+    """``(f, input term, bias terms)`` of eq. I.1 before post-processing: the class scores ``f`` (N,), grad_x f * x
+    (N, C, H, W) and, per layer with a bias, grad_b f * b as a map (N, C_l, ...) at the point the bias is added.
+    For a network of ReLUs, convolutions, linear layers, BatchNorm in eval mode, pooling and additions, the input
+    term and the bias terms sum to ``f`` exactly (FullGrad's completeness)."""
+    sites, handles = [], []
+
+    def keep(bias):
+        def hook(_module, args, out=None):
+            t = args[0] if out is None else out
+            if not t.requires_grad:
+                return None
+            t.retain_grad()
+            sites.append((t, bias))
+            c = t.clone()  # a later in-place op (ReLU(inplace=True)) must not change the tensor whose gradient is read
+            return (c, *args[1:]) if out is None else c
+        return hook
+
+    for m in model.modules():
+        found = implicit_bias(m)
+        if found is not None:
+            where, bias = found
+            handles.append(m.register_forward_hook(keep(bias)) if where == "out"
+                           else m.net.register_forward_pre_hook(keep(bias)))
+    x = x.detach().clone().requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            _, f = class_score(model, x, y, score)
+            f.sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    shape = lambda b, t: b.view(1, -1, *[1] * (t.dim() - 2))  # noqa: E731  (the bias per channel)
+    return f.detach(), (x.grad * x).detach(), [(t.grad * shape(b, t)).detach() for t, b in sites if t.grad is not None]
+
+
+def _psi(t, size):
+    """FullGrad's post-processing of a map (N, C, H, W): absolute value, min-max rescaling of each channel's map,
+    bilinear resize to the image size."""
+    t = t.abs()
+    flat = t.flatten(2)
+    lo, hi = flat.amin(2, keepdim=True), flat.amax(2, keepdim=True)
+    t = ((flat - lo) / (hi - lo).clamp_min(1e-12)).view_as(t)
+    return F.interpolate(t, size=size, mode="bilinear", align_corners=False) if t.shape[-2:] != size else t
+
+
+def fullgrad_map(model, x, y, score="label"):
+    """S_f(x) of eq. I.1, (N, H, W): psi of the input term plus psi of every bias term, summed over channels and
+    layers (maps of fewer than 2 spatial dimensions, e.g. a linear layer's, carry no spatial information and are
+    left out, as in the FullGrad authors' code), then rescaled to [0, 1] per image for display."""
+    _, inp, biases = full_gradients(model, x, y, score)
+    size = tuple(x.shape[-2:])
+    s = _psi(inp, size).sum(1)
+    for b in biases:
+        if b.dim() == 4:
+            s = s + _psi(b, size).sum(1)
+    flat = s.flatten(1)
+    lo, hi = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
+    return ((flat - lo) / (hi - lo).clamp_min(1e-12)).view_as(s)
+
+
+@ANALYSIS.register("fullgrad", inputs="model", paper="Srinivas and Fleuret, NeurIPS 2019; BlackboxBench Supp. I, "
+                   "eq. I.1 (MAV-A)", ranges={"score": SCORES, "max_images": "int [1, 64]"})
+def fullgrad(inputs, *, score="predicted", max_images=8):
+    """FullGrad saliency of the clean images and, from a run saved with ``save_adv``, of their adversarial
+    versions side by side (the paper's Figs. 16, 27-32: how an attack moves the model's attention). ``score``:
+    the logit of the predicted class (default, as the FullGrad authors) or of the true label. The table gives, per
+    image, the predicted classes and the overlap of the two maps (cosine similarity)."""
+    n = min(max_images, len(inputs.x))
+    x, y = inputs.x[:n], inputs.y[:n]
+    clean = fullgrad_map(inputs.model, x, y, score)
+    with torch.no_grad():
+        pred = inputs.model(x).argmax(1)
+    adv = pred_adv = None
+    if inputs.x_adv is not None:
+        adv = fullgrad_map(inputs.model, inputs.x_adv[:n], y, score)
+        with torch.no_grad():
+            pred_adv = inputs.model(inputs.x_adv[:n]).argmax(1)
+    header = ["index", "label", "predicted"] + (["predicted_adv", "cosine_clean_adv"] if adv is not None else [])
+    rows = []
+    for k in range(n):
+        row = [inputs.index[k], int(y[k]), int(pred[k])]
+        if adv is not None:
+            row += [int(pred_adv[k]), float(F.cosine_similarity(clean[k].flatten(), adv[k].flatten(), dim=0))]
+        rows.append(row)
+    arrays = {"clean": clean.cpu().numpy(), "index": np.array(inputs.index[:n])}
+    if adv is not None:
+        arrays["adversarial"] = adv.cpu().numpy()
+    panels = [("clean", k) for k in range(n)] + ([("adversarial", k) for k in range(n)] if adv is not None else [])
+    images = {"clean": x, "adversarial": inputs.x_adv}
+
+    def panel(ax, which):
+        kind, k = which
+        img = images[kind][k].permute(1, 2, 0).cpu().numpy()
+        ax.imshow(img if img.shape[2] == 3 else img[..., 0], cmap=None if img.shape[2] == 3 else "gray")
+        ax.imshow(arrays[kind][k], cmap="jet", alpha=0.5)
+        p = rows[k][2] if kind == "clean" else rows[k][3]
+        ax.set_title(f"{kind} {rows[k][0]}: label {rows[k][1]}, pred {p}", fontsize=7)
+        ax.axis("off")
+
+    return header, rows, arrays, lambda path, title: _grid_figure(path, title, panels, panel)

@@ -1,0 +1,60 @@
+"""Figure helpers shared by the reports (detection) and the analysis tools: a labelled heatmap and the rows of a
+CSV the library wrote (numbers read back as numbers)."""
+import csv
+import json
+
+from .errors import BenchError
+
+
+def heatmap(path, rlabels, clabels, m, title, fmt="{:.2f}", cmap="viridis"):
+    """A heatmap of the matrix ``m`` (rows ``rlabels``, columns ``clabels``) with each finite value written in its
+    cell; NaN cells (missing or incompatible) are light gray. Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    a = np.array(m, dtype=float).reshape(len(rlabels), len(clabels))
+    colors = matplotlib.colormaps[cmap].with_extremes(bad="lightgray")
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(clabels), 1.2 + 0.45 * len(rlabels)))
+    im = ax.imshow(np.ma.masked_invalid(a), cmap=colors, aspect="auto")
+    ax.set_xticks(range(len(clabels)), clabels, rotation=35, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rlabels)), rlabels, fontsize=8)
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            if np.isfinite(a[i, j]):
+                ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="w")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _value(text):
+    """A CSV cell as the library wrote it: a number back as one, ``True`` / ``False`` as booleans, an empty cell as
+    None, a cell with the leading ``'`` of a formula-like text without it, any other text as it is."""
+    if text == "" or text is None:
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    if text.startswith("'"):
+        return text[1:]
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if isinstance(v, (int, float, bool)) else text
+
+
+def read_csv(path):
+    """The rows of a CSV (a leaderboard or a report) as dicts, values parsed by :func:`_value`."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    except OSError as e:
+        raise BenchError(f"cannot read {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise BenchError(f"{path} is not a UTF-8 CSV file ({e})") from None

@@ -1,0 +1,200 @@
+"""The AEV analysis tools (line, scatter, bar, bubble, heatmap; BlackboxBench Tab. III): the aggregation against an
+independent NumPy reference, per-target rows of transfer runs, the same rows from a results directory and from its
+leaderboard CSV, every registered tool and every catalog recipe writing a PNG and its numbers, one-line errors, and
+one end-to-end plot of real runs."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+import blackboxbench  # noqa: F401  (registers the tools)
+from blackboxbench import catalog
+from blackboxbench.analysis.aev import aggregate, load_rows, select, summary_rows
+from blackboxbench.analysis.recipes import plot as run_recipe
+from blackboxbench.cli import main
+from blackboxbench.config import load_config, load_yaml
+from blackboxbench.errors import BenchError
+from blackboxbench.leaderboard import export_csv
+from blackboxbench.plotting import read_csv
+from blackboxbench.registry import ANALYSIS
+from blackboxbench.runner import run_experiment
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def query_summary(run, attack, eps, asr, aqn, l2):
+    return {"run": run, "attack": attack, "family": "score", "target_model": "m1", "surrogates": None,
+            "norm": "linf", "eps": eps, "targeted": False, "asr": asr, "aqn": aqn, "mean_l2": l2, "n": 10}
+
+
+def transfer_summary(run, attack, surrogate, per_target):
+    return {"run": run, "attack": attack, "family": "transfer", "target_model": "+".join(per_target),
+            "surrogates": surrogate, "norm": "linf", "eps": 0.03, "targeted": False, "n": 10, "mean_l2": 1.0,
+            "asr": float(np.mean([v["asr"] for v in per_target.values()])), "aqn": None,
+            "per_target": {t: {"asr": v["asr"], "clean_acc": 0.9, "n": 9, "defense": "none"}
+                           for t, v in per_target.items()}}
+
+
+SUMMARIES = [
+    query_summary("q1", "square", 0.01, 0.4, 300.0, 0.5),
+    query_summary("q2", "square", 0.03, 0.9, 120.0, 1.1),
+    query_summary("q3", "nes", 0.01, 0.2, 900.0, 0.4),
+    query_summary("q4", "nes", 0.03, 0.7, 400.0, 1.0),
+    query_summary("q5", "nes", 0.03, 0.8, 350.0, 1.2),  # a second seed: aggregated with q4
+    transfer_summary("t1", "i_fgsm", "r20", {"r32": {"asr": 0.8}, "r44": {"asr": 0.6}}),
+    transfer_summary("t2", "mi_fgsm", "r20", {"r32": {"asr": 0.9}, "r44": {"asr": 0.7}}),
+    transfer_summary("t3", "mi_fgsm", "r32", {"r20": {"asr": 0.5}, "r44": {"asr": 0.3}}),
+]
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "results"
+    for s in SUMMARIES:
+        d = root / s["run"]
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps(s))
+    return root
+
+
+def test_aggregate_against_numpy():
+    rows = [{"a": "p", "x": 2, "y": 1.0}, {"a": "p", "x": 1, "y": 2.0}, {"a": "p", "x": 2, "y": 4.0},
+            {"a": "q", "x": 1, "y": 3.0}, {"a": "q", "x": 1, "y": 5.0}, {"a": "q", "x": 1, "y": 10.0},
+            {"a": "q", "x": 2, "y": None}, {"a": "q", "x": 2, "y": float("nan")}, {"a": "q", "x": 2, "y": True},
+            {"a": "q", "x": None, "y": 7.0}, {"a": "q", "y": 8.0}]
+    got = aggregate(rows, "x", "y", "a")
+    assert [(r["hue"], r["x"]) for r in got] == [("p", 1), ("p", 2), ("q", 1)]  # x ascending; no number, no group
+    ref = {("p", 1): [2.0], ("p", 2): [1.0, 4.0], ("q", 1): [3.0, 5.0, 10.0]}
+    for r in got:
+        v = np.array(ref[(r["hue"], r["x"])])
+        assert r["n"] == len(v) and math.isclose(r["mean"], v.mean())
+        assert math.isclose(r["std"], v.std(ddof=1) if len(v) > 1 else 0.0)
+    text = aggregate([{"x": "b", "y": 1}, {"x": "a", "y": 2}], "x", "y")
+    assert [r["x"] for r in text] == ["b", "a"]  # text in order of first appearance
+    with pytest.raises(BenchError, match="no row has a number in 'y'"):
+        aggregate([{"x": 1, "y": None}], "x", "y")
+
+
+def test_transfer_runs_give_one_row_per_target():
+    rows = summary_rows(SUMMARIES)
+    t1 = [r for r in rows if r["run"] == "t1"]
+    assert [(r["target_model"], r["asr"]) for r in t1] == [("r32", 0.8), ("r44", 0.6)]
+    assert all("per_target" not in r and r["surrogates"] == "r20" for r in t1)
+    assert [r["asr"] for r in rows if r["run"] == "q2"] == [0.9]
+
+
+def test_results_directory_and_its_leaderboard_agree(results, tmp_path):
+    export_csv(results, tmp_path / "board.csv")
+    from_csv, skipped = load_rows(tmp_path / "board.csv")
+    from_dir, _ = load_rows(results)
+    assert skipped == []
+    for run in ("q1", "q2", "q3", "q4", "q5"):
+        (a,), (b,) = [r for r in from_csv if r["run"] == run], [r for r in from_dir if r["run"] == run]
+        assert {k: a[k] for k in ("attack", "eps", "asr", "aqn", "targeted")} == \
+               {k: b[k] for k in ("attack", "eps", "asr", "aqn", "targeted")}
+    assert isinstance(from_csv[0]["eps"], float) and from_csv[0]["targeted"] is False
+
+
+def test_select_numbers_text_and_lists():
+    rows = summary_rows(SUMMARIES)
+    assert {r["run"] for r in select(rows, {"eps": 0.03, "family": "score"})} == {"q2", "q4", "q5"}
+    assert {r["run"] for r in select(rows, {"attack": ["square", "i_fgsm"]})} == {"q1", "q2", "t1"}
+    with pytest.raises(BenchError, match="no column 'atack' in the results .did you mean: attack"):
+        select(rows, {"atack": "nes"})
+
+
+RECIPES = sorted(catalog.entries("analysis"))
+TOOL_PARAMS = {"aev_line": {"x": "eps", "y": "asr", "hue": "attack"},
+               "aev_bar": {"x": "target_model", "y": "asr", "hue": "attack"},
+               "aev_scatter": {"x": "aqn", "y": "asr", "hue": "attack"},
+               "aev_bubble": {"x": "aqn", "y": "asr", "size": "mean_l2", "hue": "attack"},
+               "aev_heatmap": {"x": "target_model", "y": "asr", "hue": "surrogates"}}
+
+
+def test_every_tool_has_a_recipe_and_test_parameters():
+    assert sorted(load_yaml(catalog.find(n, "analysis"))["tool"] for n in RECIPES) == ANALYSIS.names()
+    assert sorted(TOOL_PARAMS) == ANALYSIS.names()
+
+
+@pytest.mark.parametrize("name", ANALYSIS.names())
+def test_every_tool_writes_its_figure_and_numbers(name, results, tmp_path):
+    rows, _ = load_rows(results)
+    header, body, draw = ANALYSIS.get(name)(rows, **TOOL_PARAMS[name])
+    assert body and all(len(line) == len(header) for line in body)
+    path = draw(tmp_path / f"{name}.png", name)
+    assert path.read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_runs_on_a_results_directory(recipe, results, tmp_path):
+    where = {"family": "transfer"} if recipe == "aev_heatmap" else {"family": "score"}
+    png, table, n, _ = run_recipe(recipe, results, tmp_path / "out" / recipe, where=where)
+    assert png.read_bytes()[:8] == PNG and n > 0
+    header = table.read_text().splitlines()[0].split(",")
+    params = load_yaml(catalog.find(recipe, "analysis"))["params"]
+    assert params["x"] in header[0] + " " + " ".join(header)
+
+
+def test_line_numbers(results, tmp_path):
+    _, table, _, _ = run_recipe("aev_line", results, tmp_path / "line", where={"family": "score"})
+    got = read_csv(table)
+    assert [(r["attack"], r["eps"], r["n"]) for r in got] == [
+        ("square", 0.01, 1), ("square", 0.03, 1), ("nes", 0.01, 1), ("nes", 0.03, 2)]
+    assert math.isclose(got[3]["mean"], 0.75) and math.isclose(got[3]["std"], np.std([0.7, 0.8], ddof=1))
+
+
+def test_heatmap_gray_cells_and_average(results, tmp_path):
+    _, table, _, _ = run_recipe("aev_heatmap", results, tmp_path / "heat", where={"attack": "mi_fgsm"})
+    got = {r["surrogates \\ target_model"]: r for r in read_csv(table)}
+    assert list(got["r20"]) == ["surrogates \\ target_model", "r32", "r44", "r20", "average"]
+    assert got["r20"]["r20"] is None and got["r32"]["r32"] is None  # a missing combination stays empty (gray)
+    assert math.isclose(got["r20"]["average"], 0.8) and math.isclose(got["r32"]["average"], 0.4)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-r", "aev_line", "--y", "asrr"], "no column 'asrr' in the results (did you mean: asr"),
+    (["-r", "aev_lin"], "unknown analysis recipe 'aev_lin' (did you mean: aev_line"),
+    (["-r", "aev_line", "--param", "colour=red"], "params.colour: unknown parameter of block 'aev_line'"),
+    (["-r", "aev_line", "--where", "eps=0.5"], "matches where {'eps': 0.5}"),
+    (["-r", "aev_line", "--where", "eps"], "--where expects key=value"),
+    (["-r", "aev_bubble", "--size", "attack"], "no row has numbers in all of 'aqn', 'asr', 'attack'"),
+])
+def test_cli_errors_are_one_line(results, tmp_path, capsys, args, message):
+    assert main(["plot", str(results), "-o", str(tmp_path / "p.png"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_cli_missing_results_and_bad_recipe_file(tmp_path, capsys):
+    assert main(["plot", str(tmp_path / "nothing"), "-r", "aev_line"]) == 2
+    assert "results not found" in capsys.readouterr().err
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("name: mine\ntool: aev_line\npaper: p\nparams: {x: eps, y: asr}\ncolour: red\n")
+    assert main(["plot", str(tmp_path), "-r", str(bad)]) == 2
+    assert "mine.yaml:colour: unknown key" in capsys.readouterr().err
+    bad.write_text("name: mine\ntool: aev_lines\npaper: p\n")
+    assert main(["plot", str(tmp_path), "-r", str(bad)]) == 2
+    assert "mine.yaml:tool: unknown analysis tool 'aev_lines' (did you mean: aev_line" in capsys.readouterr().err
+
+
+def test_cli_where_reads_arithmetic(results, tmp_path, capsys):
+    assert main(["plot", str(results), "-r", "aev_bar", "--x", "attack", "--where", "eps=3/100",
+                 "--where", "family=score", "-o", str(tmp_path / "bar.png")]) == 0
+    assert "(3 result rows)" in capsys.readouterr().out
+    assert [r["attack"] for r in read_csv(tmp_path / "bar.csv")] == ["square", "nes"]
+
+
+def test_plot_of_real_runs(tmp_path, capsys):
+    """Two eps of one attack on the embedded digits, then the line recipe on the results directory."""
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 8}}\noutput_dir: {tmp_path / 'results'}\nmodel: digits_mlp\n"
+                   "attack: square_linf\nruns:\n  - threat: {norm: linf, eps: 0.1, max_queries: 200}\n"
+                   "  - threat: {norm: linf, eps: 0.3, max_queries: 200}\n")
+    experiments, _ = load_config(cfg, [])
+    asr = {e["threat"]["eps"]: run_experiment(e, progress=False)[1]["asr"] for e in experiments}
+    assert main(["plot", str(tmp_path / "results"), "-r", "aev_line", "-o", str(tmp_path / "line.png")]) == 0
+    got = read_csv(tmp_path / "line.csv")
+    assert [(r["attack"], r["eps"], r["mean"]) for r in got] == [("square_linf", e, asr[e]) for e in (0.1, 0.3)]
+    assert (tmp_path / "line.png").read_bytes()[:8] == PNG

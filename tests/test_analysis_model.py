@@ -1,0 +1,227 @@
+"""The model-level analysis tools (decision surface, dbViz, FSM, FullGrad; BlackboxBench Supp. I) against
+independent references: FullGrad's completeness (the input and bias terms sum to the class score), FSM as the DFT
+of a linear model's weights, the decision surface of a two-class linear model in closed form, the dbViz plane
+through its three images; then every model recipe end to end on a real run's saved images, and one-line errors."""
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import blackboxbench  # noqa: F401  (registers the tools)
+from blackboxbench import catalog
+from blackboxbench.analysis.boundary import decision_surface, dbviz, first_crossing, margin, random_directions
+from blackboxbench.analysis.inputs import Inputs, load_inputs
+from blackboxbench.analysis.saliency import frequency_saliency, full_gradients, fullgrad_map, radial_profile
+from blackboxbench.cli import main
+from blackboxbench.config import load_config, load_yaml
+from blackboxbench.prep.cifar_resnet import CifarResNet
+from blackboxbench.prep.models import Normalized
+from blackboxbench.registry import ANALYSIS
+from blackboxbench.runner import run_experiment
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MODEL_TOOLS = [n for n in ANALYSIS.names() if ANALYSIS.get(n).registry_meta.get("inputs") == "model"]
+
+
+def _bn_with_stats(c, g):
+    bn = nn.BatchNorm2d(c)
+    bn.running_mean.uniform_(-0.5, 0.5, generator=g)
+    bn.running_var.uniform_(0.5, 2.0, generator=g)
+    bn.weight.data.uniform_(0.5, 1.5, generator=g)
+    bn.bias.data.uniform_(-0.3, 0.3, generator=g)
+    return bn
+
+
+def small_net(inplace=False):
+    """A piecewise-linear CNN with every kind of bias FullGrad reads: conv biases, BatchNorm (eval, non-trivial
+    statistics), the input normalization, a linear layer; pooling and ReLUs (in place or not)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), _bn_with_stats(6, g), nn.ReLU(inplace=inplace),
+                        nn.MaxPool2d(2), nn.Conv2d(6, 8, 3, padding=1, bias=False), _bn_with_stats(8, g),
+                        nn.ReLU(inplace=inplace), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 5))
+    return Normalized(net, mean=[0.4, 0.5, 0.6], std=[0.2, 0.25, 0.3]).eval()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("score", ["label", "predicted"])
+def test_fullgrad_completeness(inplace, score):
+    model = small_net(inplace)
+    x = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 2, 3])
+    f, inp, biases = full_gradients(model, x, y, score)
+    with torch.no_grad():
+        logits = model(x)
+    cls = y if score == "label" else logits.argmax(1)
+    assert torch.allclose(f, logits[torch.arange(4), cls])
+    total = inp.flatten(1).sum(1) + sum(b.flatten(1).sum(1) for b in biases)
+    assert torch.allclose(total, f, rtol=1e-4, atol=1e-4), (total, f)
+    assert len(biases) == 5  # normalization, conv1, bn1, bn2, linear (conv2 has no bias)
+
+
+def test_fullgrad_completeness_on_the_cifar_resnet():
+    torch.manual_seed(0)
+    net = CifarResNet(in_channels=3, blocks=1, widths=(8, 16, 32)).eval()
+    g = torch.Generator().manual_seed(2)
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.load_state_dict(_bn_with_stats(m.num_features, g).state_dict())
+    model = Normalized(net, mean=[0.49, 0.48, 0.45], std=[0.25, 0.24, 0.26]).eval()
+    x = torch.rand(3, 3, 16, 16, generator=g)
+    f, inp, biases = full_gradients(model, x, torch.tensor([0, 1, 2]))
+    total = inp.flatten(1).sum(1) + sum(b.flatten(1).sum(1) for b in biases)
+    assert torch.allclose(total, f, rtol=1e-4, atol=1e-4)
+    s = fullgrad_map(model, x, torch.tensor([0, 1, 2]))
+    assert s.shape == (3, 16, 16) and float(s.min()) == 0.0 and float(s.amax(dim=(1, 2)).min()) == 1.0
+
+
+def test_fullgrad_leaves_the_model_as_it_was():
+    model = small_net(True)
+    before = copy.deepcopy(model.state_dict())
+    x = torch.rand(2, 3, 8, 8)
+    with torch.no_grad():
+        ref = model(x)
+    full_gradients(model, x, torch.tensor([0, 1]))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class Linear(nn.Module):
+    def __init__(self, w, b):
+        super().__init__()
+        self.w, self.b = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
+
+    def forward(self, x):
+        return x.flatten(1) @ self.w.flatten(1).T + self.b
+
+
+def test_fsm_is_the_dft_of_a_linear_models_weights():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 3, 6, 6, generator=g, dtype=torch.float64)
+    model = Linear(w.float(), torch.zeros(4))
+    x, y = torch.rand(5, 3, 6, 6, generator=g), torch.tensor([0, 1, 1, 3, 0])
+    inputs = Inputs(model, "lin", x, y, list(range(5)))
+    _, rows, arrays, _ = frequency_saliency(inputs, score="label")
+    wn = w.numpy()
+    ref = np.mean([np.fft.fftshift(np.abs(np.fft.fft2(wn[c])), axes=(-2, -1)).mean(0) for c in y.tolist()], 0)
+    assert np.allclose(arrays["fsm"], ref, rtol=1e-5, atol=1e-6)
+    assert np.allclose([r[1] for r in rows], radial_profile(ref))
+
+
+def test_radial_profile_by_hand():
+    m = np.arange(9, dtype=float).reshape(3, 3)  # centre (1, 1): radius 0 -> 4; radius 1 -> 1, 3, 5, 7 (and
+    prof = radial_profile(m)                     # the corners at sqrt(2) round to 1): mean of 0..8 without 4
+    assert prof[0] == 4 and prof[1] == pytest.approx(np.mean([0, 1, 2, 3, 5, 6, 7, 8]))
+
+
+def test_decision_surface_of_a_two_class_linear_model():
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(2, 1, 4, 4, generator=g), torch.tensor([0.3, -0.2])
+    model = Linear(w, b)
+    x = torch.rand(3, 1, 4, 4, generator=g)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    sign = torch.where(y == 0, 1.0, -1.0).view(-1, 1, 1, 1)
+    gdir = (w[0] - w[1])[None] * sign  # S(x) = <g, x> + c for the label's side
+    x_adv = x - 0.7 * gdir / gdir.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+    inputs = Inputs(model, "lin", x, y, [5, 9, 2], x_adv=x_adv, seed=7)
+    header, rows, arrays, _ = decision_surface(inputs, steps=201, scale=3.0)
+    with torch.no_grad():
+        s0 = margin(model(x), y)
+    for k, row in enumerate(rows):
+        slope = float(gdir[k].flatten().norm())  # S falls by |g| per unit L2 along alpha
+        assert row[4] == pytest.approx(float(s0[k]) / slope, rel=1e-3)
+        surf = arrays["surface"][k]
+        assert surf[100, 100] == pytest.approx(float(s0[k]), rel=1e-4)
+    alpha = (x_adv - x) / (x_adv - x).flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+    beta = random_directions(7, [5, 9, 2], alpha)
+    assert torch.allclose((alpha * beta).flatten(1).sum(1), torch.zeros(3), atol=1e-5)
+    assert torch.allclose(beta.flatten(1).norm(dim=1), torch.ones(3), atol=1e-5)
+    # a sample's direction depends on (seed, index), not on the other images selected with it
+    assert torch.equal(random_directions(7, [9], alpha[1:2]), beta[1:2])
+
+
+def test_first_crossing():
+    steps = np.array([0.0, 1.0, 2.0, 3.0])
+    assert first_crossing(np.array([3.0, 1.0, -1.0, -2.0]), steps) == pytest.approx(1.5)
+    assert np.isnan(first_crossing(np.array([3.0, 2.0, 1.0, 0.5]), steps))
+    assert np.isnan(first_crossing(np.array([-1.0, 2.0, 1.0, 0.5]), steps))
+
+
+def test_dbviz_plane_passes_through_its_images():
+    g = torch.Generator().manual_seed(5)
+    model = Linear(torch.randn(4, 1, 5, 5, generator=g), torch.zeros(4))
+    x = torch.rand(3, 1, 5, 5, generator=g)
+    inputs = Inputs(model, "lin", x, torch.tensor([0, 1, 2]), [0, 1, 2])
+    _, rows, arrays, _ = dbviz(inputs, resolution=61, margin=0.1)
+    labels, t = arrays["labels"][0], arrays["axis"]
+    with torch.no_grad():
+        pred = model(x).argmax(1).tolist()
+    assert t[5] == pytest.approx(0.0, abs=1e-6) and t[55] == pytest.approx(1.0)
+    assert labels[5, 5] == pred[0] and labels[55, 5] == pred[1]
+    (c, one) = arrays["marks"][0][2]
+    v1, v2 = x[1] - x[0], x[2] - x[0]
+    assert one == 1.0 and torch.allclose(x[0] + c * v1 + (v2 - c * v1), x[2])
+    assert rows[0][4] == len(np.unique(labels))
+    assert rows[0][5:] == pytest.approx([float((labels == k).mean()) for k in (0, 1, 2)])
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A finished Square run on 6 digits images with its adversarial images saved."""
+    tmp = tmp_path_factory.mktemp("run")
+    cfg = tmp / "run.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 6}}\noutput_dir: {tmp / 'results'}\nmodel: digits_cnn\n"
+                   "attack: square_linf\nsave_adv: true\nthreat: {norm: linf, eps: 0.3, max_queries: 300}\n")
+    (exp,), _ = load_config(cfg, [])
+    run_dir, summary = run_experiment(exp, progress=False)
+    return run_dir, summary
+
+
+def test_inputs_of_a_run(saved_run):
+    run_dir, _ = saved_run
+    inputs = load_inputs(run=run_dir, n=3)
+    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+    attacked = sorted(r["index"] for r in records if r["attacked"])
+    assert inputs.index == attacked[:3] and inputs.model_name == "digits_cnn"
+    d = (inputs.x_adv - inputs.x).flatten(1).abs().amax(1)
+    assert bool((d <= 0.3 + 1e-6).all()) and bool((d > 0).all())
+
+
+@pytest.mark.parametrize("tool", MODEL_TOOLS)
+def test_every_model_recipe_on_a_run(saved_run, tmp_path, capsys, tool):
+    run_dir, _ = saved_run
+    recipe = next(n for n, p in catalog.entries("analysis").items() if load_yaml(p)["tool"] == tool)
+    assert main(["analyze", "-r", recipe, "--run", str(run_dir), "--param", "max_images=3" if tool in (
+        "decision_surface", "fullgrad") else "log=false" if tool == "fsm" else "resolution=9",
+                 "--device", "cpu", "-o", str(tmp_path / "fig.png")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "fig.png").read_bytes()[:8] == PNG
+    assert (tmp_path / "fig.csv").read_text().count("\n") >= 2 and np.load(tmp_path / "fig.npz").files
+
+
+def test_model_analysis_errors_are_one_line(saved_run, tmp_path, capsys):
+    run_dir, _ = saved_run
+    cases = [
+        (["-r", "decision_surface", "--model", "digits_cnn", "--dataset", "digits"],
+         "decision_surface needs the run's adversarial images"),
+        (["-r", "aev_line", "--run", str(run_dir)], "tool 'aev_line' reads results, not model: run it with "
+                                                    "blackboxbench plot"),
+        (["-r", "fsm", "--run", str(run_dir), "--indices", "5000"], "image indices [5000] are not in the dataset"),
+        (["-r", "fsm", "--run", str(run_dir), "--indices", "a,b"], "--indices expects comma-separated integers"),
+        (["-r", "fsm"], "give a run directory (--run) or both a model"),
+        (["-r", "fsm", "--run", str(tmp_path)], "not a run directory (no config.yaml)"),
+        (["-r", "fsm", "--run", str(run_dir), "--model", "digits_cn"], "unknown model 'digits_cn'"),
+        (["-r", "dbviz", "--run", str(run_dir), "--n", "2"], "dbviz needs 3 images per plane"),
+        (["-r", "fsm", "--run", str(run_dir), "--param", "score=logit"], "params.score: must be one of label"),
+    ]
+    for args, message in cases:
+        assert main(["analyze", *args, "--device", "cpu", "-o", str(tmp_path / "e.png")]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (args, err)
+    assert main(["plot", str(tmp_path), "-r", "fullgrad"]) == 2
+    assert "tool 'fullgrad' reads model, not results: run it with blackboxbench analyze" in capsys.readouterr().err
