@@ -69,6 +69,11 @@ def cmd_run(args):
                 print(f"{fam.name} report: {path}")
     if opts.get("robustness"):
         _robustness(sorted({e["output_dir"] for e in experiments}), opts["robustness"])
+    for p in opts.get("plots") or []:
+        from .analysis.recipes import plot
+        png, table, n, _ = plot(p["recipe"], sorted({e["output_dir"] for e in experiments}), p["output"],
+                                p["params"], p["where"])
+        print(f"plot {p['recipe']}: {png} and {table} ({n} result rows)")
     return 0
 
 

@@ -212,8 +212,10 @@ COMMON_KEYS = {
     "save_adv": (bool,), "assets": (dict,), "compile": (bool,), "fuse": (bool,), "lpips_path": (str, type(None)),
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
-# robustness: CSV (+ .png chart); share_forwards: runs on one target model share its forwards (shared.py)
-FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,), "share_forwards": (bool,)}
+# robustness: CSV (+ .png chart); share_forwards: runs on one target model share its forwards (shared.py);
+# plots: analysis figures of the runs' results after they finish (analysis/recipes.py)
+FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,), "share_forwards": (bool,),
+             "plots": (list,)}
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -466,6 +468,9 @@ def load_config(path, overrides=()):
     file_opts = {k: raw.pop(k) for k in list(raw) if k in FILE_KEYS}
     for k, v in file_opts.items():
         _check_type(v, FILE_KEYS[k], source, k)
+    if "plots" in file_opts:
+        from .analysis.recipes import check_plot
+        file_opts["plots"] = [check_plot(p, source, f"plots[{i}]") for i, p in enumerate(file_opts["plots"])]
     runs = file_opts.get("runs") or [{}]
     experiments = []
     for i, run in enumerate(runs):

@@ -13,12 +13,11 @@ from blackboxbench import catalog
 from blackboxbench.analysis.aev import aggregate, load_rows, select, summary_rows
 from blackboxbench.analysis.recipes import plot as run_recipe
 from blackboxbench.cli import main
-from blackboxbench.config import load_config, load_yaml
+from blackboxbench.config import load_yaml
 from blackboxbench.errors import BenchError
 from blackboxbench.leaderboard import export_csv
 from blackboxbench.plotting import read_csv
 from blackboxbench.registry import ANALYSIS
-from blackboxbench.runner import run_experiment
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -104,7 +103,8 @@ def test_select_numbers_text_and_lists():
         select(rows, {"atack": "nes"})
 
 
-RECIPES = sorted(catalog.entries("analysis"))
+RESULT_TOOLS = [n for n in ANALYSIS.names() if ANALYSIS.get(n).registry_meta.get("inputs", "results") == "results"]
+RECIPES = sorted(n for n, p in catalog.entries("analysis").items() if load_yaml(p)["tool"] in RESULT_TOOLS)
 TOOL_PARAMS = {"aev_line": {"x": "eps", "y": "asr", "hue": "attack"},
                "aev_bar": {"x": "target_model", "y": "asr", "hue": "attack"},
                "aev_scatter": {"x": "aqn", "y": "asr", "hue": "attack"},
@@ -113,11 +113,13 @@ TOOL_PARAMS = {"aev_line": {"x": "eps", "y": "asr", "hue": "attack"},
 
 
 def test_every_tool_has_a_recipe_and_test_parameters():
-    assert sorted(load_yaml(catalog.find(n, "analysis"))["tool"] for n in RECIPES) == ANALYSIS.names()
-    assert sorted(TOOL_PARAMS) == ANALYSIS.names()
+    tools = sorted(load_yaml(p)["tool"] for p in catalog.entries("analysis").values())
+    assert tools == ANALYSIS.names()  # one recipe per tool, results and model tools alike
+    assert sorted(TOOL_PARAMS) == RESULT_TOOLS == sorted(load_yaml(catalog.find(n, "analysis"))["tool"]
+                                                          for n in RECIPES)
 
 
-@pytest.mark.parametrize("name", ANALYSIS.names())
+@pytest.mark.parametrize("name", RESULT_TOOLS)
 def test_every_tool_writes_its_figure_and_numbers(name, results, tmp_path):
     rows, _ = load_rows(results)
     header, body, draw = ANALYSIS.get(name)(rows, **TOOL_PARAMS[name])
@@ -187,14 +189,36 @@ def test_cli_where_reads_arithmetic(results, tmp_path, capsys):
 
 
 def test_plot_of_real_runs(tmp_path, capsys):
-    """Two eps of one attack on the embedded digits, then the line recipe on the results directory."""
+    """Two eps of one attack on the embedded digits with a ``plots:`` entry, then the same recipe from the command
+    line on the results directory."""
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(f"dataset: {{name: digits, n: 8}}\noutput_dir: {tmp_path / 'results'}\nmodel: digits_mlp\n"
                    "attack: square_linf\nruns:\n  - threat: {norm: linf, eps: 0.1, max_queries: 200}\n"
-                   "  - threat: {norm: linf, eps: 0.3, max_queries: 200}\n")
-    experiments, _ = load_config(cfg, [])
-    asr = {e["threat"]["eps"]: run_experiment(e, progress=False)[1]["asr"] for e in experiments}
+                   "  - threat: {norm: linf, eps: 0.3, max_queries: 200}\n"
+                   f"plots:\n  - {{recipe: aev_line, output: {tmp_path / 'cfg_line.png'}, where: {{norm: linf}}}}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 0
+    asr = {s["eps"]: s["asr"] for s in map(json.loads, (p.read_text() for p in
+                                                         (tmp_path / "results").rglob("summary.json")))}
     assert main(["plot", str(tmp_path / "results"), "-r", "aev_line", "-o", str(tmp_path / "line.png")]) == 0
-    got = read_csv(tmp_path / "line.csv")
-    assert [(r["attack"], r["eps"], r["mean"]) for r in got] == [("square_linf", e, asr[e]) for e in (0.1, 0.3)]
-    assert (tmp_path / "line.png").read_bytes()[:8] == PNG
+    for name in ("line", "cfg_line"):
+        got = read_csv(tmp_path / f"{name}.csv")
+        assert [(r["attack"], r["eps"], r["mean"]) for r in got] == [("square_linf", e, asr[e]) for e in (0.1, 0.3)]
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("{recipe: aev_lines, output: a.png}", "plots[0].recipe: unknown analysis recipe 'aev_lines'"),
+    ("{recipe: aev_line, output: a.png, params: {colour: red}}", "plots[0].params: colour: unknown parameter"),
+    ("{recipe: fullgrad, output: a.png}", "tool 'fullgrad' reads model, not results"),
+    ("{recipe: aev_line, outputs: a.png}", "plots[0].outputs: unknown key (did you mean: output?)"),
+    ("{recipe: aev_line}", "plots[0].output: required: a string"),
+    ("aev_line", "plots[0]: must be a mapping"),
+])
+def test_config_plots_are_checked_before_any_run(tmp_path, capsys, entry, message):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 4}}\noutput_dir: {tmp_path / 'results'}\nmodel: digits_mlp\n"
+                   f"attack: square_linf\nplots: [{entry}]\n")
+    assert main(["run", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "results").exists()

@@ -39,8 +39,11 @@ def summary_rows(summaries):
 
 
 def load_rows(source):
-    """``(rows, skipped)`` of a leaderboard CSV or of the finished runs under a results directory (``skipped``:
-    the runs left out, :class:`~blackboxbench.leaderboard.Skipped`)."""
+    """``(rows, skipped)`` of a leaderboard CSV or of the finished runs under a results directory or a list of
+    them (``skipped``: the runs left out, :class:`~blackboxbench.leaderboard.Skipped`)."""
+    if isinstance(source, (list, tuple)):
+        summaries, skipped = collect(source)
+        return summary_rows(summaries), skipped
     p = Path(source)
     if p.is_dir():
         summaries, skipped = collect(p)

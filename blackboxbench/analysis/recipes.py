@@ -17,6 +17,7 @@ from .aev import load_rows, select
 from .inputs import load_inputs
 
 RECIPE_KEYS = ("name", "tool", "paper", "notes", "params", "where")
+PLOT_KEYS = ("recipe", "output", "params", "where")  # an entry of a config's ``plots:``
 COMMANDS = {"results": "blackboxbench plot RESULTS -r", "model": "blackboxbench analyze --run RUN_DIR -r"}
 
 
@@ -51,6 +52,30 @@ def _params(path, r, tool, params):
     return p
 
 
+def check_plot(entry, source, key):
+    """A config's ``plots:`` entry, checked before any run: ``{recipe, output, params, where}`` with a results
+    recipe and parameters its tool takes. Errors name the config file and the key."""
+    if not isinstance(entry, dict):
+        raise ConfigError("must be a mapping {recipe: ..., output: ...}", source, key)
+    check_keys(entry, PLOT_KEYS, source, f"{key}.")
+    for k, types in (("recipe", str), ("output", str)):
+        if not isinstance(entry.get(k), types):
+            raise ConfigError("required: a string", source, f"{key}.{k}")
+    for k in ("params", "where"):
+        if not isinstance(entry.get(k) or {}, dict):
+            raise ConfigError("must be a mapping", source, f"{key}.{k}")
+    try:
+        _, r, tool = load_recipe(entry["recipe"], "results")
+    except BenchError as e:
+        raise ConfigError(str(e), source, f"{key}.recipe") from None
+    try:
+        check_params(tool, {**(r.get("params") or {}), **(entry.get("params") or {})})
+    except BenchError as e:
+        raise ConfigError(str(e), source, f"{key}.params") from None
+    return {"recipe": entry["recipe"], "output": entry["output"], "params": entry.get("params") or {},
+            "where": entry.get("where") or {}}
+
+
 def _write(out, header, body, draw, title, arrays=None):
     out = Path(out)
     png, table = out.with_suffix(".png"), out.with_suffix(".csv")
@@ -67,8 +92,8 @@ def _write(out, header, body, draw, title, arrays=None):
 
 
 def plot(recipe, source, out, params=None, where=None):
-    """Run a results recipe on ``source`` (a leaderboard CSV or a results directory); ``params`` and ``where``
-    override the recipe's. Returns ``(png, csv, rows used, skipped runs)``."""
+    """Run a results recipe on ``source`` (a leaderboard CSV, a results directory or a list of them); ``params``
+    and ``where`` override the recipe's. Returns ``(png, csv, rows used, skipped runs)``."""
     path, r, tool = load_recipe(recipe, "results")
     p = _params(path, r, tool, params)
     w = {**(r.get("where") or {}), **(where or {})}
