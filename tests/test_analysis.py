@@ -75,6 +75,12 @@ def test_aggregate_against_numpy():
         aggregate([{"x": 1, "y": None}], "x", "y")
 
 
+def test_lists_and_mappings_group_by_their_json_text():
+    rows = [{"x": ["a", "b"], "y": 1.0}, {"x": ["a", "b"], "y": 3.0}, {"x": {"k": 1}, "y": 5.0}]
+    got = aggregate(rows, "x", "y")
+    assert [(r["x"], r["mean"], r["n"]) for r in got] == [('["a", "b"]', 2.0, 2), ('{"k": 1}', 5.0, 1)]
+
+
 def test_transfer_runs_give_one_row_per_target():
     rows = summary_rows(SUMMARIES)
     t1 = [r for r in rows if r["run"] == "t1"]

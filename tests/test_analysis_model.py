@@ -17,6 +17,7 @@ from blackboxbench.analysis.inputs import Inputs, load_inputs
 from blackboxbench.analysis.saliency import frequency_saliency, full_gradients, fullgrad_map, radial_profile
 from blackboxbench.cli import main
 from blackboxbench.config import load_config, load_yaml
+from blackboxbench.errors import BenchError
 from blackboxbench.prep.cifar_resnet import CifarResNet
 from blackboxbench.prep.models import Normalized
 from blackboxbench.registry import ANALYSIS
@@ -191,6 +192,16 @@ def test_inputs_of_a_run(saved_run):
     assert inputs.index == attacked[:3] and inputs.model_name == "digits_cnn"
     d = (inputs.x_adv - inputs.x).flatten(1).abs().amax(1)
     assert bool((d <= 0.3 + 1e-6).all()) and bool((d > 0).all())
+
+
+def test_a_run_without_some_images(saved_run, tmp_path):
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run[0], run_dir)
+    (run_dir / "adv" / "000001.png").unlink()
+    with pytest.raises(BenchError, match=r"has no image of samples \[1\] \(not attacked\)"):
+        load_inputs(run=run_dir, indices=[0, 1])
+    assert load_inputs(run=run_dir).index == [0, 2, 3, 4, 5]  # by default, the saved ones
 
 
 @pytest.mark.parametrize("tool", MODEL_TOOLS)

@@ -13,6 +13,7 @@ A tool is a pure function ``tool(rows, *, x, y, ...) -> (header, table, draw)``:
 Scatter and bubble plot the rows themselves. :func:`blackboxbench.analysis.recipes.plot` runs a recipe of the
 ``analysis/`` catalog and writes ``<out>.png`` and ``<out>.csv``.
 """
+import json
 import math
 import statistics
 from pathlib import Path
@@ -51,6 +52,11 @@ def load_rows(source):
     if p.is_file():
         return read_csv(p), []
     raise BenchError(f"results not found: {source} (give a leaderboard CSV or a results directory)")
+
+
+def key(v):
+    """A value as a group key: itself when hashable and plain, else its JSON text (a list or a mapping)."""
+    return v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, sort_keys=True, default=str)
 
 
 def is_number(v):
@@ -93,7 +99,7 @@ def aggregate(rows, x, y, hue=""):
     groups = {}
     for r in rows:
         if is_number(r.get(y)) and r.get(x) is not None:
-            groups.setdefault((r.get(hue) if hue else "", r[x]), []).append(float(r[y]))
+            groups.setdefault((key(r.get(hue)) if hue else "", key(r[x])), []).append(float(r[y]))
     if not groups:
         raise BenchError(f"no row has a number in '{y}' and a value in '{x}'")
     hues, xs = order([h for h, _ in groups]), order([v for _, v in groups])
@@ -198,11 +204,11 @@ def _points(rows, columns):
 def aev_scatter(rows, *, x, y, hue=""):
     """One point per row, ``y`` against ``x``, coloured by ``hue`` (e.g. ASR against AQN per attack)."""
     pts = _points(rows, (hue, x, y))
-    hues = order([r.get(hue) if hue else "" for r in pts])
+    hues = order([key(r.get(hue)) if hue else "" for r in pts])
 
     def axes(ax):
         for h in hues:
-            part = [r for r in pts if (r.get(hue) if hue else "") == h]
+            part = [r for r in pts if (key(r.get(hue)) if hue else "") == h]
             ax.scatter([r[x] for r in part], [r[y] for r in part], label=str(h) if hue else None)
 
     header = ([hue] if hue else []) + [x, y, "run"]
@@ -216,11 +222,11 @@ def aev_bubble(rows, *, x, y, size, hue=""):
     pts = _points(rows, (hue, x, y, size))
     lo, hi = min(r[size] for r in pts), max(r[size] for r in pts)
     area = {id(r): 20 + 480 * ((r[size] - lo) / (hi - lo) if hi > lo else 0.5) for r in pts}
-    hues = order([r.get(hue) if hue else "" for r in pts])
+    hues = order([key(r.get(hue)) if hue else "" for r in pts])
 
     def axes(ax):
         for h in hues:
-            part = [r for r in pts if (r.get(hue) if hue else "") == h]
+            part = [r for r in pts if (key(r.get(hue)) if hue else "") == h]
             ax.scatter([r[x] for r in part], [r[y] for r in part], s=[area[id(r)] for r in part], alpha=0.6,
                        label=str(h) if hue else None)
 

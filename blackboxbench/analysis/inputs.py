@@ -62,12 +62,14 @@ def _run_model(cfg, path):
 
 
 def _adv_images(run, index):
-    out = []
-    for i in index:
-        path = Path(run) / "adv" / f"{i:06d}.png"  # as the runner writes them
-        if not path.is_file():
-            return None
-        out.append(torch.from_numpy(np.array(Image.open(path))).float().div(255))
+    """The run's returned images of samples ``index`` (None when it saved none of them)."""
+    paths = [Path(run) / "adv" / f"{i:06d}.png" for i in index]  # as the runner writes them
+    missing = [i for i, p in zip(index, paths) if not p.is_file()]
+    if len(missing) == len(index):
+        return None
+    if missing:
+        raise BenchError(f"{run}/adv has no image of samples {missing} (not attacked); leave them out of --indices")
+    out = [torch.from_numpy(np.array(Image.open(p))).float().div(255) for p in paths]
     return torch.stack([a.permute(2, 0, 1) if a.dim() == 3 else a[None] for a in out])
 
 
