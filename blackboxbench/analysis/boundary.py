@@ -50,7 +50,8 @@ def first_crossing(values, steps):
     return math.nan
 
 
-def _grid_figure(path, title, panels, draw_panel):
+def grid_figure(path, title, panels, draw_panel):
+    """Write a figure of one panel per item of ``panels`` (4 a row), each drawn by ``draw_panel(ax, item)``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,7 +116,7 @@ def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
         ax.figure.colorbar(im, ax=ax, fraction=0.046)
 
     def draw(path, title):
-        return _grid_figure(path, title, list(range(len(rows))), panel)
+        return grid_figure(path, title, list(range(len(rows))), panel)
 
     return header, rows, arrays, draw
 
@@ -169,4 +170,4 @@ def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
         ax.legend(handles=handles, fontsize=6, loc="upper right", title="class", title_fontsize=6)
         ax.set_title(f"plane {q}: images {', '.join(map(str, inputs.index[3 * q:3 * q + 3]))}", fontsize=8)
 
-    return header, rows, arrays, lambda path, title: _grid_figure(path, title, list(range(planes)), panel)
+    return header, rows, arrays, lambda path, title: grid_figure(path, title, list(range(planes)), panel)

@@ -13,9 +13,10 @@ from torch import nn
 from ..errors import BenchError
 from ..prep.models import Normalized
 from ..registry import ANALYSIS
-from .boundary import _grid_figure
+from .boundary import grid_figure
 
 SCORES = ("label", "predicted")
+CHUNK = 64  # images per backward pass
 
 
 def class_score(model, x, y, score="label"):
@@ -58,7 +59,9 @@ def frequency_saliency(inputs, *, score="label", adversarial=False, log=True):
     run's adversarial images instead of the clean ones. The table is the map's radial profile (mean magnitude per
     integer frequency radius), the figure the map (``log``: on a log scale)."""
     x = _images(inputs, adversarial)
-    m = fsm(input_gradient(inputs.model, x, inputs.y, score)).mean(dim=(0, 1)).cpu().numpy()
+    m = sum(fsm(input_gradient(inputs.model, x[i:i + CHUNK], inputs.y[i:i + CHUNK], score)).sum(dim=(0, 1))
+            for i in range(0, len(x), CHUNK)) / (len(x) * x.shape[1])
+    m = m.cpu().numpy()
     prof = radial_profile(m)
 
     def draw(path, title):
@@ -210,4 +213,4 @@ def fullgrad(inputs, *, score="predicted", max_images=8):
         ax.set_title(f"{kind} {rows[k][0]}: label {rows[k][1]}, pred {p}", fontsize=7)
         ax.axis("off")
 
-    return header, rows, arrays, lambda path, title: _grid_figure(path, title, panels, panel)
+    return header, rows, arrays, lambda path, title: grid_figure(path, title, panels, panel)
