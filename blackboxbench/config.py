@@ -394,6 +394,8 @@ def validate_experiment(cfg, source):
         raise ConfigError("'cuda' requested but no CUDA device is available (use auto or cpu)", source, "device")
     if out["batch_size"] < 1:
         raise ConfigError(f"must be >= 1, got {out['batch_size']}", source, "batch_size")
+    if out.get("save_path_every", 0) < 0:  # absent unless given, so that the run folders of other runs keep their hash
+        raise ConfigError(f"must be >= 0 (0: off), got {out['save_path_every']}", source, "save_path_every")
     if not 0 <= out["seed"] < MAX_SEED:
         raise ConfigError(f"must be in [0, 2**63), got {out['seed']}", source, "seed")
     if out["name"] is not None:

@@ -79,6 +79,7 @@ class RunInputs:
     slots: int
     assets: dict
     save_adv: bool = False
+    save_path_every: int = 0  # > 0: each sample's iterates every k queries (query) or iterations (transfer)
     defenses: dict = field(default_factory=dict)  # config key -> list (per model) of defense lists (defense.py)
     lpips: Any = None        # the LPIPS network of the perceptual metrics, None when its weights are absent
 

@@ -8,6 +8,8 @@ The runner keeps persistence, resume, scheduling and progress; it never names a 
 * ``records.jsonl``: one line per sample, appended (and flushed) as samples finish, in the order they finish;
 * ``adv/<index>.png``: with ``save_adv: true``, each attacked sample's returned image (uint8, lossless), written
   before its record;
+* ``path/<index>.npz``: with ``save_path_every: k``, each attacked sample's path (its clean image, its iterate
+  every k queries or transfer iterations, its returned image; :func:`save_path`), written before its record;
 * ``progress.json``: the run's cumulative wall time, updated as records are written;
 * ``summary.json``: the family's summary of all records, written when every sample has one.
 
@@ -285,9 +287,11 @@ class RecordWriter:
         if not records:
             return
         for r in records:
-            image = r.pop("_image", None)
+            image, path = r.pop("_image", None), r.pop("_path", None)
             if image is not None:
                 save_png(self.run_dir / "adv" / f"{r['index']:06d}.png", image)
+            if path is not None:
+                save_path(self.run_dir / "path" / f"{r['index']:06d}.npz", path)
             r["check"] = record_check(r, self.salt)
         self.file.write("".join(json.dumps(r) + "\n" for r in records))
         self.file.flush()
@@ -317,6 +321,18 @@ def save_png(path, image):
     path.parent.mkdir(exist_ok=True)
     arr = image.permute(1, 2, 0).numpy()
     Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr).save(path)
+
+
+def save_path(path, snapshots):
+    """A sample's attack path, ``[(step, uint8 (C, H, W) image)]`` (step: queries used, or the transfer
+    iteration), as ``steps`` (K,) and ``images`` (K, C, H, W) uint8 in a compressed ``.npz``."""
+    import numpy as np
+
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, steps=np.array([k for k, _ in snapshots], dtype=np.int64),
+                        images=np.stack([im.numpy() for _, im in snapshots]))
+    os.replace(tmp, path)
 
 
 def schedule(worker, pending, write, on_progress):
@@ -393,7 +409,7 @@ class Runner:
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
-                         defenses=defenses, lpips=self.session.lpips(exp["lpips_path"], self.device, source))
+                         save_path_every=exp.get("save_path_every", 0), defenses=defenses, lpips=self.session.lpips(exp["lpips_path"], self.device, source))
 
     def _check_classes(self, models, data):
         """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes

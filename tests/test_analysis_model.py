@@ -174,11 +174,12 @@ def test_dbviz_plane_passes_through_its_images():
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """A finished Square run on 6 digits images with its adversarial images saved."""
+    """A finished Square run on 6 digits images with its adversarial images and attack paths saved."""
     tmp = tmp_path_factory.mktemp("run")
     cfg = tmp / "run.yaml"
     cfg.write_text(f"dataset: {{name: digits, n: 6}}\noutput_dir: {tmp / 'results'}\nmodel: digits_cnn\n"
-                   "attack: square_linf\nsave_adv: true\nthreat: {norm: linf, eps: 0.3, max_queries: 300}\n")
+                   "attack: square_linf\nsave_adv: true\nsave_path_every: 5\n"
+                   "threat: {norm: linf, eps: 0.3, max_queries: 300}\n")
     (exp,), _ = load_config(cfg, [])
     run_dir, summary = run_experiment(exp, progress=False)
     return run_dir, summary
@@ -194,12 +195,27 @@ def test_inputs_of_a_run(saved_run):
     assert bool((d <= 0.3 + 1e-6).all()) and bool((d > 0).all())
 
 
+def test_fullgrad_along_the_path(saved_run):
+    from blackboxbench.analysis.saliency import fullgrad_path
+
+    inputs = load_inputs(run=saved_run[0], n=2)
+    header, rows, arrays, _ = fullgrad_path(inputs, stages=3)
+    for i in inputs.index:
+        steps, images = inputs.paths[i]
+        mine = [r for r in rows if r[0] == i]
+        pick = sorted({0, round((len(steps) - 1) / 2), len(steps) - 1})
+        assert [r[3] for r in mine] == [int(steps[k]) for k in pick] and mine[0][5] == pytest.approx(1.0)
+        assert np.allclose(arrays[f"maps_{i}"][0], fullgrad_map(inputs.model, inputs.x[inputs.index.index(i)][None],
+                                                               inputs.y[:1], "predicted")[0].numpy(), atol=1e-5)
+
+
 def test_a_run_without_some_images(saved_run, tmp_path):
     import shutil
     run_dir = tmp_path / "run"
     shutil.copytree(saved_run[0], run_dir)
-    (run_dir / "adv" / "000001.png").unlink()
-    with pytest.raises(BenchError, match=r"has no image of samples \[1\] \(not attacked\)"):
+    (run_dir / "adv" / "000001.png").unlink()  # as for a sample the run did not attack
+    (run_dir / "path" / "000001.npz").unlink()
+    with pytest.raises(BenchError, match=r"adv has no file of samples \[1\] \(not attacked\)"):
         load_inputs(run=run_dir, indices=[0, 1])
     assert load_inputs(run=run_dir).index == [0, 2, 3, 4, 5]  # by default, the saved ones
 
@@ -209,7 +225,7 @@ def test_every_model_recipe_on_a_run(saved_run, tmp_path, capsys, tool):
     run_dir, _ = saved_run
     recipe = next(n for n, p in catalog.entries("analysis").items() if load_yaml(p)["tool"] == tool)
     assert main(["analyze", "-r", recipe, "--run", str(run_dir), "--param", "max_images=3" if tool in (
-        "decision_surface", "fullgrad") else "log=false" if tool == "fsm" else "resolution=9",
+        "decision_surface", "fullgrad", "fullgrad_path") else "log=false" if tool == "fsm" else "resolution=9",
                  "--device", "cpu", "-o", str(tmp_path / "fig.png")]) == 0, capsys.readouterr().err
     assert (tmp_path / "fig.png").read_bytes()[:8] == PNG
     assert (tmp_path / "fig.csv").read_text().count("\n") >= 2 and np.load(tmp_path / "fig.npz").files
@@ -229,6 +245,8 @@ def test_model_analysis_errors_are_one_line(saved_run, tmp_path, capsys):
         (["-r", "fsm", "--run", str(run_dir), "--model", "digits_cn"], "unknown model 'digits_cn'"),
         (["-r", "dbviz", "--run", str(run_dir), "--n", "2"], "dbviz needs 3 images per plane"),
         (["-r", "fsm", "--run", str(run_dir), "--param", "score=logit"], "params.score: must be one of label"),
+        (["-r", "fullgrad_path", "--model", "digits_cnn", "--dataset", "digits"],
+         "fullgrad_path needs the run's attack paths"),
     ]
     for args, message in cases:
         assert main(["analyze", *args, "--device", "cpu", "-o", str(tmp_path / "e.png")]) == 2, args

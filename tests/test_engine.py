@@ -286,3 +286,80 @@ def test_decision_attacks_survive_batch_dependent_logits(data_root, name, norm, 
     problem, res = run_query(name, model, x, y, eps, norm, budget=10_000)
     check_outputs(problem, res, model, 10_000)  # every success again at batch size 1, on the same model
     assert res.success.all(), res.queries
+
+
+def _paths(run_dir):
+    out = {}
+    for f in sorted((Path(run_dir) / "path").glob("*.npz")):
+        with np.load(f) as z:
+            out[int(f.stem)] = (z["steps"].tolist(), z["images"].copy())
+    return out
+
+
+@pytest.mark.parametrize("attack,every", [("square_linf", 15), ("hsja_linf", 100)])
+def test_save_path_every_writes_each_samples_path(tmp_path, attack, every):
+    """Each attacked sample's path: its clean image at step 0, an iterate each time its queries pass a multiple
+    of k, its returned image last (the adv PNG); every image inside the eps ball on the uint8 grid; the paths do
+    not depend on the batch size (a batch-invariant model)."""
+    from PIL import Image
+
+    from blackboxbench.prep.data import digits
+
+    x = digits(n=16).x
+    runs = []
+    for bs in (1, 7):
+        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), dataset={"name": "digits", "n": 16}, attack=attack,
+                                         model="test_digits_mlp_f64", batch_size=bs, save_adv=True,
+                                         save_path_every=every,
+                                         threat={"norm": "linf", "eps": 0.2, "max_queries": 600}), progress=False)
+        runs.append((_records(run_dir), _paths(run_dir), run_dir))
+    (records, paths, run_dir), (records7, paths7, _) = runs
+    assert records == records7 and paths.keys() == paths7.keys()
+    assert all(paths[i][0] == paths7[i][0] and np.array_equal(paths[i][1], paths7[i][1]) for i in paths)
+    assert sorted(paths) == [r["index"] for r in records if r["attacked"]]
+    long_paths = 0
+    for r in (r for r in records if r["attacked"]):
+        steps, images = paths[r["index"]]
+        assert steps[0] == 0 and steps[-1] == r["queries"] and steps == sorted(steps)
+        levels = [s // every for s in steps[1:-1]]
+        assert levels == sorted(set(levels)) and all(lv >= 1 for lv in levels)  # one snapshot per multiple passed
+        clean = torch.from_numpy(images[0]).float().div(255)
+        assert torch.equal(clean, x[r["index"]])
+        adv = np.array(Image.open(Path(run_dir) / "adv" / f"{r['index']:06d}.png"))
+        assert np.array_equal(images[-1][0], adv)
+        d = torch.from_numpy(images.astype(np.float32) / 255) - x[r["index"]]
+        assert d.abs().amax() <= 0.2 + 1e-6
+        long_paths += len(steps) > 2
+    assert long_paths >= 3  # some samples took several snapshots
+
+
+def test_save_path_every_in_transfer_runs(tmp_path):
+    run_dir, _ = run_experiment(_exp(tmp_path, dataset={"name": "digits", "n": 6}, attack={
+        "recipe": "mi_fgsm", "hyper": {"iterations": 10}}, surrogates=["digits_cnn"], targets=["digits_mlp"],
+        save_adv=True, save_path_every=4, threat={"norm": "linf", "eps": 0.2}), progress=False)
+    paths = _paths(run_dir)
+    assert sorted(paths) == list(range(6))
+    for i, (steps, images) in paths.items():
+        assert steps == [0, 4, 8, 10] and images.shape == (4, 1, 8, 8)
+        from PIL import Image
+        assert np.array_equal(images[-1][0], np.array(Image.open(Path(run_dir) / "adv" / f"{i:06d}.png")))
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"save_path_every": -1, "model": "digits_mlp", "attack": "square_linf"}, "save_path_every: must be >= 0"),
+    ({"save_path_every": 2.5, "model": "digits_mlp", "attack": "square_linf"}, "save_path_every"),
+])
+def test_save_path_every_is_checked(tmp_path, extra, message):
+    from blackboxbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _exp(tmp_path, threat={"norm": "linf", "eps": 0.2}, **extra)
+
+
+def test_save_path_every_is_not_for_detection(capsys):
+    from blackboxbench.cli import main
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "detection_quickstart.yaml"
+    assert main(["run", str(config), "--set", "save_path_every=5"]) == 2
+    assert "save_path_every: not used by detection attacks (only by decision, score, transfer)" in \
+        capsys.readouterr().err

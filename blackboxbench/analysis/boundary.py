@@ -50,14 +50,14 @@ def first_crossing(values, steps):
     return math.nan
 
 
-def grid_figure(path, title, panels, draw_panel):
-    """Write a figure of one panel per item of ``panels`` (4 a row), each drawn by ``draw_panel(ax, item)``."""
+def grid_figure(path, title, panels, draw_panel, cols=4):
+    """Write a figure of one panel per item of ``panels`` (``cols`` a row), each drawn by ``draw_panel(ax, item)``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = min(4, len(panels))
+    cols = min(cols, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.1 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):

@@ -34,6 +34,7 @@ class Inputs:
     index: list
     x_adv: Optional[torch.Tensor] = None
     seed: int = 0
+    paths: Optional[dict] = None  # dataset index -> (steps (K,), uint8 images (K, C, H, W)) of a run's attack paths
 
 
 def _spec_name(spec):
@@ -61,22 +62,51 @@ def _run_model(cfg, path):
     return {k: v for k, v in spec.items() if k != "defense"} if isinstance(spec, dict) else spec
 
 
-def _adv_images(run, index):
-    """The run's returned images of samples ``index`` (None when it saved none of them)."""
-    paths = [Path(run) / "adv" / f"{i:06d}.png" for i in index]  # as the runner writes them
+def _saved(run, folder, suffix, index):
+    """The files of samples ``index`` in ``run/folder`` (None when it holds none of them)."""
+    paths = [Path(run) / folder / f"{i:06d}{suffix}" for i in index]  # as the runner writes them
     missing = [i for i, p in zip(index, paths) if not p.is_file()]
     if len(missing) == len(index):
         return None
     if missing:
-        raise BenchError(f"{run}/adv has no image of samples {missing} (not attacked); leave them out of --indices")
+        raise BenchError(f"{run}/{folder} has no file of samples {missing} (not attacked); leave them out of "
+                         "--indices")
+    return paths
+
+
+def _adv_images(run, index):
+    """The run's returned images of samples ``index`` (None when it saved none of them)."""
+    paths = _saved(run, "adv", ".png", index)
+    if paths is None:
+        return None
     out = [torch.from_numpy(np.array(Image.open(p))).float().div(255) for p in paths]
     return torch.stack([a.permute(2, 0, 1) if a.dim() == 3 else a[None] for a in out])
+
+
+def _attack_paths(run, index):
+    """{index: (steps, uint8 images)} of the run's attack paths (None when it saved none of them)."""
+    paths = _saved(run, "path", ".npz", index)
+    if paths is None:
+        return None
+    out = {}
+    for i, p in zip(index, paths):
+        with np.load(p) as z:
+            out[i] = (z["steps"], z["images"])
+    return out
+
+
+def _saved_indices(run):
+    found = set()
+    for folder in ("adv", "path"):
+        found |= {int(p.stem) for p in (Path(run) / folder).glob("*.*") if p.stem.isdigit()}
+    return sorted(found)
 
 
 def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indices=None, seed=0, device="cpu"):
     """:class:`Inputs` of a run directory (``model`` / ``dataset`` override what its config names) or of a model
     and a dataset spec (a name or ``{name: ..., params}``). ``indices`` picks dataset indices; else the first
-    ``n`` (with a run: its first ``n`` saved adversarial images, or its first ``n`` images when it saved none)."""
+    ``n`` (with a run: its first ``n`` samples with a saved adversarial image or path, or its first ``n`` images when
+    it saved neither)."""
     cfg = _run_config(run) if run is not None else {}
     model = model if model is not None else (_run_model(cfg, run) if run is not None else None)
     dataset = dataset if dataset is not None else cfg.get("dataset")
@@ -87,8 +117,7 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     ds = dict(dataset) if isinstance(dataset, dict) else {"name": dataset}
     data = DATASET.get(ds.pop("name"))(root, **ds)
     if indices is None:
-        saved = sorted(int(p.stem) for p in (Path(run) / "adv").glob("*.png") if p.stem.isdigit()) \
-            if run is not None and (Path(run) / "adv").is_dir() else []
+        saved = _saved_indices(run) if run is not None else []
         indices = [i for i in saved if i < len(data.y)] or list(range(len(data.y)))
         indices = indices[:n] if n else indices
     bad = [i for i in indices if not 0 <= int(i) < len(data.y)]
@@ -97,8 +126,9 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     index = [int(i) for i in indices]
     net = build_model(model, root, device)
     x_adv = _adv_images(run, index) if run is not None else None
+    paths = _attack_paths(run, index) if run is not None else None
     if x_adv is not None and x_adv.shape != data.x[index].shape:
         raise BenchError(f"{run}/adv: images of shape {tuple(x_adv.shape[1:])}, the dataset's are "
                          f"{tuple(data.x.shape[1:])}")
     return Inputs(net, str(_spec_name(model)), data.x[index].to(device), data.y[index].to(device), index,
-                  None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)))
+                  None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)), paths)

@@ -206,11 +206,50 @@ def fullgrad(inputs, *, score="predicted", max_images=8):
 
     def panel(ax, which):
         kind, k = which
-        img = images[kind][k].permute(1, 2, 0).cpu().numpy()
-        ax.imshow(img if img.shape[2] == 3 else img[..., 0], cmap=None if img.shape[2] == 3 else "gray")
-        ax.imshow(arrays[kind][k], cmap="jet", alpha=0.5)
         p = rows[k][2] if kind == "clean" else rows[k][3]
-        ax.set_title(f"{kind} {rows[k][0]}: label {rows[k][1]}, pred {p}", fontsize=7)
-        ax.axis("off")
+        overlay(ax, images[kind][k], arrays[kind][k], f"{kind} {rows[k][0]}: label {rows[k][1]}, pred {p}")
 
     return header, rows, arrays, lambda path, title: grid_figure(path, title, panels, panel)
+
+
+def overlay(ax, image, saliency, title):
+    """An image (C, H, W) in [0, 1] with its saliency map (H, W) over it."""
+    img = image.permute(1, 2, 0).cpu().numpy()
+    ax.imshow(img if img.shape[2] == 3 else img[..., 0], cmap=None if img.shape[2] == 3 else "gray")
+    ax.imshow(saliency, cmap="jet", alpha=0.5)
+    ax.set_title(title, fontsize=7)
+    ax.axis("off")
+
+
+@ANALYSIS.register("fullgrad_path", inputs="model", paper="BlackboxBench Supp. I, eq. I.1 and Figs. 27-32 (MAV-A "
+                   "along the attack path)", ranges={"score": SCORES, "max_images": "int [1, 16]",
+                                                     "stages": "int [2, 12]"})
+def fullgrad_path(inputs, *, score="predicted", max_images=4, stages=6):
+    """FullGrad saliency along each image's attack path (a run saved with ``save_path_every``): ``stages``
+    snapshots evenly spaced from the clean image to the returned one (the paper shows 6), the maps on the path
+    image's own prediction (``score``). The table gives, per stage, the step (queries, or the transfer
+    iteration), the prediction and the cosine of the map to the clean image's."""
+    if inputs.paths is None:
+        raise BenchError("fullgrad_path needs the run's attack paths: run the attack with save_path_every: k")
+    header, rows, arrays, panels, shown = ["index", "label", "stage", "step", "predicted", "cosine_to_clean"], \
+        [], {}, [], {}
+    for k in range(min(max_images, len(inputs.index))):
+        i = inputs.index[k]
+        steps, images = inputs.paths[i]
+        pick = sorted(set(np.linspace(0, len(steps) - 1, stages).round().astype(int).tolist()))
+        xs = torch.from_numpy(images[pick]).float().div(255).to(inputs.x.device)
+        maps = fullgrad_map(inputs.model, xs, inputs.y[k].expand(len(pick)), score)
+        with torch.no_grad():
+            pred = inputs.model(xs).argmax(1).tolist()
+        arrays[f"maps_{i}"], arrays[f"steps_{i}"] = maps.cpu().numpy(), steps[pick]
+        for j, s in enumerate(pick):
+            cos = float(F.cosine_similarity(maps[j].flatten(), maps[0].flatten(), dim=0))
+            rows.append([i, int(inputs.y[k]), j, int(steps[s]), pred[j], cos])
+            panels.append(len(rows) - 1)
+            shown[len(rows) - 1] = (xs[j], arrays[f"maps_{i}"][j])
+
+    def panel(ax, r):
+        overlay(ax, *shown[r], f"{rows[r][0]} step {rows[r][3]}: pred {rows[r][4]}")
+
+    width = max(sum(1 for r in rows if r[0] == i) for i in {r[0] for r in rows})
+    return header, rows, arrays, lambda path, title: grid_figure(path, title, panels, panel, cols=width)

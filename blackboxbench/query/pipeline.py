@@ -136,6 +136,9 @@ class QueryWorker:
         self.ready = []     # clean-checked samples waiting for a slot: (their record so far, target)
         self.ws = None      # working set: (slots, ctx, state), rebuilt when a sample enters or leaves
         self.unaudited, self.audited = [], time.perf_counter()  # finished samples waiting for the audit forward
+        self.path_every = run.save_path_every  # > 0: keep each sample's iterate every k queries (its path)
+        self.paths = {}     # dataset index -> [(queries used, uint8 image)]
+        self.mark = torch.zeros(s, dtype=torch.long, device=dev)  # queries // path_every at the last snapshot
 
     # ------------------------------------------------------------------------------------------ admission
     @property
@@ -209,6 +212,11 @@ class QueryWorker:
         ok, rows, images = verify(ctx, state, self.draws)
         leaving = ctx.oracle.spent() if ok is None else ok | ctx.oracle.spent()
         self._place(state, slots, x, y, target, gids)
+        if self.path_every:  # a path starts at the clean image, then the iterate after init
+            uint8 = to_uint8(x)
+            self.paths.update({g: [(0, uint8[k])] for k, g in enumerate(index)})
+            self.mark[slots] = 0
+            self._snapshot(slots, ctx, state)
         self.ws = None
         if not bool(leaving.any()):
             return []
@@ -241,6 +249,8 @@ class QueryWorker:
         proposal = self.attack.perturb(ctx, state)
         state = self.attack.accept(ctx, state, proposal)
         self.ws = (slots, ctx, state)
+        if self.path_every:
+            self._snapshot(slots, ctx, state)
         stalled = ctx.oracle.counts == before  # nothing was asked for these samples: they cannot progress
         # One check (one sync) per iteration: did a sample claim success, use up its budget or stall?
         if not bool((state["success"] | ctx.oracle.spent() | stalled).any()):
@@ -253,6 +263,21 @@ class QueryWorker:
             self.state[k][slots] = v
         self.ws = None
         return self._finish(slots, leaving, state, ctx, rows, images, stalled)
+
+    def _snapshot(self, slots, ctx, state):
+        """Add the iterate of every sample that has passed a multiple of ``path_every`` queries since its last
+        snapshot to its path (projected and quantized, as a returned image would be)."""
+        counts = ctx.oracle.counts
+        level = torch.div(counts, self.path_every, rounding_mode="floor")
+        due = level > self.mark[slots]
+        if not bool(due.any()):
+            return
+        at = due.nonzero().squeeze(1)
+        self.mark[slots[at]] = level[at]
+        p = ctx.problem.sub(at)
+        images = to_uint8(p.quantize(p.project(state["x_adv"][at])))
+        for k, (g, q) in enumerate(zip(self.gid[slots[at]].tolist(), counts[at].tolist())):
+            self.paths[g].append((int(q), images[k]))
 
     def _finish(self, slots, leaving, state, ctx, rows, images, stalled):
         """Records of the local samples ``leaving`` (verified ones return their confirmed image); frees their
@@ -272,11 +297,16 @@ class QueryWorker:
         success, stalled = success[go].tolist(), stalled[go].tolist()
         now, rule = time.perf_counter(), rule_label(t["success_rule"])
         records = []
+        final = to_uint8(x_out) if self.path_every else None
         for j, g in enumerate(self.gid[slots[go]].tolist()):
             start, r = self.started.pop(g)
             r.update(attacked=True, success=bool(success[j]), queries=int(queries[j]), time=now - start,
                      stalled=bool(stalled[j] and not success[j]), success_rule=rule,
                      **{m: v[j] for m, v in metrics.items()})
+            if final is not None:  # the returned image ends the path (replacing a snapshot at the same count)
+                path = self.paths.pop(g)
+                r["_path"] = path[:-1 if path[-1][0] == queries[j] and len(path) > 1 else None] + \
+                    [(int(queries[j]), final[j])]
             records.append(r)
         self.gid[slots[go]] = -1
         self.unaudited.append((records, x_out, sub))
@@ -317,7 +347,8 @@ class QueryFamily(Family):
     model_keys = {"model": ModelKey("target", True, False, forward_only=True),
                   "surrogates": ModelKey("surrogate", False, True)}
     threat_keys = {"max_queries": (int,), "feedback": (str,), "success_rule": (str, dict)}
-    run_keys = {"defense": (str, dict, list)}  # defenses inside the oracle (defense.py)
+    # defenses inside the oracle (defense.py); the attack path of every sample, every k queries (runner.save_path)
+    run_keys = {"defense": (str, dict, list), "save_path_every": (int,)}
     shared_key = "model"  # the target: only called, by the oracle, the clean check and the audit
     hyper = {"eot": 1}  # EOT (spec sheet section 7): k queries per logical evaluation; 1 is the paper's default
     record_fields = {"success": (bool,), "queries": (int,), "audit_adv": (bool, type(None)), "stalled": (bool,),

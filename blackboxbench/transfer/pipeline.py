@@ -120,19 +120,20 @@ class TransferAttack:
             fn = partial(g, ctx, fn, state=state)
         return fn
 
-    def run(self, ctx):
-        """Craft adversarial images for ``ctx.problem`` on the refined surrogate ``ctx.model``."""
+    def run(self, ctx, on_iterate=None):
+        """Craft adversarial images for ``ctx.problem`` on the refined surrogate ``ctx.model``; ``on_iterate(t,
+        x_adv)`` (optional) sees the iterate after each iteration ``t`` (0-based)."""
         aux = {}
         try:
             for a in self.auxiliaries:
                 aux.update(a(ctx.at(aux=dict(aux))))
-            return self._loop(ctx.at(aux=aux))
+            return self._loop(ctx.at(aux=aux), on_iterate)
         finally:
             for value in aux.values():
                 if callable(getattr(value, "close", None)):
                     value.close()
 
-    def _loop(self, ctx):
+    def _loop(self, ctx, on_iterate=None):
         problem, state = ctx.problem, {}
         x_adv = problem.x.clone()
         if self.random_start > 0:
@@ -144,6 +145,8 @@ class TransferAttack:
             for direction in self.directions:
                 d = direction(c, d, state)
             x_adv = problem.project(self.update(c, x_adv, d))
+            if on_iterate is not None:
+                on_iterate(t, x_adv)
         return problem.quantize(x_adv)
 
 
@@ -182,7 +185,14 @@ class TransferWorker(WholeBatchWorker):
         ctx = BlockContext(problem=problem, rng=rng, surrogates=tuple(self.surrogates), assets=run.assets,
                            pool=self.pool, model=self.model, iterations=self.attack.iterations,
                            alpha=self.attack.alpha)
-        x_adv = self.attack.run(ctx)
+        paths, every = [[(0, im)] for im in to_uint8(x)], run.save_path_every
+
+        def keep(it, x_it):  # the path: every ``every`` iterations, as a returned image would be
+            if every and (it + 1) % every == 0 and it + 1 < self.attack.iterations:
+                for path, im in zip(paths, to_uint8(problem.quantize(x_it))):
+                    path.append((it + 1, im))
+
+        x_adv = self.attack.run(ctx, keep if every else None)
         check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
         metrics = sample_metrics(x_adv, x, run.lpips)
         valid = (torch.ones_like(y, dtype=torch.bool) if target is None else target != y).tolist()
@@ -196,6 +206,7 @@ class TransferWorker(WholeBatchWorker):
             results[name] = (clean_ok.tolist(), adv.tolist())
         per = (time.perf_counter() - t0) / len(index)
         images = to_uint8(x_adv) if run.save_adv else None
+        final = to_uint8(x_adv) if every else None
         records = base_records(index, y, target, correct)
         for i, r in enumerate(records):
             r.update(attacked=bool(valid[i]), time=per, **{k: v[i] for k, v in metrics.items()},
@@ -203,6 +214,8 @@ class TransferWorker(WholeBatchWorker):
                               for (n, (c, s)), lab in zip(results.items(), self.labels)})
             if images is not None and valid[i]:
                 r["_image"] = images[i]
+            if every and valid[i]:
+                r["_path"] = paths[i] + [(self.attack.iterations, final[i])]
         return records
 
 
@@ -216,6 +229,7 @@ class TransferFamily(Family):
     model_keys = {"surrogates": ModelKey("surrogate", True, True),
                   "targets": ModelKey("target", True, True, forward_only=True)}
     record_fields = {"targets": (dict,)}
+    run_keys = {"save_path_every": (int,)}  # the attack path of every sample, every k iterations (runner.save_path)
     surrogate_may_be_target = True  # a target equal to the surrogate reports the white-box success rate
     columns = (("asr", "higher"), ("mean_l2", "lower"), ("median_l2", "lower"), ("mean_linf", "lower"),
                ("median_linf", "lower"), ("mean_ssim", "higher"), ("median_ssim", "higher"), ("mean_lpips", "lower"),
