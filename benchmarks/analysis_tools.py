@@ -4,7 +4,7 @@ direction (BlackboxBench Supp. I and Sec. IV):
 * decision surface (Supp. I, after eq. I.12): the boundary is nearer along the attack's direction than along a
   random one, per image;
 * FullGrad (Figs. 16, 30-32): a successful attack moves the model's attention more than a failed one (lower
-  cosine between the clean and adversarial maps);
+  cosine between the clean and adversarial maps), and along its path (``save_path_every``: 6 stages);
 * FSM (Fig. 25): adversarially trained models attend to other frequencies than normally trained ones (share of
   the spectrum's magnitude at low frequencies, radius <= 4 of the 32 x 32 DFT);
 * dbViz (Fig. 10, Fig. 13): classes met on the plane of three test images, per model.
@@ -25,7 +25,7 @@ import torch
 
 from blackboxbench.analysis.boundary import dbviz, decision_surface
 from blackboxbench.analysis.inputs import load_inputs
-from blackboxbench.analysis.saliency import frequency_saliency, fullgrad
+from blackboxbench.analysis.saliency import frequency_saliency, fullgrad, fullgrad_path
 from blackboxbench.config import validate_experiment
 from blackboxbench.registry import MODEL
 from blackboxbench.runner import run_experiment
@@ -37,6 +37,7 @@ FSM_MODELS = ("cifar_resnet20", "cifar_resnet56", "oval_cifar_wide", "cifar_resn
 def attack_run(args, out):
     exp = validate_experiment({"dataset": {"name": "cifar10", "n": args.n}, "model": "cifar_resnet20",
                                "attack": "square_linf", "seed": 0, "save_adv": True, "output_dir": str(out),
+                               "save_path_every": args.budget // 20,
                                "threat": {"norm": "linf", "eps": args.eps, "max_queries": args.budget}},
                               "analysis_tools.py")
     exp.update(_source="analysis_tools.py", _base_dir=".")
@@ -91,6 +92,16 @@ def main():
         print("| FullGrad, clean vs adversarial map | images | mean cosine |\n|---|---|---|")
         for k, label in ((True, "successful attacks"), (False, "failed attacks")):
             print(f"| {label} | {len(cos[k])} | {mean(cos[k])} |")
+        print(flush=True)
+
+        _, rows, _, _ = fullgrad_path(inputs, max_images=len(inputs.index), stages=6)
+        ok = dict(zip(inputs.index, success))
+        print("| FullGrad along the path (up to 6 stages), cosine to the clean map | images | intermediate iterates "
+              "| returned image |\n|---|---|---|---|")
+        for k, label in ((True, "successful attacks"), (False, "failed attacks")):
+            mine = {i: [r for r in rows if r[0] == i] for i in inputs.index if ok[i] == k}
+            mid = [r[5] for path in mine.values() for r in path[1:-1]]
+            print(f"| {label} | {len(mine)} | {mean(mid)} | {mean([p[-1][5] for p in mine.values()])} |")
         print(flush=True)
 
         print("| FSM model | registry tag | clean acc on the images | low-frequency share (radius <= 4) | "

@@ -185,7 +185,8 @@ class TransferWorker(WholeBatchWorker):
         ctx = BlockContext(problem=problem, rng=rng, surrogates=tuple(self.surrogates), assets=run.assets,
                            pool=self.pool, model=self.model, iterations=self.attack.iterations,
                            alpha=self.attack.alpha)
-        paths, every = [[(0, im)] for im in to_uint8(x)], run.save_path_every
+        every = run.save_path_every
+        paths = [[(0, im)] for im in to_uint8(x)] if every else None
 
         def keep(it, x_it):  # the path: every ``every`` iterations, as a returned image would be
             if every and (it + 1) % every == 0 and it + 1 < self.attack.iterations:
