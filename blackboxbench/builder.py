@@ -15,8 +15,10 @@ from .errors import BenchError
 from .registry import FAMILY, block_params, is_numeric
 from .threat import NORMS
 
-RECIPE_KEYS = {"name", "family", "paper", "defaults", "norms", "targeted", "blocks", "hyper", "notes"}
-RECIPE_TYPES = {"name": str, "norms": list, "targeted": bool, "blocks": dict, "hyper": dict}
+RECIPE_KEYS = {"name", "family", "paper", "defaults", "norms", "targeted", "blocks", "hyper", "notes", "category",
+               "year"}  # category and year: the paper's taxonomy (Supp. ), for the AEV plots
+RECIPE_TYPES = {"name": str, "norms": list, "targeted": bool, "blocks": dict, "hyper": dict, "category": str,
+                "year": int}
 OVERRIDES = {"blocks": dict, "hyper": dict, "name": str}  # what a config may override in a catalog recipe
 SETTING_KEYS = {"linf", "l2", "targeted", "untargeted"}
 

@@ -501,7 +501,8 @@ class Runner:
         for key, _, spec in fam.roles(exp):
             by_role.setdefault(fam.model_keys[key].role, []).append(spec_label(spec))
         s.update(run=self.run_dir.name, attack=self.recipe["name"], family=fam.name,
-                 paper=self.recipe.get("paper"), dataset=exp["dataset"]["name"],
+                 paper=self.recipe.get("paper"), category=self.recipe.get("category"), year=self.recipe.get("year"),
+                 dataset=exp["dataset"]["name"],
                  target_model="+".join(by_role.get("target", [])) or None,
                  surrogates="+".join(by_role.get("surrogate", [])) or None,
                  norm=t["norm"], eps=t["eps"], targeted=t["targeted"], budget=t.get("max_queries"),

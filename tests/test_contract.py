@@ -162,3 +162,20 @@ def test_recipes_cite_their_defaults():
     for name, path in RECIPES.items():
         r = load_yaml(path)
         assert r["name"] == name and r.get("paper") and "Table" in r.get("defaults", ""), path
+
+
+CATEGORIES = {"score": {"random search", "gradient estimation", "combination"},  # BlackboxBench Supp. A-2
+              "decision": {"random search", "gradient estimation"},  # Supp. A-1
+              "transfer": {"baseline", "data", "optimization", "feature", "model", "composite"}}  # Supp. A-3
+
+
+def test_recipes_carry_the_papers_taxonomy():
+    """Every classification recipe names its category of the paper's taxonomy and, unless it is a composite, the
+    year of its paper (the AEV bubble plots of Figs. 5-6 group by them)."""
+    for name, path in RECIPES.items():
+        r = load_yaml(path)
+        if r["family"] not in CATEGORIES:
+            continue
+        assert r.get("category") in CATEGORIES[r["family"]], (name, r.get("category"))
+        if r["category"] != "composite":
+            assert isinstance(r.get("year"), int) and 2014 <= r["year"] <= 2026 and str(r["year"]) in r["paper"], name
