@@ -209,6 +209,22 @@ def test_fullgrad_along_the_path(saved_run):
                                                                inputs.y[:1], "predicted")[0].numpy(), atol=1e-5)
 
 
+def test_path_tsne_embeds_every_snapshot(saved_run):
+    from blackboxbench.analysis.boundary import path_tsne
+
+    inputs = load_inputs(run=saved_run[0], n=3)
+    _, rows, arrays, _ = path_tsne(inputs, max_images=3)
+    steps = [s for i in inputs.index for s in inputs.paths[i][0].tolist()]
+    assert [r[2] for r in rows] == steps and arrays["embedding"].shape == (len(steps), 2)
+    assert [r[0] for r in rows if r[2] == 0] == inputs.index  # each path starts at its clean image
+    again = path_tsne(inputs, max_images=3)[2]["embedding"]
+    assert np.array_equal(again, arrays["embedding"])  # seeded by the run's seed
+    short = Inputs(inputs.model, "m", inputs.x[:1], inputs.y[:1], inputs.index[:1],
+                   paths={inputs.index[0]: (np.array([0, 3]), inputs.paths[inputs.index[0]][1][:2])})
+    with pytest.raises(BenchError, match="path_tsne needs at least 4 snapshots"):
+        path_tsne(short)
+
+
 def test_a_run_without_some_images(saved_run, tmp_path):
     import shutil
     run_dir = tmp_path / "run"
@@ -224,9 +240,9 @@ def test_a_run_without_some_images(saved_run, tmp_path):
 def test_every_model_recipe_on_a_run(saved_run, tmp_path, capsys, tool):
     run_dir, _ = saved_run
     recipe = next(n for n, p in catalog.entries("analysis").items() if load_yaml(p)["tool"] == tool)
-    assert main(["analyze", "-r", recipe, "--run", str(run_dir), "--param", "max_images=3" if tool in (
-        "decision_surface", "fullgrad", "fullgrad_path") else "log=false" if tool == "fsm" else "resolution=9",
-                 "--device", "cpu", "-o", str(tmp_path / "fig.png")]) == 0, capsys.readouterr().err
+    param = {"fsm": "log=false", "dbviz": "resolution=9"}.get(tool, "max_images=3")
+    assert main(["analyze", "-r", recipe, "--run", str(run_dir), "--param", param, "--device", "cpu", "-o",
+                 str(tmp_path / "fig.png")]) == 0, capsys.readouterr().err
     assert (tmp_path / "fig.png").read_bytes()[:8] == PNG
     assert (tmp_path / "fig.csv").read_text().count("\n") >= 2 and np.load(tmp_path / "fig.npz").files
 

@@ -171,3 +171,54 @@ def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
         ax.set_title(f"plane {q}: images {', '.join(map(str, inputs.index[3 * q:3 * q + 3]))}", fontsize=8)
 
     return header, rows, arrays, lambda path, title: grid_figure(path, title, list(range(planes)), panel)
+
+
+@ANALYSIS.register("path_tsne", inputs="model", paper="BlackboxBench Sec. IV, Fig. 11 (attack paths by t-SNE; not "
+                   "among the 10 tools)", ranges={"max_images": "int [1, 16]", "perplexity": "(0, inf)"})
+def path_tsne(inputs, *, max_images=3, perplexity=10.0):
+    """The attack paths of a run saved with ``save_path_every`` in two dimensions: every snapshot of the first
+    ``max_images`` paths (clean image first, returned image last) embedded together by t-SNE (scikit-learn, PCA
+    start, ``perplexity`` capped below the number of points, seeded by the run's seed), each path drawn as a line
+    from its clean image (dot) to its returned image (star), as the paper's Fig. 11 does for NES and PGD. The
+    model is not used: the embedding is of the images alone."""
+    from sklearn.manifold import TSNE
+
+    if inputs.paths is None:
+        raise BenchError("path_tsne needs the run's attack paths: run the attack with save_path_every: k")
+    chosen = inputs.index[:max_images]
+    owner, steps, points = [], [], []
+    for i in chosen:
+        s, images = inputs.paths[i]
+        owner += [i] * len(s)
+        steps += [int(v) for v in s]
+        points.append(images.reshape(len(s), -1).astype(np.float32) / 255)
+    points = np.concatenate(points)
+    if len(points) < 4:
+        raise BenchError(f"path_tsne needs at least 4 snapshots, the paths hold {len(points)}: save them more often "
+                         "(a smaller save_path_every) or pick more images")
+    emb = TSNE(n_components=2, perplexity=min(perplexity, (len(points) - 1) / 3), init="pca",
+               random_state=inputs.seed % 2 ** 32).fit_transform(points)
+    rows = [[i, k, st, float(a), float(b)] for k, (i, st, (a, b)) in enumerate(zip(owner, steps, emb))]
+
+    def draw(path, title):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5.6, 4.8))
+        for i in chosen:
+            pts = np.array([r[3:] for r in rows if r[0] == i])
+            line, = ax.plot(pts[:, 0], pts[:, 1], "-", lw=1, alpha=0.8, label=f"image {i}")
+            ax.scatter(pts[1:-1, 0], pts[1:-1, 1], s=8, color=line.get_color())
+            ax.plot(*pts[0], "o", color="tab:blue", ms=7)
+            ax.plot(*pts[-1], "*", color="tab:red", ms=11)
+        ax.set_title(title + " (dot: clean image, star: returned image)", fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    return ["index", "point", "step", "tsne_1", "tsne_2"], rows, {"embedding": emb, "owner": np.array(owner),
+                                                                   "steps": np.array(steps)}, draw
