@@ -31,10 +31,15 @@ def unit(v):
     return v / norm.view(-1, *[1] * (v.dim() - 1))
 
 
+DIRECTION_SALT = 0x2545F4914F6CDD1D  # the analysis' own streams, apart from the attack's (same seed and index)
+
+
 def random_directions(seed, index, alpha):
-    """A standard normal direction per image from the image's own stream (``seed``, its dataset ``index``), made
-    orthogonal to ``alpha`` (Gram-Schmidt; both unit L2), so a plot's two axes are independent directions."""
-    beta = Streams(seed, max(index) + 1, "cpu").view(index).normal(alpha.shape[1:]).to(alpha)
+    """A standard normal direction per image from the image's own analysis stream (``seed``, its dataset
+    ``index``, :data:`DIRECTION_SALT`), made orthogonal to ``alpha`` (Gram-Schmidt; both unit L2), so a plot's two
+    axes are independent directions."""
+    salted = (int(seed) ^ DIRECTION_SALT) % 2 ** 63
+    beta = Streams(salted, max(index) + 1, "cpu").view(index).normal(alpha.shape[1:]).to(alpha)
     beta = beta - (beta * alpha).flatten(1).sum(1).view(-1, *[1] * (alpha.dim() - 1)) * alpha
     return unit(beta)
 
