@@ -58,21 +58,21 @@ def cmd_run(args):
     share = args.share_forwards or opts.get("share_forwards", False)
     summaries = run_all(runners, Session(), share, lambda r: print(f"run {r.run_dir}", file=sys.stderr))
     print(format_table(summaries))
+    results = sorted({e["output_dir"] for e in experiments})
     if opts.get("leaderboard"):
         from .leaderboard import notes
-        rows, skipped = export_csv(sorted({e["output_dir"] for e in experiments}), opts["leaderboard"])
+        rows, skipped = export_csv(results, opts["leaderboard"])
         print(f"leaderboard: {opts['leaderboard']} ({len(rows)} runs)")
         for line in notes(rows, skipped, opts["leaderboard"]):
             print(line, file=sys.stderr)
         for fam in {r.family.name: r.family for r in runners}.values():
-            for path in fam.after_runs(sorted({e["output_dir"] for e in experiments}), opts["leaderboard"]):
+            for path in fam.after_runs(results, opts["leaderboard"]):
                 print(f"{fam.name} report: {path}")
     if opts.get("robustness"):
-        _robustness(sorted({e["output_dir"] for e in experiments}), opts["robustness"])
+        _robustness(results, opts["robustness"])
     for p in opts.get("plots") or []:
         from .analysis.recipes import plot
-        png, table, n, _ = plot(p["recipe"], sorted({e["output_dir"] for e in experiments}), p["output"],
-                                p["params"], p["where"])
+        png, table, n, _ = plot(p["recipe"], results, p["output"], p["params"], p["where"])
         print(f"plot {p['recipe']}: {png} and {table} ({n} result rows)")
     return 0
 

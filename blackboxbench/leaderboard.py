@@ -108,14 +108,15 @@ def collect(results_dirs):
     return rows, skipped
 
 
-def _finite(v):
+def is_number(v):
+    """A finite int or float, not a boolean."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def sort_key(row, directions):
     """Each :data:`SORT_BY` column best first by its direction (``higher`` or ``lower``), a missing or
     non-finite value last; then the run name."""
-    key = [(0, -row[c] if directions.get(c) == "higher" else row[c]) if _finite(row.get(c)) else (1, 0)
+    key = [(0, -row[c] if directions.get(c) == "higher" else row[c]) if is_number(row.get(c)) else (1, 0)
            for c in SORT_BY]
     return (*key, str(row.get("run", "")))
 

@@ -1,35 +1,64 @@
-"""Figure helpers shared by the reports (detection) and the analysis tools: a labelled heatmap and the rows of a
-CSV the library wrote (numbers read back as numbers)."""
+"""Figure helpers shared by the reports (detection) and the analysis tools: a figure written and closed in one
+block, a grid of panels, a labelled heatmap, and the rows of a CSV the library wrote (numbers read back as
+numbers)."""
 import csv
 import json
+import math
+from contextlib import contextmanager
 
 from .errors import BenchError
+
+
+@contextmanager
+def figure(path, size, rows=1, cols=1):
+    """A matplotlib figure of ``rows`` x ``cols`` axes (a 2-D array) of ``size`` inches, written to ``path`` and
+    closed when the block ends (the Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def grid_figure(path, title, panels, draw_panel, cols=4):
+    """Write a figure of one panel per item of ``panels`` (``cols`` a row), each drawn by ``draw_panel(ax, item)``."""
+    cols = min(cols, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    with figure(path, (3.4 * cols, 3.1 * rows), rows, cols) as (fig, axes):
+        for ax, panel in zip(axes.flat, panels):
+            draw_panel(ax, panel)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(title, fontsize=9)
+    return path
 
 
 def heatmap(path, rlabels, clabels, m, title, fmt="{:.2f}", cmap="viridis"):
     """A heatmap of the matrix ``m`` (rows ``rlabels``, columns ``clabels``) with each finite value written in its
     cell; NaN cells (missing or incompatible) are light gray. Returns ``path``."""
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     a = np.array(m, dtype=float).reshape(len(rlabels), len(clabels))
     colors = matplotlib.colormaps[cmap].with_extremes(bad="lightgray")
-    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(clabels), 1.2 + 0.45 * len(rlabels)))
-    im = ax.imshow(np.ma.masked_invalid(a), cmap=colors, aspect="auto")
-    ax.set_xticks(range(len(clabels)), clabels, rotation=35, ha="right", fontsize=8)
-    ax.set_yticks(range(len(rlabels)), rlabels, fontsize=8)
-    for i in range(a.shape[0]):
-        for j in range(a.shape[1]):
-            if np.isfinite(a[i, j]):
-                ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="w")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.04)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, (1.6 + 1.1 * len(clabels), 1.2 + 0.45 * len(rlabels))) as (fig, axes):
+        ax = axes[0, 0]
+        im = ax.imshow(np.ma.masked_invalid(a), cmap=colors, aspect="auto")
+        ax.set_xticks(range(len(clabels)), clabels, rotation=35, ha="right", fontsize=8)
+        ax.set_yticks(range(len(rlabels)), rlabels, fontsize=8)
+        for i in range(a.shape[0]):
+            for j in range(a.shape[1]):
+                if np.isfinite(a[i, j]):
+                    ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="w")
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.04)
     return path
 
 

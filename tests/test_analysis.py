@@ -184,7 +184,7 @@ def test_cli_missing_results_and_bad_recipe_file(tmp_path, capsys):
     assert "mine.yaml:colour: unknown key" in capsys.readouterr().err
     bad.write_text("name: mine\ntool: aev_lines\npaper: p\n")
     assert main(["plot", str(tmp_path), "-r", str(bad)]) == 2
-    assert "mine.yaml:tool: unknown analysis tool 'aev_lines' (did you mean: aev_line" in capsys.readouterr().err
+    assert "mine.yaml:tool: unknown analysis 'aev_lines' (did you mean: aev_line" in capsys.readouterr().err
 
 
 def test_cli_where_reads_arithmetic(results, tmp_path, capsys):

@@ -12,7 +12,7 @@ from torch import nn
 
 import blackboxbench  # noqa: F401  (registers the tools)
 from blackboxbench import catalog
-from blackboxbench.analysis.boundary import decision_surface, dbviz, first_crossing, margin, random_directions
+from blackboxbench.analysis.boundary import decision_surface, dbviz, first_crossing, random_directions
 from blackboxbench.analysis.inputs import Inputs, load_inputs
 from blackboxbench.analysis.saliency import frequency_saliency, full_gradients, fullgrad_map, radial_profile
 from blackboxbench.cli import main
@@ -133,7 +133,8 @@ def test_decision_surface_of_a_two_class_linear_model():
     inputs = Inputs(model, "lin", x, y, [5, 9, 2], x_adv=x_adv, seed=7)
     header, rows, arrays, _ = decision_surface(inputs, steps=201, scale=3.0)
     with torch.no_grad():
-        s0 = margin(model(x), y)
+        logits = model(x)
+    s0 = logits[torch.arange(3), y] - logits[torch.arange(3), 1 - y]  # two classes: the label's minus the other
     for k, row in enumerate(rows):
         slope = float(gdir[k].flatten().norm())  # S falls by |g| per unit L2 along alpha
         assert row[4] == pytest.approx(float(s0[k]) / slope, rel=1e-3)
@@ -205,7 +206,9 @@ def test_fullgrad_along_the_path(saved_run):
         mine = [r for r in rows if r[0] == i]
         pick = sorted({0, round((len(steps) - 1) / 2), len(steps) - 1})
         assert [r[3] for r in mine] == [int(steps[k]) for k in pick] and mine[0][5] == pytest.approx(1.0)
-        assert np.allclose(arrays[f"maps_{i}"][0], fullgrad_map(inputs.model, inputs.x[inputs.index.index(i)][None],
+        first = int(np.flatnonzero(arrays["owner"] == i)[0])  # the path's clean image
+        assert arrays["steps"][first] == 0
+        assert np.allclose(arrays["maps"][first], fullgrad_map(inputs.model, inputs.x[inputs.index.index(i)][None],
                                                                inputs.y[:1], "predicted")[0].numpy(), atol=1e-5)
 
 
@@ -257,6 +260,9 @@ def test_model_analysis_errors_are_one_line(saved_run, tmp_path, capsys):
         (["-r", "fsm", "--run", str(run_dir), "--indices", "5000"], "image indices [5000] are not in the dataset"),
         (["-r", "fsm", "--run", str(run_dir), "--indices", "a,b"], "--indices expects comma-separated integers"),
         (["-r", "fsm"], "give a run directory (--run) or both a model"),
+        (["-r", "fsm", "--model", "digits_cnn", "--dataset", "{name: digits, nn: 3}"],
+         "command line:--dataset.nn: unknown parameter of block 'digits' (did you mean: n?)"),
+        (["-r", "fsm", "--model", "digits_cnn", "--dataset", "{n: 3}"], "a dataset spec is a name or a mapping"),
         (["-r", "fsm", "--run", str(tmp_path)], "not a run directory (no config.yaml)"),
         (["-r", "fsm", "--run", str(run_dir), "--model", "digits_cn"], "unknown model 'digits_cn'"),
         (["-r", "dbviz", "--run", str(run_dir), "--n", "2"], "dbviz needs 3 images per plane"),

@@ -19,8 +19,8 @@ import statistics
 from pathlib import Path
 
 from ..errors import BenchError
-from ..leaderboard import collect
-from ..plotting import heatmap, read_csv
+from ..leaderboard import collect, is_number
+from ..plotting import figure, heatmap, read_csv
 from ..registry import ANALYSIS, close_matches
 
 AGGREGATE_HEADER = ("mean", "std", "n")
@@ -57,10 +57,6 @@ def load_rows(source):
 def key(v):
     """A value as a group key: itself when hashable and plain, else its JSON text (a list or a mapping)."""
     return v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, sort_keys=True, default=str)
-
-
-def is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _same(a, b):
@@ -116,22 +112,15 @@ def _aggregate_table(table, x, hue):
 def _figure(draw_axes, x, y, hue):
     """``draw(path, title)`` for a single-axes figure drawn by ``draw_axes(ax)``."""
     def draw(path, title):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        draw_axes(ax)
-        ax.set_xlabel(x)
-        ax.set_ylabel(y)
-        ax.set_title(title, fontsize=9)
-        if hue and ax.get_legend_handles_labels()[0]:
-            ax.legend(title=hue, fontsize=7, title_fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        with figure(path, (6.4, 4.2)) as (_, axes):
+            ax = axes[0, 0]
+            draw_axes(ax)
+            ax.set_xlabel(x)
+            ax.set_ylabel(y)
+            ax.set_title(title, fontsize=9)
+            if hue and ax.get_legend_handles_labels()[0]:
+                ax.legend(title=hue, fontsize=7, title_fontsize=8)
+            ax.grid(alpha=0.3)
         return path
     return draw
 

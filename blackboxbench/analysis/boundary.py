@@ -10,25 +10,17 @@ import numpy as np
 import torch
 
 from ..errors import BenchError
+from ..family import forward_logits
+from ..plotting import figure, grid_figure
 from ..registry import ANALYSIS
 from ..rng import Streams
-
-
-def margin(logits, y):
-    """S(x) = Z(x)_y - max_{i != y} Z(x)_i (eq. I.12): positive when the class is ``y``, zero on the boundary."""
-    true = logits.gather(1, y[:, None])[:, 0]
-    return true - logits.scatter(1, y[:, None], float("-inf")).amax(1)
-
-
-def forward(model, x, chunk=512):
-    with torch.no_grad():
-        return torch.cat([model(x[i:i + chunk]).float() for i in range(0, len(x), chunk)])
+from ..threat import flat_norm, margin_loss, per_sample
 
 
 def unit(v):
-    """``v`` divided by its L2 norm, per sample."""
-    norm = v.flatten(1).norm(dim=1).clamp_min(1e-12)
-    return v / norm.view(-1, *[1] * (v.dim() - 1))
+    """``v`` scaled to unit L2 norm per sample -> ``(unit rows, their norms)``."""
+    size = flat_norm(v, "l2")
+    return v / per_sample(size.clamp_min(1e-12), v), size
 
 
 DIRECTION_SALT = 0x2545F4914F6CDD1D  # the analysis' own streams, apart from the attack's (same seed and index)
@@ -40,8 +32,8 @@ def random_directions(seed, index, alpha):
     axes are independent directions."""
     salted = (int(seed) ^ DIRECTION_SALT) % 2 ** 63
     beta = Streams(salted, max(index) + 1, "cpu").view(index).normal(alpha.shape[1:]).to(alpha)
-    beta = beta - (beta * alpha).flatten(1).sum(1).view(-1, *[1] * (alpha.dim() - 1)) * alpha
-    return unit(beta)
+    beta = beta - per_sample((beta * alpha).flatten(1).sum(1), alpha) * alpha
+    return unit(beta)[0]
 
 
 def first_crossing(values, steps):
@@ -55,27 +47,6 @@ def first_crossing(values, steps):
     return math.nan
 
 
-def grid_figure(path, title, panels, draw_panel, cols=4):
-    """Write a figure of one panel per item of ``panels`` (``cols`` a row), each drawn by ``draw_panel(ax, item)``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(cols, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.1 * rows), squeeze=False)
-    for ax, panel in zip(axes.flat, panels):
-        draw_panel(ax, panel)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 @ANALYSIS.register("decision_surface", inputs="model", paper="BlackboxBench Supp. I, eqs. I.11-I.12 (DBV-A)",
                    ranges={"steps": "int [3, 401]", "scale": "(0, inf)", "max_images": "int [1, 64]"})
 def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
@@ -87,12 +58,10 @@ def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
     if inputs.x_adv is None:
         raise BenchError("decision_surface needs the run's adversarial images: give a run saved with save_adv: true")
     x, y = inputs.x[:max_images], inputs.y[:max_images]
-    delta = inputs.x_adv[:max_images] - x
-    size = delta.flatten(1).norm(dim=1)
+    alpha, size = unit(inputs.x_adv[:max_images] - x)
     if bool((size == 0).any()):
         raise BenchError(f"image {inputs.index[int((size == 0).nonzero()[0])]} has no perturbation (not attacked); "
                          "pick attacked images with --indices")
-    alpha = unit(delta)
     beta = random_directions(inputs.seed, inputs.index[:len(x)], alpha)
     t = torch.linspace(-1, 1, steps, device=x.device)
     surfaces, header, rows = [], ["index", "label", "l2_adv", "radius", "dist_adv", "dist_random"], []
@@ -100,7 +69,8 @@ def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
         radius = float(scale * size[k])
         a, b = torch.meshgrid(t * radius, t * radius, indexing="ij")
         pts = x[k] + a.reshape(-1, 1, 1, 1) * alpha[k] + b.reshape(-1, 1, 1, 1) * beta[k]
-        v = margin(forward(inputs.model, pts), y[k].expand(len(pts))).view(steps, steps).cpu().numpy()
+        v = margin_loss(forward_logits(inputs.model, pts, inputs.model_name), y[k].expand(len(pts)))
+        v = v.view(steps, steps).cpu().numpy()
         surfaces.append(v)
         mid, pos = steps // 2, (t[steps // 2:] * radius).cpu().numpy()
         rand = min(first_crossing(v[mid, mid:], pos), first_crossing(v[mid, mid::-1], pos),
@@ -146,7 +116,8 @@ def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
         v1, v2 = x2 - x1, x3 - x1
         c = float((v1 * v2).sum() / (v1 * v1).sum().clamp_min(1e-12))
         pts = x1 + b.reshape(-1, 1, 1, 1) * v1 + p.reshape(-1, 1, 1, 1) * (v2 - c * v1)
-        labels = forward(inputs.model, pts).argmax(1).view(resolution, resolution).cpu().numpy()
+        labels = forward_logits(inputs.model, pts, inputs.model_name).argmax(1)
+        labels = labels.view(resolution, resolution).cpu().numpy()
         grids.append(labels)
         marks.append([(0.0, 0.0), (1.0, 0.0), (c, 1.0)])
         own = [int(v) for v in inputs.y[3 * q:3 * q + 3]]
@@ -206,23 +177,16 @@ def path_tsne(inputs, *, max_images=3, perplexity=10.0):
     rows = [[i, k, st, float(a), float(b)] for k, (i, st, (a, b)) in enumerate(zip(owner, steps, emb))]
 
     def draw(path, title):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5.6, 4.8))
-        for i in chosen:
-            pts = np.array([r[3:] for r in rows if r[0] == i])
-            line, = ax.plot(pts[:, 0], pts[:, 1], "-", lw=1, alpha=0.8, label=f"image {i}")
-            ax.scatter(pts[1:-1, 0], pts[1:-1, 1], s=8, color=line.get_color())
-            ax.plot(*pts[0], "o", color="tab:blue", ms=7)
-            ax.plot(*pts[-1], "*", color="tab:red", ms=11)
-        ax.set_title(title + " (dot: clean image, star: returned image)", fontsize=8)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        with figure(path, (5.6, 4.8)) as (_, axes):
+            ax = axes[0, 0]
+            for i in chosen:
+                pts = emb[np.array(owner) == i]
+                line, = ax.plot(pts[:, 0], pts[:, 1], "-", lw=1, alpha=0.8, label=f"image {i}")
+                ax.scatter(pts[1:-1, 0], pts[1:-1, 1], s=8, color=line.get_color())
+                ax.plot(*pts[0], "o", color="tab:blue", ms=7)
+                ax.plot(*pts[-1], "*", color="tab:red", ms=11)
+            ax.set_title(title + " (dot: clean image, star: returned image)", fontsize=8)
+            ax.legend(fontsize=7)
         return path
 
     return ["index", "point", "step", "tsne_1", "tsne_2"], rows, {"embedding": emb, "owner": np.array(owner),

@@ -12,9 +12,9 @@ from typing import Optional
 
 import numpy as np
 import torch
-import yaml
 from PIL import Image
 
+from ..config import check_spec, load_yaml
 from ..errors import BenchError
 from ..prep.data import resolve_data_root
 from ..prep.models import build_model
@@ -45,11 +45,8 @@ def _run_config(run):
     path = Path(run) / "config.yaml"
     if not path.is_file():
         raise BenchError(f"not a run directory (no config.yaml): {run}")
-    try:
-        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise BenchError(f"{path} cannot be read ({type(e).__name__})") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("dataset"), dict):
+    cfg = load_yaml(path)
+    if not isinstance(cfg.get("dataset"), dict):
         raise BenchError(f"{path} is not a resolved run config (no dataset mapping)")
     return cfg
 
@@ -109,13 +106,18 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     it saved neither)."""
     cfg = _run_config(run) if run is not None else {}
     model = model if model is not None else (_run_model(cfg, run) if run is not None else None)
-    dataset = dataset if dataset is not None else cfg.get("dataset")
+    given = dataset is not None  # on the command line, else the run's config names it
+    dataset = dataset if given else cfg.get("dataset")
     if model is None or dataset is None:
         raise BenchError("give a run directory (--run) or both a model (--model) and a dataset (--dataset)")
     root = data_root or cfg.get("data_root")
     root = resolve_data_root(root) if root or os.environ.get("BLACKBOXBENCH_DATA") else None
     ds = dict(dataset) if isinstance(dataset, dict) else {"name": dataset}
-    data = DATASET.get(ds.pop("name"))(root, **ds)
+    if not isinstance(ds.get("name"), str):
+        raise BenchError(f"a dataset spec is a name or a mapping with a 'name' key, got {dataset!r}")
+    fn = check_spec(DATASET, ds, "command line" if given else Path(run) / "config.yaml", "--dataset" if given
+                    else "dataset")
+    data = fn(root, **{k: v for k, v in ds.items() if k != "name"})
     if indices is None:
         saved = _saved_indices(run) if run is not None else []
         indices = [i for i in saved if i < len(data.y)] or list(range(len(data.y)))

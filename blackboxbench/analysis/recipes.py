@@ -12,7 +12,7 @@ from ..catalog import find
 from ..config import check_keys, load_yaml
 from ..errors import BenchError, ConfigError
 from ..leaderboard import cell
-from ..registry import ANALYSIS, check_params, close_matches
+from ..registry import ANALYSIS, check_params
 from .aev import load_rows, select
 from .inputs import load_inputs
 
@@ -21,22 +21,28 @@ PLOT_KEYS = ("recipe", "output", "params", "where")  # an entry of a config's ``
 COMMANDS = {"results": "blackboxbench plot RESULTS -r", "model": "blackboxbench analyze --run RUN_DIR -r"}
 
 
+def _check(mapping, allowed, strings, source, prefix):
+    """``mapping``'s keys are ``allowed``, those in ``strings`` are required strings, ``params`` and ``where`` are
+    mappings when given; errors name ``source`` and the key under ``prefix``."""
+    check_keys(mapping, allowed, source, prefix)
+    for key in strings:
+        if not isinstance(mapping.get(key), str):
+            raise ConfigError("required: a string", source, f"{prefix}{key}")
+    for key in ("params", "where"):
+        if not isinstance(mapping.get(key) or {}, dict):
+            raise ConfigError("must be a mapping", source, f"{prefix}{key}")
+
+
 def load_recipe(recipe, inputs):
     """``(path, recipe dict, tool)`` of a catalog name or a ``.yaml`` path, its keys and types checked; its tool
     must read ``inputs`` (``results`` or ``model``)."""
     path = Path(recipe) if str(recipe).endswith((".yaml", ".yml")) else find(recipe, "analysis")
     r = load_yaml(path)
-    check_keys(r, RECIPE_KEYS, path, "")
-    for key in ("name", "tool", "paper"):
-        if not isinstance(r.get(key), str):
-            raise ConfigError("required: a string", path, key)
-    for key in ("params", "where"):
-        if not isinstance(r.get(key) or {}, dict):
-            raise ConfigError("must be a mapping", path, key)
-    if r["tool"] not in ANALYSIS:
-        raise ConfigError(f"unknown analysis tool '{r['tool']}'{close_matches(r['tool'], ANALYSIS.names())}", path,
-                          "tool")
-    tool = ANALYSIS.get(r["tool"])
+    _check(r, RECIPE_KEYS, ("name", "tool", "paper"), path, "")
+    try:
+        tool = ANALYSIS.get(r["tool"])
+    except BenchError as e:
+        raise ConfigError(str(e), path, "tool") from None
     kind = tool.registry_meta.get("inputs", "results")
     if kind != inputs:
         raise ConfigError(f"tool '{r['tool']}' reads {kind}, not {inputs}: run it with {COMMANDS[kind]} "
@@ -57,13 +63,7 @@ def check_plot(entry, source, key):
     recipe and parameters its tool takes. Errors name the config file and the key."""
     if not isinstance(entry, dict):
         raise ConfigError("must be a mapping {recipe: ..., output: ...}", source, key)
-    check_keys(entry, PLOT_KEYS, source, f"{key}.")
-    for k, types in (("recipe", str), ("output", str)):
-        if not isinstance(entry.get(k), types):
-            raise ConfigError("required: a string", source, f"{key}.{k}")
-    for k in ("params", "where"):
-        if not isinstance(entry.get(k) or {}, dict):
-            raise ConfigError("must be a mapping", source, f"{key}.{k}")
+    _check(entry, PLOT_KEYS, ("recipe", "output"), source, f"{key}.")
     try:
         _, r, tool = load_recipe(entry["recipe"], "results")
     except BenchError as e:

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BenchError
+from ..plotting import figure, grid_figure
 from ..prep.models import Normalized
 from ..registry import ANALYSIS
-from .boundary import grid_figure
 
 SCORES = ("label", "predicted")
 CHUNK = 64  # images per backward pass
@@ -65,20 +65,12 @@ def frequency_saliency(inputs, *, score="label", adversarial=False, log=True):
     prof = radial_profile(m)
 
     def draw(path, title):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(4.2, 3.6))
-        shown = np.log10(m + 1e-12) if log else m
-        im = ax.imshow(shown, cmap="viridis")
-        ax.set_title(title + (" (log10)" if log else ""), fontsize=8)
-        ax.axis("off")
-        fig.colorbar(im, ax=ax, fraction=0.046)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        with figure(path, (4.2, 3.6)) as (fig, axes):
+            ax = axes[0, 0]
+            im = ax.imshow(np.log10(m + 1e-12) if log else m, cmap="viridis")
+            ax.set_title(title + (" (log10)" if log else ""), fontsize=8)
+            ax.axis("off")
+            fig.colorbar(im, ax=ax, fraction=0.046)
         return path
 
     return (["radius", "mean_magnitude"], [[r, float(v)] for r, v in enumerate(prof)],
@@ -231,25 +223,29 @@ def fullgrad_path(inputs, *, score="predicted", max_images=4, stages=6):
     iteration), the prediction and the cosine of the map to the clean image's."""
     if inputs.paths is None:
         raise BenchError("fullgrad_path needs the run's attack paths: run the attack with save_path_every: k")
-    header, rows, arrays, panels, shown = ["index", "label", "stage", "step", "predicted", "cosine_to_clean"], \
-        [], {}, [], {}
+    stage_rows, images, labels, width = [], [], [], 1  # every chosen stage of every image, mapped in one batch
     for k in range(min(max_images, len(inputs.index))):
         i = inputs.index[k]
-        steps, images = inputs.paths[i]
+        steps, path = inputs.paths[i]
         pick = sorted(set(np.linspace(0, len(steps) - 1, stages).round().astype(int).tolist()))
-        xs = torch.from_numpy(images[pick]).float().div(255).to(inputs.x.device)
-        maps = fullgrad_map(inputs.model, xs, inputs.y[k].expand(len(pick)), score)
-        with torch.no_grad():
-            pred = inputs.model(xs).argmax(1).tolist()
-        arrays[f"maps_{i}"], arrays[f"steps_{i}"] = maps.cpu().numpy(), steps[pick]
-        for j, s in enumerate(pick):
-            cos = float(F.cosine_similarity(maps[j].flatten(), maps[0].flatten(), dim=0))
-            rows.append([i, int(inputs.y[k]), j, int(steps[s]), pred[j], cos])
-            panels.append(len(rows) - 1)
-            shown[len(rows) - 1] = (xs[j], arrays[f"maps_{i}"][j])
+        stage_rows += [(i, j, int(steps[s])) for j, s in enumerate(pick)]
+        images.append(torch.from_numpy(path[pick]))
+        labels += [int(inputs.y[k])] * len(pick)
+        width = max(width, len(pick))
+    xs = torch.cat(images).float().div(255).to(inputs.x.device)
+    maps = fullgrad_map(inputs.model, xs, torch.tensor(labels, device=xs.device), score)
+    with torch.no_grad():
+        pred = inputs.model(xs).argmax(1).tolist()
+    clean = {i: n for n, (i, j, _) in enumerate(stage_rows) if j == 0}  # each path's clean-image row
+    flat = maps.flatten(1)
+    cos = F.cosine_similarity(flat, flat[[clean[i] for i, _, _ in stage_rows]], dim=1).tolist()
+    header = ["index", "label", "stage", "step", "predicted", "cosine_to_clean"]
+    rows = [[i, labels[n], j, st, pred[n], cos[n]] for n, (i, j, st) in enumerate(stage_rows)]
+    arrays = {"maps": maps.cpu().numpy(), "owner": np.array([i for i, _, _ in stage_rows]),
+              "steps": np.array([st for _, _, st in stage_rows])}
 
-    def panel(ax, r):
-        overlay(ax, *shown[r], f"{rows[r][0]} step {rows[r][3]}: pred {rows[r][4]}")
+    def panel(ax, n):
+        overlay(ax, xs[n], arrays["maps"][n], f"{rows[n][0]} step {rows[n][3]}: pred {rows[n][4]}")
 
-    width = max(sum(1 for r in rows if r[0] == i) for i in {r[0] for r in rows})
-    return header, rows, arrays, lambda path, title: grid_figure(path, title, panels, panel, cols=width)
+    return header, rows, arrays, lambda path, title: grid_figure(path, title, list(range(len(rows))), panel,
+                                                                 cols=width)
