@@ -17,6 +17,9 @@ use, and nothing else reaches it:
   the position in the loop (iteration ``t`` of ``iterations``, step size ``alpha``).
 * ``raw_grad``: transfer gradient blocks only, ``raw_grad(x)``: the gradient of the summed attack loss at ``x``
   *without* the input transformations (RAP's inner loop).
+* ``grad_of``: transfer gradient blocks only, ``grad_of(x, model)``: the gradient of the summed attack loss at
+  ``x``, with the input transformations, on ``model`` instead of ``ctx.model`` (one member of an ensemble, from
+  :func:`~blackboxbench.transfer.refine.members`: CWA, AdaEA).
 * ``aux``: transfer attacks only, what the ``auxiliary`` blocks computed once for the batch before the loop
   (Alg. 3 line 2: ILA's baseline features, FIA's aggregate gradient, NAA's integrated attention), by name.
 
@@ -53,6 +56,7 @@ class BlockContext:
     iterations: int = 0
     alpha: float = 0.0
     raw_grad: Optional[Callable] = None
+    grad_of: Optional[Callable] = None
     aux: Mapping[str, Any] = field(default_factory=dict)
 
     @property

@@ -67,6 +67,22 @@ def _residual_surrogate(recipe):
                for reg in BLOCK_KINDS.values() if n in reg)
 
 
+def _train_assets(recipe):
+    """The assets of kind ``train_images`` the blocks of ``recipe`` read (LGV, SWA, ...), declared on the digits
+    train split (the contract runs on the digits test split)."""
+    out = {}
+    for spec in load_yaml(RECIPES[recipe])["blocks"].values():
+        for s in spec if isinstance(spec, list) else [spec]:
+            name = s["name"] if isinstance(s, dict) else s
+            for reg in BLOCK_KINDS.values():
+                if name in reg:
+                    for param, kind in reg.get(name).registry_meta.get("asset_params", {}).items():
+                        asset = s.get(param, "train") if isinstance(s, dict) else "train"
+                        if kind == "train_images" and asset is not None:
+                            out[asset] = {"name": kind, "spec": {"name": "digits", "split": "train"}}
+    return out
+
+
 def _example(reg, name):
     """Blocks registered by the example plugin or by a test file (their ``paper`` says so)."""
     return reg.get(name).registry_meta.get("paper", "").startswith(("example", "test"))
@@ -99,7 +115,7 @@ def _experiment(name, norm, targeted, out, blocks=None):
            "threat": {"norm": norm, "eps": EPS[targeted][norm], "targeted": targeted}}
     if family == "transfer":
         white = "digits_resnet" if _residual_surrogate(recipe) else "digits_cnn"
-        exp.update(surrogates=[white], targets=[white, "digits_mlp"])
+        exp.update(surrogates=[white], targets=[white, "digits_mlp"], assets=_train_assets(recipe))
         # The paper's 100-400 iterations (300 targeted) are the recipes'; the contract checks the threat model and
         # the white-box success, which 20 iterations of eps/10 steps reach on the digits untargeted, 50 targeted
         # (RAP's late start is past them: tests/test_transfer_opt.py runs its inner loop).

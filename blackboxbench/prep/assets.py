@@ -3,13 +3,14 @@
 
 Nothing is downloaded: an asset is a local file (relative to the data root, or absolute) or a zoo model.
 """
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import BenchError
-from ..registry import ASSET
+from ..registry import ASSET, DATASET, check_params
 from .data import data_path
 from .models import build_model
 
@@ -40,3 +41,18 @@ def tensors_asset(data_root, device, *, path):
     if not all(isinstance(v, torch.Tensor) for v in out.values()):
         raise BenchError(f"asset file {file} must hold tensors only")
     return {k: v.to(device) for k, v in out.items()}
+
+
+@ASSET.register("train_images", source="a classification dataset spec (default: the 200 extra CIFAR-10 test images "
+                                       "of cifar10_test_sdp200.npz, disjoint from the evaluation images)")
+def train_images(data_root, device, *, spec=None):
+    """Labelled images the attacker trains on (the surrogate fine-tuning of LGV, SWA, the Bayesian attack and RD's
+    BatchNorm update): the dataset ``spec`` ({name: ..., params}), on the run's device. Default: the spec sheet's
+    split A, ``{name: cifar10, file: cifar10/cifar10_test_sdp200.npz}``, never the evaluation images
+    (``cifar10_test_first100.npz``); on the digits, ``{name: digits, split: train}``."""
+    spec = dict(spec or {"name": "cifar10", "file": "cifar10/cifar10_test_sdp200.npz"})
+    name = spec.pop("name", None)
+    fn = DATASET.get(name)
+    check_params(fn, spec, "train_images: spec.")
+    data = fn(data_root, **spec)
+    return replace(data, x=data.x.to(device), y=data.y.to(device))

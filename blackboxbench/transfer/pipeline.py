@@ -5,7 +5,9 @@ Block contracts (``ctx`` is the :class:`~blackboxbench.context.BlockContext`; ``
 blocks may use to keep per-sample tensors such as momentum):
 
 * ``refine(ctx, models, **params) -> models``: surrogate refinement on the list of surrogates, once per run
-  before any sample; it must end with one model (e.g. ``logit_ensemble`` fuses several).
+  before any sample; it must end with one model (``logit_ensemble``, ``loss_ensemble`` or ``longitudinal`` fuse
+  several into a :class:`~blackboxbench.transfer.refine.ModelSet`, whose policy says which members' losses make
+  the attack loss at each iteration).
 * ``auxiliary(ctx, **params) -> {name: value}``: auxiliary information I (Alg. 3 line 2), once per batch before
   the loop, on the batch's context (``ctx.aux`` holds what earlier auxiliary blocks returned). The merged mapping
   is ``ctx.aux`` of every later block; a value with a ``close()`` method (a feature hook) is closed when the
@@ -50,6 +52,7 @@ from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRA
 from ..rng import run_stream
 from ..threat import Problem
 from .compat import check_compatible
+from .refine import active
 
 REFINE_SALT = 1  # run-level stream of the refine blocks
 
@@ -98,8 +101,7 @@ class TransferAttack:
             k = xt.shape[0] // x.shape[0]
             per = self.copies_per_forward or k
             if per >= k:
-                loss = self.loss(ctx, ctx.model(xt), label.repeat(k)).sum()
-                return torch.autograd.grad(loss, x)[0]
+                return torch.autograd.grad(self._loss(ctx, xt, label.repeat(k)), x)[0]
             # the model forwards ``per`` copies at a time; the transforms' graph is differentiated once
             grads = [self._rows_grad(ctx, part, label.repeat(part.shape[0] // x.shape[0]))
                      for part in xt.detach().split(per * x.shape[0])]
@@ -109,12 +111,19 @@ class TransferAttack:
 
     def _rows_grad(self, ctx, rows, label):
         rows = rows.detach().requires_grad_(True)
-        return torch.autograd.grad(self.loss(ctx, ctx.model(rows), label).sum(), rows)[0]
+        return torch.autograd.grad(self._loss(ctx, rows, label), rows)[0]
+
+    def _loss(self, ctx, xt, label):
+        """The summed attack loss of ``xt`` at iteration ``ctx.t``: over the members a model set makes active
+        (:func:`~blackboxbench.transfer.refine.active`), weighted."""
+        return sum(w * self.loss(ctx, m(xt), label).sum() for w, m in active(ctx.model, ctx.t))
 
     def grad_fn(self, ctx, state):
         """The gradient function at ``ctx`` (its model and loop position), wrapped by the gradient blocks; they
-        get ``ctx.raw_grad``, the same gradient without the input transformations."""
-        ctx = ctx.at(raw_grad=self.loss_grad(ctx, ()))
+        get ``ctx.raw_grad``, the same gradient without the input transformations, and ``ctx.grad_of(x, model)``,
+        the gradient with them on another model (one member of an ensemble: CWA, AdaEA)."""
+        ctx = ctx.at(raw_grad=self.loss_grad(ctx, ()),
+                     grad_of=lambda x, model: self.loss_grad(ctx.at(model=model), self.transforms)(x))
         fn = self.loss_grad(ctx, self.transforms)
         for g in self.gradients:
             fn = partial(g, ctx, fn, state=state)
@@ -162,10 +171,10 @@ class TransferWorker(WholeBatchWorker):
         streams = defense_streams(run.streams.seed, len(run.data.y), run.device, EVAL_SALT)
         self.defended = [DefendedTarget(m, ds, streams) if ds else None for (_, m), ds in zip(self.targets, per)]
         self.labels = [label(ds, name.split("+")[0]) for (name, _), ds in zip(self.targets, per)]
-        base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
-                            surrogates=tuple(self.surrogates), assets=run.assets)
-        self.model = self.attack.refine(base, list(self.surrogates))
         self.pool = Pool(run.data.x, run.data.y)
+        base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
+                            surrogates=tuple(self.surrogates), assets=run.assets, pool=self.pool)
+        self.model = self.attack.refine(base, list(self.surrogates))
         super().__init__()
 
     def step(self):

@@ -1,40 +1,100 @@
-"""Surrogate-refinement blocks of the transfer pipeline: ``fn(ctx, models, **params) -> models``.
+"""Surrogate-refinement blocks of the transfer pipeline: ``fn(ctx, models, **params) -> models``, and the model
+set that fuses several surrogates under a policy (spec sheet G4).
 
 They run once per run, before any sample; ``ctx.rng`` is then a run-level stream (not a sample's), ``ctx.problem``
-is None, and ``ctx.surrogates`` / ``ctx.assets`` are the run's.
+is None, and ``ctx.surrogates`` / ``ctx.assets`` / ``ctx.pool`` (the evaluation images) are the run's.
+
+A fusion block ends the refine list with one :class:`ModelSet`:
+
+* ``logit_ensemble``: the loss of the weighted logit average (Liu et al.; Dong et al. Eq. 7);
+* ``loss_ensemble``: the weighted average of the members' losses (Dong et al.'s ensemble in loss);
+* ``longitudinal``: member ``t mod K`` at iteration ``t`` (Li et al., GhostNet; RD, LGV and the Bayesian attack).
+
+Its forward is always the weighted logit average (the clean check and the target labels of the surrogate);
+:meth:`ModelSet.active` says which members, with which weights, the loss is taken over at iteration ``t``.
+Gradient blocks that need each member (CWA, AdaEA) read :func:`members`.
 """
 from torch import nn
 
 from ..errors import BenchError
 from ..registry import REFINE
 
+POLICIES = ("logit", "loss", "longitudinal")
 
-class LogitEnsemble(nn.Module):
-    """One model whose logits are the weighted sum of its members' logits (weights sum to 1)."""
 
-    def __init__(self, models, weights):
+class ModelSet(nn.Module):
+    """Surrogates attacked together under a fusion ``policy``; ``forward`` is the weighted logit sum (weights sum
+    to 1)."""
+
+    def __init__(self, models, weights, policy):
         super().__init__()
+        if policy not in POLICIES:
+            raise BenchError(f"model set: unknown policy {policy!r} (one of {', '.join(POLICIES)})")
         self.members = nn.ModuleList(models)
         self.weights = [float(w) for w in weights]
+        self.policy = policy
 
     def forward(self, x):
         return sum(w * m(x) for w, m in zip(self.weights, self.members))
 
+    def active(self, t):
+        """[(weight, model)] whose weighted losses make the attack loss at iteration ``t``."""
+        if self.policy == "loss":
+            return list(zip(self.weights, self.members))
+        if self.policy == "longitudinal":
+            return [(1.0, self.members[t % len(self.members)])]
+        return [(1.0, self)]
+
+
+def active(model, t):
+    """[(weight, model)] of the attack loss at iteration ``t``: a :class:`ModelSet`'s, else the model alone."""
+    return model.active(t) if isinstance(model, ModelSet) else [(1.0, model)]
+
+
+def members(model):
+    """The surrogates inside ``model`` (a :class:`ModelSet`'s members, else the model alone) and their weights."""
+    if isinstance(model, ModelSet):
+        return list(model.members), list(model.weights)
+    return [model], [1.0]
+
+
+def _fuse(block, models, weights, policy):
+    if not models:
+        raise BenchError(f"refine '{block}': no surrogate models")
+    weights = [1.0] * len(models) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(models) or min(weights) < 0 or sum(weights) <= 0:
+        raise BenchError(f"refine '{block}': need {len(models)} non-negative weights with a positive sum, "
+                         f"got {weights}")
+    total = sum(weights)
+    return [ModelSet(models, [w / total for w in weights], policy)]
+
 
 @REFINE.register("logit_ensemble", paper="Liu et al., Delving into Transferable Adversarial Examples and "
                                          "Black-box Attacks, ICLR 2017; Dong et al., MI-FGSM, CVPR 2018 (ensemble "
-                                         "in logits)", norms=("linf", "l2"), ranges={"weights": "list [0, inf)"})
+                                         "in logits)", norms=("linf", "l2"), ranges={"weights": "list [0, inf)"},
+                 fuses=True)
 def logit_ensemble(ctx, models, *, weights=None):
     """Fuse the surrogates by averaging their logits, ``l(x) = sum_i w_i l_i(x)`` (Dong et al. Eq. 7).
 
     ``weights`` default to equal (as BlackboxBench); given weights must be >= 0 and are normalized to sum 1.
     Returns a one-element list.
     """
-    if not models:
-        raise BenchError("refine 'logit_ensemble': no surrogate models")
-    weights = [1.0] * len(models) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(models) or min(weights) < 0 or sum(weights) <= 0:
-        raise BenchError(f"refine 'logit_ensemble': need {len(models)} non-negative weights with a positive sum, "
-                         f"got {weights}")
-    total = sum(weights)
-    return [LogitEnsemble(models, [w / total for w in weights])]
+    return _fuse("logit_ensemble", models, weights, "logit")
+
+
+@REFINE.register("loss_ensemble", paper="Dong et al., Boosting Adversarial Attacks with Momentum (MI-FGSM), CVPR "
+                                        "2018 (ensemble in loss)", norms=("linf", "l2"),
+                 ranges={"weights": "list [0, inf)"}, fuses=True)
+def loss_ensemble(ctx, models, *, weights=None):
+    """Fuse the surrogates by averaging their losses, ``L(x) = sum_i w_i L(l_i(x))`` (equal weights by default,
+    as BlackboxBench's ``--emsemble-type loss``). Returns a one-element list."""
+    return _fuse("loss_ensemble", models, weights, "loss")
+
+
+@REFINE.register("longitudinal", paper="Li et al., Learning Transferable Adversarial Examples via Ghost Networks, "
+                                       "AAAI 2020 (longitudinal ensemble)", norms=("linf", "l2"), fuses=True)
+def longitudinal(ctx, models):
+    """Fuse the surrogates longitudinally: iteration ``t`` attacks member ``t mod K`` alone, in the order of the
+    list (as BlackboxBench's ``cycle`` over its source models). The clean check uses their logit average.
+    Returns a one-element list."""
+    return _fuse("longitudinal", models, None, "longitudinal")
