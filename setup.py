@@ -26,6 +26,7 @@ setup(
         "test": ["pytest", "pytest-xdist", "pycocotools"],  # -n 2 workers; pycocotools: the detection mAP cross-check
         # torchattacks pins an old `requests`: install it with `pip install --no-deps torchattacks`.
         "bench": ["adversarial-robustness-toolbox", "foolbox"],
+        "ray": ["ray"],  # backend ray: sweeps across the machines of a Ray cluster (blackboxbench/sweep.py)
     },
     entry_points={"console_scripts": ["blackboxbench=blackboxbench.cli:main"]},
 )

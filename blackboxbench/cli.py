@@ -47,16 +47,28 @@ def format_table(rows):
 
 def cmd_run(args):
     from .config import load_config
+    from .errors import ConfigError
     from .leaderboard import export_csv
     from .runner import Runner, Session, run_all
+    from .sweep import check_backend, run_sweep
 
     if args.malloc == "keep":
         from .malloc import keep_freed_memory
         keep_freed_memory()
     experiments, opts = load_config(args.config, args.set)
+    backend = opts["backend"]
+    if args.backend or args.workers:
+        over = {"name": args.backend or backend["name"], **({"workers": args.workers} if args.workers else {})}
+        backend = check_backend({**backend, **over}, "command line")
     runners = [Runner(e, fresh=args.fresh, progress=not args.quiet) for e in experiments]  # validate all first
     share = args.share_forwards or opts.get("share_forwards", False)
-    summaries = run_all(runners, Session(), share, lambda r: print(f"run {r.run_dir}", file=sys.stderr))
+    if backend["name"] == "serial":
+        summaries = run_all(runners, Session(), share, lambda r: print(f"run {r.run_dir}", file=sys.stderr))
+    elif share:
+        raise ConfigError("--share-forwards needs the runs in one process: backend serial", args.config)
+    else:
+        print(f"{len(experiments)} runs on backend {backend['name']}", file=sys.stderr)
+        summaries = run_sweep(experiments, backend, args.fresh, lambda d: print(f"run {d}", file=sys.stderr))
     print(format_table(summaries))
     results = sorted({e["output_dir"] for e in experiments})
     if opts.get("leaderboard"):
@@ -181,6 +193,11 @@ def main(argv=None):
     p.add_argument("--share-forwards", action="store_true",
                    help="runs on the same target model take turns and share its forwards (the config's "
                         "share_forwards; blackboxbench/shared.py)")
+    p.add_argument("--backend", choices=("serial", "processes", "ray"), default=None,
+                   help="where the runs execute (the config's backend; blackboxbench/sweep.py): one after another "
+                        "here, in worker processes of this machine, or as tasks of a Ray cluster")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (backend processes; ray: started "
+                                                             "locally when no cluster address is given)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("leaderboard", help="export every run under a results directory as one CSV")
     p.add_argument("results")

@@ -213,9 +213,10 @@ COMMON_KEYS = {
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
 # robustness: CSV (+ .png chart); share_forwards: runs on one target model share its forwards (shared.py);
-# plots: analysis figures of the runs' results after they finish (analysis/recipes.py)
+# plots: analysis figures of the runs' results after they finish (analysis/recipes.py); grid: every combination of
+# values per dotted key, times the runs; backend: where the runs execute, serial | processes | ray (sweep.py)
 FILE_KEYS = {"runs": (list,), "leaderboard": (str,), "robustness": (str,), "share_forwards": (bool,),
-             "plots": (list,)}
+             "plots": (list,), "grid": (dict,), "backend": (str, dict)}
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -473,7 +474,12 @@ def load_config(path, overrides=()):
     if "plots" in file_opts:
         from .analysis.recipes import check_plot
         file_opts["plots"] = [check_plot(p, source, f"plots[{i}]") for i, p in enumerate(file_opts["plots"])]
-    runs = file_opts.get("runs") or [{}]
+    from .sweep import check_backend, expand_grid
+
+    file_opts["backend"] = check_backend(file_opts.get("backend"), source)
+    if file_opts["backend"]["name"] != "serial" and file_opts.get("share_forwards"):
+        raise ConfigError("share_forwards needs the runs in one process: backend serial", source, "share_forwards")
+    runs = expand_grid(file_opts.get("runs") or [{}], file_opts.get("grid"), source)
     experiments = []
     for i, run in enumerate(runs):
         if not isinstance(run, dict):

@@ -1,0 +1,137 @@
+"""Sweeps (blackboxbench/sweep.py): the ``grid`` expansion of a config's runs, the ``backend`` key, and the three
+backends giving the same records as running alone (``processes`` and ``ray`` in other processes; ``ray`` only
+where the ray package is installed, as the ``ray`` extra)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blackboxbench.config import load_config
+from blackboxbench.errors import BenchError, ConfigError
+from blackboxbench.sweep import check_backend, expand_grid, run_sweep
+
+BASE = """
+dataset: {name: digits, n: 6}
+surrogates: [digits_cnn]
+targets: [digits_mlp]
+threat: {norm: linf, eps: 0.2}
+device: cpu
+batch_size: 4
+output_dir: OUT
+"""
+
+
+def write(tmp_path, extra):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(BASE.replace("OUT", str(tmp_path / "results")) + extra)
+    return path
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "records.jsonl").read_text().splitlines()]
+
+
+def strip(rec):
+    """A record without its wall time and its checksum (which covers the time)."""
+    return {k: v for k, v in rec.items() if k not in ("time", "check")}
+
+
+def test_grid_is_every_combination_times_the_runs():
+    runs = expand_grid([{"attack": "a"}, {"attack": "b"}], {"threat.eps": [1, 2], "seed": [0, 1, 2]}, "c.yaml")
+    assert len(runs) == 12
+    assert runs[0] == {"attack": "a", "threat": {"eps": 1}, "seed": 0}
+    assert runs[1] == {"attack": "a", "threat": {"eps": 1}, "seed": 1}  # the last key varies fastest
+    assert runs[6]["attack"] == "b" and expand_grid([{"x": 1}], None, "c") == [{"x": 1}]
+
+
+@pytest.mark.parametrize("grid,runs,message", [
+    ({"threat.eps": 0.1}, [{}], "grid.threat.eps: must be a non-empty list"),
+    ({"threat.eps": []}, [{}], "grid.threat.eps: must be a non-empty list"),
+    ({"threat..eps": [1]}, [{}], "grid keys are dotted config keys"),
+    ({"threat.eps": [1]}, [{}, {"threat": {"eps": 2}}], "the grid sets threat.eps, which runs[1] sets too"),
+])
+def test_grid_errors_are_one_line(grid, runs, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")) as e:
+        expand_grid(runs, grid, "c.yaml")
+    assert "\n" not in str(e.value) and str(e.value).startswith("c.yaml:")
+
+
+def test_config_grid_expands_into_validated_experiments(tmp_path):
+    exps, opts = load_config(write(tmp_path, "runs: [{attack: i_fgsm}, {attack: mi_fgsm}]\n"
+                                             "grid: {threat.eps: [0.1, 8/255], seed: [0, 1]}\n"))
+    assert len(exps) == 8 and opts["backend"]["name"] == "serial"
+    assert [e["threat"]["eps"] for e in exps[:4]] == [0.1, 0.1, "8/255", "8/255"]  # parsed with the recipe
+    with pytest.raises(ConfigError, match="grid.threat.epss|threat.epss"):
+        load_config(write(tmp_path, "grid: {threat.epss: [0.1]}\nattack: i_fgsm\n"))
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("slurm", "unknown backend 'slurm'"), ({"name": "ray", "nodes": 2}, "backend.nodes: unknown key"),
+    ({"name": "processes", "workers": 0}, "backend.workers: must be an integer >= 1"),
+    ({"name": "ray", "gpus": -1}, "backend.gpus: must be a number >= 0"),
+    ({"name": "ray", "address": 3}, "backend.address: must be a Ray address")])
+def test_backend_errors_are_one_line(spec, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        check_backend(spec, "c.yaml")
+    assert "\n" not in str(e.value)
+    assert check_backend({"name": "ray", "gpus": "1/2"}, "c")["gpus"] == 0.5
+
+
+def test_share_forwards_needs_the_serial_backend(tmp_path):
+    with pytest.raises(ConfigError, match="share_forwards needs the runs in one process"):
+        load_config(write(tmp_path, "attack: i_fgsm\nshare_forwards: true\nbackend: processes\n"))
+
+
+def sweep_config(folder, backend):
+    folder.mkdir()
+    return write(folder, f"backend: {backend}\nattack: {{recipe: i_fgsm, hyper: {{iterations: 5}}}}\n"
+                         "grid: {threat.eps: [0.1, 0.2]}\n")
+
+
+def serial_records(tmp_path):
+    exps, _ = load_config(sweep_config(tmp_path / "serial", "serial"))
+    dirs = []
+    run_sweep(exps, check_backend("serial", "c"), done=dirs.append)
+    return [[strip(r) for r in records(d)] for d in dirs]
+
+
+def test_processes_backend_gives_the_serial_records(tmp_path):
+    want = serial_records(tmp_path)
+    exps, opts = load_config(sweep_config(tmp_path / "p", "{name: processes, workers: 2}"))
+    dirs = []
+    summaries = run_sweep(exps, opts["backend"], done=dirs.append)
+    got = {d: [strip(r) for r in records(d)] for d in dirs}
+    assert len(summaries) == 2 and all(s["n"] == 6 for s in summaries)
+    assert sorted(map(json.dumps, got.values())) == sorted(map(json.dumps, want))
+
+
+def test_cli_runs_a_grid_on_worker_processes_and_a_failing_run_lets_the_others_finish(tmp_path):
+    cfg = write(tmp_path, "attack: {recipe: i_fgsm, hyper: {iterations: 3}}\n"
+                          f"data_root: {tmp_path}\n"
+                          "grid: {dataset: [{name: digits, n: 6}, {name: cifar10, file: no/such.npz}]}\n")
+    out = subprocess.run([sys.executable, "-m", "blackboxbench.cli", "run", str(cfg), "--quiet", "--backend",
+                          "processes", "--workers", "2"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "2 runs on backend processes" in out.stderr
+    error = out.stderr.strip().splitlines()[-1]
+    assert "such.npz" in error and "Traceback" not in out.stderr
+    done = [line.split()[1] for line in out.stderr.splitlines() if line.startswith("run ")]
+    assert len(done) == 1 and len(records(done[0])) == 6  # the digits run finished
+
+
+def test_ray_backend_gives_the_serial_records(tmp_path):
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'blackboxbench[ray]')")
+    want = serial_records(tmp_path)
+    exps, opts = load_config(sweep_config(tmp_path / "r", "{name: ray, workers: 2}"))
+    dirs = []
+    try:
+        run_sweep(exps, opts["backend"], done=dirs.append)
+        exps[0]["dataset"] = {"name": "cifar10", "file": "no/such.npz"}
+        exps[0]["data_root"] = str(tmp_path)
+        with pytest.raises(BenchError, match="such.npz"):  # the worker's own one-line error
+            run_sweep(exps, opts["backend"])
+    finally:
+        ray.shutdown()
+    got = [[strip(r) for r in records(d)] for d in dirs]
+    assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, want))
