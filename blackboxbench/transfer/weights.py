@@ -232,7 +232,8 @@ def lgv(ctx, models, *, lr=0.05, wd=5e-4, momentum=0.9, epochs=10, collects_per_
     (fuse them with ``longitudinal``: iteration t attacks model t mod 40). BatchNorm statistics are the training
     run's (the collected models are used as saved, as the authors'). Table VII, CIFAR-10: batch 256, 10 epochs,
     constant lr; lr / wd 0.05 / 5e-4 (ResNet-50, VGG-19), 0.1 / 5e-4 (IncV3), 0.5 / 1e-4 (DenseNet-BC); momentum
-    0.9; the code's ``swa_freq`` 4 collects per epoch."""
+    0.9; the code's ``swa_freq`` 4 collects per epoch. ``bn_stats: keep`` freezes the BatchNorm running statistics
+    at the checkpoint's while it trains (not the authors'; measured in benchmarks/RESULTS.md)."""
     if not models:
         raise BenchError("refine 'lgv': no surrogate models")
     train = _train_data(ctx, "lgv", data)
@@ -276,8 +277,9 @@ SWA_DEFAULTS = ("Table VII, CIFAR-10: batch 512, 10 epochs, constant lr, momentu
 
 
 def _swag_moments(ctx, model, train, hp):
-    """(mean, mean of squares) of the parameters along the fine-tuning, and the BatchNorm buffers of the mean
-    re-estimated on the images; cached."""
+    """``{"state": the mean's state dict, "sq": the parameters' mean of squares}`` along the fine-tuning, the
+    mean's BatchNorm buffers re-estimated on the images (``bn_stats: train``, the authors') or the checkpoint's
+    (``keep``); cached."""
     seed = _seed(ctx)
     key = cache_key("swag_moments", hp, model, train, seed, ctx.rng.device)
     return cached(key, lambda: _finetune(model, train, seed, **hp))
