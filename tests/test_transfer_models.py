@@ -382,3 +382,25 @@ def test_recipe_on_cifar_resnets_transfers_to_resnet56(name, transfer_run):
     white, transfer = transfer_run(name)
     print(f"\n{name}: white-box {white:.3f}, ResNet-56 {transfer:.3f}")
     assert white >= 0.8 and transfer >= 0.5  # the loss ensemble: 14 / 16 on ResNet-32 after 20 iterations
+
+
+@pytest.mark.parametrize("name", ENSEMBLE + REFINED)
+def test_recipe_runs_inside_the_ball_per_sample(name):
+    """On small random networks (two for the ensembles; the refinements train on 40 other images): the output is
+    on the uint8 grid inside the ball, the same on a rerun, and a sample's result does not depend on its batch
+    (AdaEA's weights and CWA's state are per sample). GhostNet's draws are the run's (see lgv_ghostnet)."""
+    nets = [small_resnet(7), small_resnet(8)] if name in ENSEMBLE else [small_resnet(7)]
+    x, y = images(5, 15, size=16)
+    atk = build_recipe(name, "linf", False, 0.05, 3)[0]
+    data = digits_like(n=40, seed=4, size=16)
+
+    def run(rows=None):
+        model = atk.refine(run_ctx(data), list(nets))
+        c = transfer_ctx(x, y, 0.05, "linf", None, model, atk.alpha, 1, atk.iterations)
+        return atk.run(c if rows is None else c.sub(rows))
+
+    out = run()
+    check_output(out, x, 0.05, "linf")
+    assert not torch.equal(out, x) and torch.equal(out, run())
+    if name != "lgv_ghostnet":
+        assert torch.equal(out[3:], run(torch.tensor([3, 4])))
