@@ -39,7 +39,7 @@ COMMON_FIELDS = {"index": (int,), "label": (int,), "target": (int, type(None)), 
                  "ssim": (float, int), "lpips": (float, int, type(None))}
 COMMON_COLUMNS = ("attack", "family", "category", "year", "dataset", "target_model", "defense", "surrogates", "norm",
                   "eps", "targeted", "n", "clean_acc")
-TRAILING_COLUMNS = ("randomized_models", "wall_time", "seed", "batch_size", "device", "config_hash", "version",
+TRAILING_COLUMNS = ("trained_on", "randomized_models", "wall_time", "seed", "batch_size", "device", "config_hash", "version",
                     "run")
 DIRECTIONS = ("higher", "lower", None)
 

@@ -363,6 +363,7 @@ class Runner:
         self.fresh = fresh
         self.bar_position = None  # the progress bar's line when several runs show theirs at once
         self.shared_with = None   # runs in this run's share_forwards group (its wall time covers their turns)
+        self.trained_on = None    # the images its attack trains on (train_images assets), set with its inputs
 
     def _data(self):
         exp, source = self.exp, self.exp["_source"]
@@ -396,6 +397,9 @@ class Runner:
             except BenchError as e:
                 raise ConfigError(str(e), source, f"assets.{k}") from None
         defenses = run_defenses(exp, fam, source)
+        # what the attack trains on (the train_images assets its blocks read): its leaderboard row says so
+        read = {name for name, (_, kind) in self.attack.meta["assets"].items() if kind == "train_images"}
+        self.trained_on = "; ".join(f"{assets[k].name} ({len(assets[k].y)} images)" for k in sorted(read)) or None
         self.randomized = []
         if not fam.classifier_models:
             fam.check_inputs(models, data, source)
@@ -508,7 +512,8 @@ class Runner:
                  norm=t["norm"], eps=t["eps"], targeted=t["targeted"], budget=t.get("max_queries"),
                  feedback=t.get("feedback"), seed=exp["seed"], batch_size=exp["batch_size"],
                  config_hash=self.hash, version=__version__, device=self.device.type, wall_time=wall,
-                 randomized_models=", ".join(self.randomized) or None, shared_forwards=self.shared_with)
+                 randomized_models=", ".join(self.randomized) or None, shared_forwards=self.shared_with,
+                 trained_on=self.trained_on)
         return s
 
 

@@ -404,3 +404,23 @@ def test_recipe_runs_inside_the_ball_per_sample(name):
     assert not torch.equal(out, x) and torch.equal(out, run())
     if name != "lgv_ghostnet":
         assert torch.equal(out[3:], run(torch.tensor([3, 4])))
+
+
+def test_a_run_that_trains_says_on_what_in_its_leaderboard_row(tmp_path):
+    from blackboxbench.config import validate_experiment
+    from blackboxbench.leaderboard import export_csv
+    from blackboxbench.runner import run_experiment
+
+    exp = validate_experiment({"dataset": {"name": "digits", "n": 4}, "device": "cpu", "output_dir": str(tmp_path),
+                               "data_root": str(tmp_path), "attack": {"recipe": "swa", "hyper": {"iterations": 2},
+                                          "blocks": {"refine": [{"name": "swa", "epochs": 1, "lr": 0.003}]}},
+                               "surrogates": ["digits_cnn"], "targets": ["digits_mlp"],
+                               "assets": {"train": {"name": "train_images", "spec": {"name": "digits",
+                                                                                     "split": "train"}}},
+                               "threat": {"norm": "linf", "eps": 0.1}}, "cfg.yaml")
+    exp.update(_source="cfg.yaml", _base_dir=".")
+    _, summary = run_experiment(exp, progress=False)
+    assert summary["trained_on"] == "digits split=train (1297 images)"
+    rows, _ = export_csv(str(tmp_path), str(tmp_path / "board.csv"))
+    assert rows[0]["trained_on"] == "digits split=train (1297 images)"
+    assert "trained_on" in (tmp_path / "board.csv").read_text().splitlines()[0]

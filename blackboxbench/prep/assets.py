@@ -55,4 +55,5 @@ def train_images(data_root, device, *, spec=None):
     fn = DATASET.get(name)
     check_params(fn, spec, "train_images: spec.")
     data = fn(data_root, **spec)
-    return replace(data, x=data.x.to(device), y=data.y.to(device))
+    label = " ".join([name] + [f"{k}={v}" for k, v in sorted(spec.items())])  # e.g. "cifar10 file=cifar10/..."
+    return replace(data, name=label, x=data.x.to(device), y=data.y.to(device))
