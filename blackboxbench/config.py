@@ -171,14 +171,20 @@ def apply_set(cfg, assignments, source):
         parts = key.split(".")
         if not all(parts):
             raise ConfigError(f"--set {item!r}: empty key name", source=source)
-        value = parse_yaml(raw, source, key, what="--set value is not valid YAML")
-        node = cfg
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError("cannot set inside a non-mapping", source=source, key=key)
-        node[parts[-1]] = value
+        set_dotted(cfg, key, parse_yaml(raw, source, key, what="--set value is not valid YAML"), source, key)
     return cfg
+
+
+def set_dotted(cfg, dotted, value, source, where):
+    """Set ``cfg[a][b]... = value`` for the key ``a.b...``, creating missing mappings; a value on the way that is
+    not a mapping is a config error at ``where``."""
+    parts = dotted.split(".")
+    node = cfg
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError("cannot set inside a non-mapping", source=source, key=where)
+    node[parts[-1]] = value
 
 
 # ---------------------------------------------------------------- schema ----------------------------------------

@@ -16,17 +16,9 @@ import copy
 import itertools
 import os
 
-from .config import ConfigError, parse_number
+from .config import ConfigError, parse_number, set_dotted
 
 BACKENDS = ("serial", "processes", "ray")
-
-
-def _set(cfg, dotted, value):
-    node = cfg
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = copy.deepcopy(value)
 
 
 def expand_grid(runs, grid, source):
@@ -51,7 +43,7 @@ def expand_grid(runs, grid, source):
         for combo in itertools.product(*grid.values()):
             r = copy.deepcopy(run)
             for key, value in zip(grid, combo):
-                _set(r, key, value)
+                set_dotted(r, key, copy.deepcopy(value), source, f"grid.{key}")
             out.append(r)
     return out
 

@@ -11,6 +11,7 @@ import pytest
 
 from blackboxbench import catalog, registry
 from blackboxbench.config import load_yaml, validate_experiment
+from blackboxbench.registry import block_params
 from blackboxbench.runner import run_experiment
 
 RECIPES = catalog.entries("attacks")
@@ -39,47 +40,41 @@ def _used_blocks():
     return used | {bk.default for fam in FAMILIES.values() for bk in fam.blocks.values() if bk.default}
 
 
+def _blocks(recipe):
+    """[(spec, registered block)] of every block ``recipe`` names (spec: its name or its mapping)."""
+    out = []
+    for spec in load_yaml(RECIPES[recipe])["blocks"].values():
+        for s in spec if isinstance(spec, list) else [spec]:
+            name = s["name"] if isinstance(s, dict) else s
+            out += [(s, reg.get(name)) for reg in BLOCK_KINDS.values() if name in reg]
+    return out
+
+
 def _needs_surrogates(recipe):
-    blocks = load_yaml(RECIPES[recipe])["blocks"].values()
-    names = [s["name"] if isinstance(s, dict) else s for spec in blocks for s in (spec if isinstance(spec, list)
-                                                                                   else [spec])]
-    return any("surrogates" in reg.get(n).registry_meta.get("needs", ()) for n in names
-               for reg in BLOCK_KINDS.values() if n in reg)
+    return any("surrogates" in fn.registry_meta.get("needs", ()) for _, fn in _blocks(recipe))
 
 
 def _native(recipe, norm):
     """Whether ``norm`` is native to every block of ``recipe``. A block may declare ``native_norms``: an L2-native
     attack (Boundary, Evolutionary) run under Linf searches in L2 and is only judged in Linf (spec sheet 10.8), so
     the contract holds it to the threat model there, not to an ASR bar."""
-    blocks = load_yaml(RECIPES[recipe])["blocks"].values()
-    names = [s["name"] if isinstance(s, dict) else s for spec in blocks for s in (spec if isinstance(spec, list)
-                                                                                   else [spec])]
-    return all(norm in reg.get(n).registry_meta.get("native_norms", (norm,)) for n in names
-               for reg in BLOCK_KINDS.values() if n in reg)
+    return all(norm in fn.registry_meta.get("native_norms", (norm,)) for _, fn in _blocks(recipe))
 
 
 def _residual_surrogate(recipe):
     """Whether a block of ``recipe`` declares ``surrogate="residual"`` (SGM, IAA: skip-connection surgery)."""
-    blocks = load_yaml(RECIPES[recipe])["blocks"].values()
-    names = [s["name"] if isinstance(s, dict) else s for spec in blocks for s in (spec if isinstance(spec, list)
-                                                                                   else [spec])]
-    return any(reg.get(n).registry_meta.get("surrogate") == "residual" for n in names
-               for reg in BLOCK_KINDS.values() if n in reg)
+    return any(fn.registry_meta.get("surrogate") == "residual" for _, fn in _blocks(recipe))
 
 
 def _train_assets(recipe):
     """The assets of kind ``train_images`` the blocks of ``recipe`` read (LGV, SWA, ...), declared on the digits
     train split (the contract runs on the digits test split)."""
     out = {}
-    for spec in load_yaml(RECIPES[recipe])["blocks"].values():
-        for s in spec if isinstance(spec, list) else [spec]:
-            name = s["name"] if isinstance(s, dict) else s
-            for reg in BLOCK_KINDS.values():
-                if name in reg:
-                    for param, kind in reg.get(name).registry_meta.get("asset_params", {}).items():
-                        asset = s.get(param, "train") if isinstance(s, dict) else "train"
-                        if kind == "train_images" and asset is not None:
-                            out[asset] = {"name": kind, "spec": {"name": "digits", "split": "train"}}
+    for s, fn in _blocks(recipe):
+        for param, kind in fn.registry_meta.get("asset_params", {}).items():
+            asset = s.get(param, block_params(fn)[param]) if isinstance(s, dict) else block_params(fn)[param]
+            if kind == "train_images" and asset is not None:
+                out[asset] = {"name": kind, "spec": {"name": "digits", "split": "train"}}
     return out
 
 

@@ -51,6 +51,8 @@ def test_grid_is_every_combination_times_the_runs():
     ({"threat.eps": []}, [{}], "grid.threat.eps: must be a non-empty list"),
     ({"threat..eps": [1]}, [{}], "grid keys are dotted config keys"),
     ({"threat.eps": [1]}, [{}, {"threat": {"eps": 2}}], "the grid sets threat.eps, which runs[1] sets too"),
+    ({"attack.hyper.iterations": [1]}, [{"attack": "lgv"}], "grid.attack.hyper.iterations: cannot set inside a "
+                                                             "non-mapping"),
 ])
 def test_grid_errors_are_one_line(grid, runs, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")) as e:

@@ -24,6 +24,7 @@ from blackboxbench.prep.data import Dataset
 from blackboxbench.prep.models import build_model
 from blackboxbench.registry import GRADIENT, REFINE
 from blackboxbench.rng import run_stream
+from blackboxbench.threat import quantize
 from blackboxbench.transfer import weights
 from blackboxbench.transfer.refine import ModelSet, members
 
@@ -58,8 +59,7 @@ def digits_like(n=40, seed=3, size=8):
 
 
 def ctx_for(model, x, y, t=0, alpha=0.02, eps=0.1, norm="linf", target=None):
-    c = transfer_ctx(x, y, eps, norm, target, model, alpha, 0, 10).at(t=t)
-    return c
+    return transfer_ctx(x, y, eps, norm, target, model, alpha, 0, 10).at(t=t)
 
 
 def grad_of_ctx(atk, ctx):
@@ -136,14 +136,9 @@ def test_cwa_matches_the_authors_loop():
     atk = build_recipe("cwa", "linf", False, 0.1, 4, blocks={"gradient": [{"name": "cwa", "inner_step": 0.05}]})[0]
     model = atk.refine(None, nets)
     out = atk._loop(ctx_for(model, x, y, alpha=atk.alpha, eps=0.1))
-    ref = atk_quantize(cwa_reference(nets, x, y, 0.1, atk.alpha, 4, 1 / 3, 0.05), x)
+    ref = quantize(cwa_reference(nets, x, y, 0.1, atk.alpha, 4, 1 / 3, 0.05), x)
     # the same up to float rounding: at most a rare pixel one uint8 level apart
     assert (out - ref).abs().max() <= 1 / 255 + 1e-6 and (out == ref).float().mean() > 0.99
-
-
-def atk_quantize(x_adv, x):
-    from blackboxbench.threat import quantize
-    return quantize(x_adv, x)
 
 
 def test_cwa_reset_every_zeroes_the_inner_momentum():

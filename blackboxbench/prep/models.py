@@ -233,11 +233,17 @@ def cached_or_trained(net, file, train):
         net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return net
     net = train()
+    save_atomic(net.state_dict(), path)
+    return net
+
+
+def save_atomic(obj, path):
+    """``torch.save(obj)`` to ``path`` through a temporary file in its folder, so that a concurrent reader never
+    sees a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-        torch.save(net.state_dict(), f)
+        torch.save(obj, f)
     os.replace(f.name, path)
-    return net
 
 
 def _digits_model(name, pretrained):

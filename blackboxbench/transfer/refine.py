@@ -19,7 +19,12 @@ from torch import nn
 from ..errors import BenchError
 from ..registry import REFINE
 
-POLICIES = ("logit", "loss", "longitudinal")
+# policy -> the [(weight, model)] whose weighted losses make the attack loss of a model set at iteration t
+POLICIES = {
+    "logit": lambda s, t: [(1.0, s)],  # the loss of the fused logits (its forward)
+    "loss": lambda s, t: list(zip(s.weights, s.members)),
+    "longitudinal": lambda s, t: [(1.0, s.members[t % len(s.members)])],
+}
 
 
 class ModelSet(nn.Module):
@@ -39,11 +44,7 @@ class ModelSet(nn.Module):
 
     def active(self, t):
         """[(weight, model)] whose weighted losses make the attack loss at iteration ``t``."""
-        if self.policy == "loss":
-            return list(zip(self.weights, self.members))
-        if self.policy == "longitudinal":
-            return [(1.0, self.members[t % len(self.members)])]
-        return [(1.0, self)]
+        return POLICIES[self.policy](self, t)
 
 
 def active(model, t):

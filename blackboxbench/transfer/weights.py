@@ -18,8 +18,6 @@ loads it.
 import copy
 import hashlib
 import math
-import os
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +25,7 @@ from torch import nn
 
 from ..errors import BenchError
 from ..prep.layers import per_arch
-from ..prep.models import cache_dir
+from ..prep.models import cache_dir, save_atomic
 from ..registry import REFINE
 
 CACHE_VERSION = 1
@@ -67,7 +65,6 @@ def _trainable(model, bn_stats="train"):
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.momentum = 0.0
     return net
-
 
 
 def _frozen(model):
@@ -150,10 +147,7 @@ def cached(key, train):
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
     out = train()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-        torch.save(out, f)
-    os.replace(f.name, path)
+    save_atomic(out, path)
     return out
 
 
@@ -271,9 +265,6 @@ SWA_RANGES = {"lr": "arch [0, 10]", "wd": "arch [0, 1]", "lam": "arch [0, inf)",
               "snapshots": "int [1, inf)", "min_steps": "int [1, inf)", "bn_stats": ("train", "keep")}
 SWA_PAPER = ("Li et al., Making Substitute Models More Bayesian Can Enhance Transferability of Adversarial "
              "Examples, ICLR 2023")
-SWA_DEFAULTS = ("Table VII, CIFAR-10: batch 512, 10 epochs, constant lr, momentum 0.9, sigma 0.002; lr / wd / "
-                "lambda / gamma 0.05 / 1e-4 / 0.2 / 0.1 (ResNet-50, IncV3), 0.1 / 1e-4 / 1 / 0.02 (VGG-19), "
-                "0.1 / 1e-4 / 1 / 0.1 (DenseNet-BC)")
 
 
 def _swag_moments(ctx, model, train, hp):
@@ -353,8 +344,11 @@ def _swa_hp(model, lr, wd, lam, gamma, sigma, momentum, epochs, batch, snapshots
 def swa(ctx, models, *, lr=0.05, wd=1e-4, lam=0.2, gamma=0.1, sigma=0.002, momentum=0.9, epochs=10, batch=512,
         snapshots=300, min_steps=4, data="train", bn_stats="train"):
     """SWA surrogate: the average of the weights along Li et al.'s fine-tuning (see :func:`_finetune`), with
-    the BatchNorm statistics re-estimated on the training images; one model per surrogate. Defaults: ``SWA_DEFAULTS``
-    (Table VII), snapshots 300 (the code's swa_n), an epoch at least ``min_steps`` 4 steps."""
+    the BatchNorm statistics re-estimated on the training images; one model per surrogate. Table VII, CIFAR-10:
+    batch 512, 10 epochs, constant lr, momentum 0.9, sigma 0.002; lr / wd / lambda / gamma 0.05 / 1e-4 / 0.2 / 0.1
+    (ResNet-50, IncV3), 0.1 / 1e-4 / 1 / 0.02 (VGG-19), 0.1 / 1e-4 / 1 / 0.1 (DenseNet-BC); snapshots 300 (the
+    code's swa_n); an epoch at least ``min_steps`` 4 steps. ``bn_stats: keep`` freezes the BatchNorm statistics
+    at the checkpoint's (not the authors')."""
     tuned = _fine_tuned(ctx, "swa", models, data, lr, wd, lam, gamma, sigma, momentum, epochs, batch, snapshots,
                         min_steps, bn_stats)
     return [_load(model, moments["state"]) for model, moments in tuned]
