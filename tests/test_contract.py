@@ -66,15 +66,15 @@ def _residual_surrogate(recipe):
     return any(fn.registry_meta.get("surrogate") == "residual" for _, fn in _blocks(recipe))
 
 
-def _train_assets(recipe):
-    """The assets of kind ``train_images`` the blocks of ``recipe`` read (LGV, SWA, ...), declared on the digits
-    train split (the contract runs on the digits test split)."""
+def _train_assets(recipe, n=None):
+    """The assets of kind ``train_images`` the blocks of ``recipe`` read (LGV, SWA, NonLinear-BA, ...), declared on
+    the digits train split (the contract runs on the digits test split), its first ``n`` images when given."""
     out = {}
     for s, fn in _blocks(recipe):
         for param, kind in fn.registry_meta.get("asset_params", {}).items():
             asset = s.get(param, block_params(fn)[param]) if isinstance(s, dict) else block_params(fn)[param]
             if kind == "train_images" and asset is not None:
-                out[asset] = {"name": kind, "spec": {"name": "digits", "split": "train"}}
+                out[asset] = {"name": kind, "spec": {"name": "digits", "split": "train", **({"n": n} if n else {})}}
     return out
 
 
@@ -124,6 +124,8 @@ def _experiment(name, norm, targeted, out, blocks=None):
         exp["threat"]["max_queries"] = budget if _native(recipe, norm) else NON_NATIVE_BUDGET
         if _needs_surrogates(recipe):  # PRGF-like attacks: white-box surrogates, never the target
             exp.update(surrogates=["digits_cnn"])
+        # learned probe priors (NonLinear-BA, PSBA) train on 200 digits: the first case trains, the others load
+        exp.update(assets=_train_assets(recipe, n=200))
     exp = validate_experiment(exp, "contract")
     exp.update(_source="contract", _base_dir=".")
     return family, exp

@@ -18,7 +18,7 @@ from torch import nn
 
 from blackboxbench.prep.models import _digits_model, build_model
 from blackboxbench.query.cisa import griddle, worthless
-from blackboxbench.query.hsja import estimate_direction
+from blackboxbench.query.hsja import estimate_direction, generator
 from blackboxbench.query.probes import PROBES, draw_probes, orthonormal, reduced
 from blackboxbench.registry import PERTURB
 from blackboxbench.rng import Streams
@@ -106,7 +106,8 @@ def test_dct_gradient_estimate_is_the_normal_projected_on_the_subspace():
     w = torch.randn(math.prod(shape), generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
     x = torch.full((2, *shape), 0.5)
     ctx = make_ctx(Linear2(w), x, torch.zeros(2, dtype=torch.long), 1.0, "l2", 10_000, "label", num_classes=2)
-    grad, agreed = estimate_direction(ctx, x, torch.tensor([400, 400]), torch.full((2,), 0.01), "dct", 4.0)
+    grad, agreed = estimate_direction(ctx, x, torch.tensor([400, 400]), torch.full((2,), 0.01),
+                                       generator(ctx, "dct", 4.0))
     assert torch.allclose(grad.flatten(1).norm(dim=1), torch.ones(2)) and not agreed.any()
     coeff = dctn(w.view(shape).double().numpy(), axes=(1, 2), norm="ortho")
     band = np.zeros_like(coeff)

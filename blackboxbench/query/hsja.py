@@ -69,12 +69,12 @@ def to_boundary(ctx, x_far, theta, live, radius, owner=None):
     return point(hi, torch.arange(problem.n, device=x.device)), d_far
 
 
-def estimate_direction(ctx, x_bd, num, delta, generator="gaussian", factor=2.0):
+def estimate_direction(ctx, x_bd, num, delta, draw):
     """HSJA's Monte-Carlo estimate of the boundary normal at ``x_bd``, with ``num[i]`` probes for sample i.
 
-    All probes of all samples go in one oracle call. Directions come from the probe generator ``generator`` (see
-    ``probes.py``: ``gaussian``, HSJA's, uniform in [-1, 1]^d (Linf) or Gaussian (L2); ``dct`` / ``resize``,
-    QEBA's subspaces of side ``int(side / factor)``), normalized, clipped to [0, 1]; the +1/-1 decisions get the
+    All probes of all samples go in one oracle call. Directions come from ``draw(owner, shape)`` -> (m, *shape),
+    raw directions for rows of local samples ``owner`` (m,) (see :func:`generator`: the registered generators of
+    ``probes.py``; ``priors.py``: learned ones), normalized, clipped to [0, 1]; the +1/-1 decisions get the
     mean baseline subtracted unless they are all equal. Refused probes are left out of every sum. Returns unit-L2
     directions (zero where none answered) and the (n,) mask of samples whose answered probes all agreed.
     """
@@ -83,7 +83,7 @@ def estimate_direction(ctx, x_bd, num, delta, generator="gaussian", factor=2.0):
     owner = torch.repeat_interleave(torch.arange(n, device=x_bd.device), num)
     if owner.numel() == 0:
         return torch.zeros_like(x_bd), torch.zeros(n, dtype=torch.bool, device=x_bd.device)
-    rv = draw_probes(generator, ctx, owner, x_bd.shape[1:], problem.norm, factor).to(x_bd.dtype)
+    rv = draw(owner, x_bd.shape[1:]).to(x_bd.dtype)
     rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)
     base, step = x_bd[owner], per_sample(delta[owner], rv)
     probes = (base + step * rv).clamp(0.0, 1.0)
@@ -186,6 +186,18 @@ def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search
     subspace of side ``int(side / probe_factor)``; see ``probes.py``). Returns the updated search state for the
     ``within_eps`` acceptance.
     """
+    return hsja_step(ctx, state, generator(ctx, probes, probe_factor), init_num_evals, max_num_evals,
+                     stepsize_search)
+
+
+def generator(ctx, name, factor):
+    """``draw(owner, shape)`` of the registered probe generator ``name`` (``probes.py``) for the samples of ``ctx``."""
+    return lambda owner, shape: draw_probes(name, ctx, owner, shape, ctx.problem.norm, factor)
+
+
+def hsja_step(ctx, state, draw, init_num_evals, max_num_evals, stepsize_search):
+    """One HSJA iteration (see :func:`hsja`) with probe directions from ``draw`` (see :func:`estimate_direction`):
+    the ``hsja`` block and the learned priors of NonLinear-BA and PSBA (``priors.py``)."""
     problem = ctx.problem
     go = torch.isfinite(state["dist"]) & has_budget(ctx)
     it = state["it"] + go.long()
@@ -196,7 +208,7 @@ def hsja(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search
     delta = torch.where(it == 1, FIRST_DELTA, grown).to(x_bd.dtype)
     num = torch.clamp((init_num_evals * t.sqrt()).long(), max=max_num_evals)
     num = torch.where(go, torch.minimum(num, ctx.oracle.remaining()), torch.zeros_like(num))
-    grad, agreed = estimate_direction(ctx, x_bd, num, delta, probes, probe_factor)
+    grad, agreed = estimate_direction(ctx, x_bd, num, delta, draw)
     probe_scale = torch.where(agreed & (it > 1), state["probe_scale"] * PROBE_GROWTH, state["probe_scale"])
     update = grad.sign() if problem.norm == "linf" else grad
     size = torch.where(go, dist, torch.zeros_like(dist)) / t.sqrt().to(dist.dtype)

@@ -16,7 +16,6 @@ surrogate's weights, the images, that seed and the device type (the spec sheet's
 loads it.
 """
 import copy
-import hashlib
 import math
 
 import torch
@@ -25,30 +24,11 @@ from torch import nn
 
 from ..errors import BenchError
 from ..prep.layers import per_arch
-from ..prep.models import cache_dir, save_atomic
+from ..prep.trained import augment, cache_key, cached, train_data
 from ..registry import REFINE
-
-CACHE_VERSION = 1
 
 
 # ------------------------------------------------------------------------------------------------ helpers ----
-
-def _train_data(ctx, block, name):
-    """The ``train_images`` asset ``name``; an error when it holds any of the run's evaluation images
-    (``ctx.pool``): the attacker would train on the images it is evaluated on."""
-    if name not in ctx.assets:
-        raise BenchError(f"refine '{block}': no train_images asset named '{name}' (declare assets: "
-                         f"{{{name}: {{name: train_images}}}})")
-    data = ctx.assets[name]
-    if ctx.pool is not None:
-        seen = {_digest(im) for im in ctx.pool.x}
-        shared = sum(_digest(im) in seen for im in data.x)
-        if shared:
-            raise BenchError(f"refine '{block}': {shared} of the {len(data.y)} images of asset '{name}' are "
-                             "evaluation images of this run; train on other images (the default trains on "
-                             "cifar10_test_sdp200.npz: evaluate on cifar10_test_first100.npz)")
-    return data
-
 
 def _params(model):
     return list(model.parameters())
@@ -69,21 +49,6 @@ def _trainable(model, bn_stats="train"):
 
 def _frozen(model):
     return model.eval().requires_grad_(False)
-
-
-def augment(x, gen, pad=None):
-    """Random crop after zero padding by ``pad`` pixels (default: side / 8, CIFAR's 4) and a horizontal flip with
-    probability 1/2, per image, from ``gen`` (a CPU generator)."""
-    n, _, h, w = x.shape
-    pad = max(1, h // 8) if pad is None else pad
-    oy = torch.randint(0, 2 * pad + 1, (n,), generator=gen).to(x.device)
-    ox = torch.randint(0, 2 * pad + 1, (n,), generator=gen).to(x.device)
-    flip = (torch.rand(n, generator=gen) < 0.5).to(x.device)
-    iy = oy[:, None] + torch.arange(h, device=x.device)
-    ix = ox[:, None] + torch.arange(w, device=x.device)
-    b = torch.arange(n, device=x.device)[:, None, None]
-    out = F.pad(x, (pad,) * 4).permute(0, 2, 3, 1)[b, iy[:, :, None], ix[:, None, :]].permute(0, 3, 1, 2)
-    return torch.where(flip.view(-1, 1, 1, 1), out.flip(3), out)
 
 
 def schedule(n, batch, epochs, min_steps):
@@ -113,42 +78,6 @@ def bn_update(model, x, batch=256):
     for m, mom in zip(bns, saved):
         m.momentum = mom
     return model.eval()
-
-
-def _digest(*parts):
-    """A short hash of numbers, strings, tensors and dicts of them (dict keys sorted)."""
-    h = hashlib.sha256()
-
-    def add(p):
-        if isinstance(p, torch.Tensor):
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
-        elif isinstance(p, dict):
-            for k in sorted(p):
-                h.update(repr(k).encode())
-                add(p[k])
-        else:
-            h.update(repr(p).encode())
-
-    for p in parts:
-        add(p)
-    return h.hexdigest()[:24]
-
-
-def cache_key(block, params, model, data, seed, device):
-    """The cache key of a trained refinement: block, resolved parameters, the surrogate's weights and buffers,
-    the training images and labels, the seed and the device type."""
-    return _digest(CACHE_VERSION, block, params, dict(model.state_dict()), data.x, data.y,
-                   int(seed), torch.device(device).type)
-
-
-def cached(key, train):
-    """The object ``train()`` returns (tensors, lists and dicts of them), cached as ``refine/<key>.pt``."""
-    path = cache_dir() / "refine" / f"{key}.pt"
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
-    out = train()
-    save_atomic(out, path)
-    return out
 
 
 def _seed(ctx):
@@ -201,7 +130,7 @@ def random_directions(ctx, models, *, std=0.005, n_models=10, data=None):
     (ResNet-50, IncV3), 0.01 (VGG-19, DenseNet-BC); n_models 10."""
     if not models:
         raise BenchError("refine 'random_directions': no surrogate models")
-    images = None if data is None else _train_data(ctx, "random_directions", data)
+    images = None if data is None else train_data(ctx, "random_directions", data)
     out = []
     for model in models:
         scales = [per_arch(std, model)] * len(_params(model))
@@ -230,14 +159,14 @@ def lgv(ctx, models, *, lr=0.05, wd=5e-4, momentum=0.9, epochs=10, collects_per_
     at the checkpoint's while it trains (not the authors'; measured in benchmarks/RESULTS.md)."""
     if not models:
         raise BenchError("refine 'lgv': no surrogate models")
-    train = _train_data(ctx, "lgv", data)
+    train = train_data(ctx, "lgv", data)
     out = []
     for model in models:
         hp = {"lr": per_arch(lr, model), "wd": per_arch(wd, model), "momentum": momentum, "epochs": epochs,
               "collects_per_epoch": collects_per_epoch, "batch": batch, "bn_stats": bn_stats}
         seed = _seed(ctx)
         key = cache_key("lgv", hp, model, train, seed, ctx.rng.device)
-        states = cached(key, lambda: _lgv_collect(model, train, seed, **hp))
+        states = cached("refine", key, lambda: _lgv_collect(model, train, seed, **hp))
         out += [_load(model, s) for s in states]
     return out
 
@@ -273,7 +202,7 @@ def _swag_moments(ctx, model, train, hp):
     (``keep``); cached."""
     seed = _seed(ctx)
     key = cache_key("swag_moments", hp, model, train, seed, ctx.rng.device)
-    return cached(key, lambda: _finetune(model, train, seed, **hp))
+    return cached("refine", key, lambda: _finetune(model, train, seed, **hp))
 
 
 def _finetune(model, data, seed, *, lr, wd, lam, gamma, sigma, momentum, epochs, batch, snapshots, min_steps,
@@ -329,7 +258,7 @@ def _fine_tuned(ctx, block, models, data, *hp):
     """[(surrogate, its SWAG moments)] for every surrogate, fine-tuned on the ``train_images`` asset ``data``."""
     if not models:
         raise BenchError(f"refine '{block}': no surrogate models")
-    train = _train_data(ctx, block, data)
+    train = train_data(ctx, block, data)
     return [(model, _swag_moments(ctx, model, train, _swa_hp(model, *hp))) for model in models]
 
 

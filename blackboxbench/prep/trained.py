@@ -1,0 +1,88 @@
+"""What the attacker trains on its own images, shared by the families: the ``train_images`` check, the cache key of
+a trained artifact (the spec sheet's G2 cache) and the cache itself, in ``BLACKBOXBENCH_CACHE``/<kind>/<key>.pt.
+
+Used by the weight-space refinement of transfer attacks (``transfer/weights.py``: LGV, SWA, ...) and by the learned
+probe priors of decision attacks (``query/priors.py``: NonLinear-BA, PSBA).
+"""
+import hashlib
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import BenchError
+from .models import cache_dir, save_atomic
+
+CACHE_VERSION = 1
+
+
+def digest(*parts):
+    """A short hash of numbers, strings, tensors and dicts and lists of them (dict keys sorted)."""
+    h = hashlib.sha256()
+
+    def add(p):
+        if isinstance(p, torch.Tensor):
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(p, dict):
+            for k in sorted(p):
+                h.update(repr(k).encode())
+                add(p[k])
+        elif isinstance(p, (list, tuple)):
+            h.update(f"[{len(p)}]".encode())
+            for q in p:
+                add(q)
+        else:
+            h.update(repr(p).encode())
+
+    for p in parts:
+        add(p)
+    return h.hexdigest()[:24]
+
+
+def cache_key(block, params, models, data, seed, device):
+    """The cache key of a trained artifact: block, resolved parameters, the weights and buffers of the model (or
+    list of models) it learns from, the training images and labels, the seed and the device type."""
+    models = models if isinstance(models, (list, tuple)) else [models]
+    return digest(CACHE_VERSION, block, params, [dict(m.state_dict()) for m in models], data.x, data.y,
+                  int(seed), torch.device(device).type)
+
+
+def cached(kind, key, train):
+    """The object ``train()`` returns (tensors, lists and dicts of them), cached as ``<kind>/<key>.pt``."""
+    path = cache_dir() / kind / f"{key}.pt"
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    out = train()
+    save_atomic(out, path)
+    return out
+
+
+def train_data(ctx, block, name):
+    """The ``train_images`` asset ``name``; an error when it holds any of the run's evaluation images
+    (``ctx.pool``): the attacker would train on the images it is evaluated on."""
+    if name not in ctx.assets:
+        raise BenchError(f"'{block}': no train_images asset named '{name}' (declare assets: "
+                         f"{{{name}: {{name: train_images}}}})")
+    data = ctx.assets[name]
+    if ctx.pool is not None:
+        seen = {digest(im) for im in ctx.pool.x}
+        shared = sum(digest(im) in seen for im in data.x)
+        if shared:
+            raise BenchError(f"'{block}': {shared} of the {len(data.y)} images of asset '{name}' are "
+                             "evaluation images of this run; train on other images (the default trains on "
+                             "cifar10_test_sdp200.npz: evaluate on cifar10_test_first100.npz)")
+    return data
+
+
+def augment(x, gen, pad=None):
+    """Random crop after zero padding by ``pad`` pixels (default: side / 8, CIFAR's 4) and a horizontal flip with
+    probability 1/2, per image, from ``gen`` (a CPU generator)."""
+    n, _, h, w = x.shape
+    pad = max(1, h // 8) if pad is None else pad
+    oy = torch.randint(0, 2 * pad + 1, (n,), generator=gen).to(x.device)
+    ox = torch.randint(0, 2 * pad + 1, (n,), generator=gen).to(x.device)
+    flip = (torch.rand(n, generator=gen) < 0.5).to(x.device)
+    iy = oy[:, None] + torch.arange(h, device=x.device)
+    ix = ox[:, None] + torch.arange(w, device=x.device)
+    b = torch.arange(n, device=x.device)[:, None, None]
+    out = F.pad(x, (pad,) * 4).permute(0, 2, 3, 1)[b, iy[:, :, None], ix[:, None, :]].permute(0, 3, 1, 2)
+    return torch.where(flip.view(-1, 1, 1, 1), out.flip(3), out)
