@@ -22,7 +22,7 @@ to 100 epochs; here ``views`` passes over the declared images (the first as is, 
 flipped as CIFAR's loaders) times the surrogates, for ``epochs`` epochs (spec sheet section 3: a small prior on
 split A, flagged by the leaderboard's ``trained_on`` column). The trained weights are cached in
 ``BLACKBOXBENCH_CACHE``/priors under a hash of its side and training parameters, the surrogates' weights, the
-images, ``seed`` and the device type; within a run, a block trains or loads them once (:func:`trained_decoder`).
+images, ``seed`` and the device type; within a run, a block trains or loads them once (:func:`trained_decoders`).
 """
 import math
 
@@ -126,36 +126,40 @@ def train_ae(grads, side, *, epochs, lr, batch, seed):
     return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "cos": cos.reshape(1)}
 
 
-_RUN_PRIORS = {}  # (run objects, side, parameters) -> (data, surrogates, decoder): one training or load per run
+_RUN_PRIORS = {}  # (run objects, sides, parameters) -> (data, surrogates, decoders): one training or load per run
 _KEEP = 8
 
 
-def trained_decoder(ctx, block, data, side, hp):
-    """The frozen :class:`GradientAE` of ``side`` trained on the ``train_images`` asset ``data`` against the run's
-    surrogates with training parameters ``hp``, on the run's device: cached on disk (see the module docstring)
-    and, within a run, kept by the identity of the run's asset and surrogates so that later steps reuse it."""
+def trained_decoders(ctx, block, data, sides, hp):
+    """The frozen :class:`GradientAE` of each of ``sides``, trained on the ``train_images`` asset ``data`` against
+    the run's surrogates with training parameters ``hp``, on the run's device: cached on disk (see the module
+    docstring; the gradients are computed once for every side that is not) and, within a run, kept by the identity
+    of the run's asset and surrogates so that later steps reuse them."""
     if not ctx.surrogates:
         raise BenchError(f"'{block}' needs white-box surrogates (config key surrogates:)")
     images = ctx.assets.get(data)
-    key = (id(images), tuple(map(id, ctx.surrogates)), side, tuple(sorted(hp.items())), str(ctx.device))
+    key = (id(images), tuple(map(id, ctx.surrogates)), tuple(sides), tuple(sorted(hp.items())), str(ctx.device))
     if key in _RUN_PRIORS:
         return _RUN_PRIORS[key][-1]
     images = train_data(ctx, block, data)
-    disk = cache_key("gradient_ae", {"side": side, **hp}, list(ctx.surrogates), images, hp["seed"], ctx.device)
+    grads = []
 
-    def train():
-        gen = torch.Generator().manual_seed(hp["seed"])
-        grads = reference_gradients(ctx.surrogates, images.x.to(ctx.device), hp["views"], gen)
-        return train_ae(grads, side, epochs=hp["epochs"], lr=hp["lr"], batch=hp["batch"], seed=hp["seed"])
+    def train(side):
+        if not grads:
+            gen = torch.Generator().manual_seed(hp["seed"])
+            grads.append(reference_gradients(ctx.surrogates, images.x.to(ctx.device), hp["views"], gen))
+        return train_ae(grads[0], side, epochs=hp["epochs"], lr=hp["lr"], batch=hp["batch"], seed=hp["seed"])
 
-    out = cached("priors", disk, train)
-    net = GradientAE(images.x.shape[1], side)
-    net.load_state_dict(out["state"])
-    net = net.to(ctx.device).eval().requires_grad_(False)
+    nets = []
+    for side in sides:
+        disk = cache_key("gradient_ae", {"side": side, **hp}, list(ctx.surrogates), images, hp["seed"], ctx.device)
+        net = GradientAE(images.x.shape[1], side)
+        net.load_state_dict(cached("priors", disk, lambda: train(side))["state"])
+        nets.append(net.to(ctx.device).eval().requires_grad_(False))
     if len(_RUN_PRIORS) >= _KEEP:
         _RUN_PRIORS.pop(next(iter(_RUN_PRIORS)))
-    _RUN_PRIORS[key] = (images, ctx.surrogates, net)
-    return net
+    _RUN_PRIORS[key] = (images, ctx.surrogates, nets)
+    return nets
 
 
 def decode(net, ctx, owner, shape):
@@ -179,7 +183,7 @@ def nonlinear_ba(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsiz
                  data="train", side=32, epochs=30, views=4, lr=1e-3, batch=32, seed=0):
     """One HSJA iteration (Table V's HSJA values) whose probes are decodes of the gradient auto-encoder of ``side``
     trained on the ``train_images`` asset ``data`` against the surrogates (see the module docstring)."""
-    net = trained_decoder(ctx, "nonlinear_ba", data, side, _hp(epochs, views, lr, batch, seed))
+    net, = trained_decoders(ctx, "nonlinear_ba", data, [side], _hp(epochs, views, lr, batch, seed))
     return hsja_step(ctx, state, lambda owner, shape: decode(net, ctx, owner, shape), init_num_evals,
                      max_num_evals, stepsize_search)
 
@@ -206,6 +210,8 @@ def pick_scale(ctx, nets, x, probes):
     """
     problem = ctx.problem
     n = problem.n
+    if len(nets) == 1:
+        return torch.zeros(n, dtype=torch.long, device=x.device)
     g = l2_normalize(surrogate_gradient(ctx.surrogates, x, lambda k, logits, rows: surrogate_loss(
         logits, problem.y[rows], None if problem.target is None else problem.target[rows], kind="ce")))
     owner = torch.arange(n, device=x.device).repeat_interleave(probes)
@@ -242,7 +248,7 @@ def psba(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search
     sides = [int(s) for s in sides]
     if not sides or sides != sorted(set(sides)):
         raise BenchError(f"psba: sides must be increasing and distinct, got {sides}")
-    nets = [trained_decoder(ctx, "psba", data, s, _hp(epochs, views, lr, batch, seed)) for s in sides]
+    nets = trained_decoders(ctx, "psba", data, sides, _hp(epochs, views, lr, batch, seed))
     scale = state["scale"]
     new = (scale < 0) & torch.isfinite(state["dist"])
     if new.any():
