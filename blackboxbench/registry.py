@@ -212,7 +212,13 @@ def value_problem(fn, param, value):
     if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
         return f"an integer out of the 64-bit range: {value}"
     if isinstance(rule, tuple):
-        return None if value in rule else f"must be one of {', '.join(map(str, rule))}, got {value!r}"
+        choices = ", ".join(map(str, rule))
+        if isinstance(block_params(fn)[param], (list, tuple)):  # a list parameter: choices for each item
+            if not isinstance(value, (list, tuple)) or not value:
+                return f"expected a non-empty list of {choices}, got {value!r}"
+            bad = [v for v in value if v not in rule]
+            return f"each item must be one of {choices}, got {bad[0]!r}" if bad else None
+        return None if value in rule else f"must be one of {choices}, got {value!r}"
     return rule.problem(value) if rule is not None else None
 
 

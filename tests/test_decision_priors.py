@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from blackboxbench.context import BlockContext
+from blackboxbench.config import ConfigError
 from blackboxbench.errors import BenchError
 from blackboxbench.query import priors
 from blackboxbench.query.hsja import estimate_direction, generator
 from blackboxbench.query.priors import GradientAE, decode, pick_scale, reference_gradients, train_ae
-from blackboxbench.runner import run_experiment
+from blackboxbench.runner import prepare, run_experiment
 
 from attack_utils import Linear2, make_ctx
 from test_engine import _exp, _records
@@ -170,6 +171,18 @@ def test_training_on_evaluation_images_is_refused(tmp_path):
     priors._RUN_PRIORS.clear()
     with pytest.raises(BenchError, match="evaluation images of this run"):
         run_experiment(exp, progress=False)
+
+
+def test_a_side_the_auto_encoder_cannot_take_is_a_config_error(tmp_path):
+    """PSBA's sides are checked when the config is read, in one line naming the key; their order does not matter."""
+    def exp(sides):
+        return _exp(tmp_path, attack={"recipe": "psba", "blocks": {"perturb": {"name": "psba", "sides": sides}}},
+                    model="digits_mlp", surrogates=["digits_cnn"], assets=_digits_assets(),
+                    threat={"norm": "l2", "eps": 1.5})
+
+    with pytest.raises(ConfigError, match=r"attack.blocks.perturb.sides: each item must be one of 8, 16, 32, got 12"):
+        prepare(exp([8, 12]))
+    prepare(exp([32, 8]))
 
 
 @pytest.mark.parametrize("attack,norm,eps,targeted", [("psba", "linf", 0.2, False)])

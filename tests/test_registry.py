@@ -135,6 +135,19 @@ def test_declared_ranges_are_checked():
     assert _problem(fn, anything=float("nan"))[0] == "anything"
 
 
+def test_choices_of_a_list_parameter_apply_to_each_item():
+    reg = Registry("thing")
+
+    @reg.register("b", ranges={"sides": (8, 16, 32)})
+    def block(ctx, state, *, sides=(8, 32)):
+        pass
+
+    assert _problem(block, sides=[32, 8]) is None and _problem(block, sides=(16,)) is None
+    assert _problem(block, sides=[8, 12]) == ("sides", "each item must be one of 8, 16, 32, got 12")
+    assert _problem(block, sides=[]) == ("sides", "expected a non-empty list of 8, 16, 32, got []")
+    assert _problem(block, sides=16)[1] == "expected a non-empty list of 8, 16, 32, got 16"
+
+
 def test_param_error_names_the_param():
     fn = _block({"p": "(0, 1]"})
     with pytest.raises(ParamError) as e:

@@ -239,15 +239,14 @@ def decode_at(nets, scale, ctx, owner, shape):
 
 @PERTURB.register("psba", paper=PSBA, norms=("linf", "l2"), needs=("surrogates",),
                   asset_params={"data": "train_images"},
-                  ranges={**HSJA_RANGES, **TRAIN_RANGES, "sides": "list [8, 32]", "pick_probes": "int [1, inf)"})
+                  ranges={**HSJA_RANGES, **TRAIN_RANGES, "sides": (8, 16, 32), "pick_probes": "int [1, inf)"})
 def psba(ctx, state, *, init_num_evals=100, max_num_evals=10000, stepsize_search="geometric_progression",
          data="train", sides=(8, 16, 32), pick_probes=100, epochs=30, views=4, lr=1e-3, batch=32, seed=0):
-    """One HSJA iteration whose probes come from the gradient auto-encoder of each sample's scale (``sides``,
-    coarsest first; one auto-encoder per side, trained as ``nonlinear_ba``'s). A sample picks its scale at its first
-    iteration from the boundary point (:func:`pick_scale`, ``pick_probes`` simulated probes, no query)."""
-    sides = [int(s) for s in sides]
-    if not sides or sides != sorted(set(sides)):
-        raise BenchError(f"psba: sides must be increasing and distinct, got {sides}")
+    """One HSJA iteration whose probes come from the gradient auto-encoder of each sample's scale (``sides``, each
+    8, 16 or 32, searched coarsest first whatever their order; one auto-encoder per side, trained as
+    ``nonlinear_ba``'s). A sample picks its scale at its first iteration from the boundary point
+    (:func:`pick_scale`, ``pick_probes`` simulated probes, no query)."""
+    sides = sorted({int(s) for s in sides})
     nets = trained_decoders(ctx, "psba", data, sides, _hp(epochs, views, lr, batch, seed))
     scale = state["scale"]
     new = (scale < 0) & torch.isfinite(state["dist"])
