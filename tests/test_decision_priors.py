@@ -19,6 +19,7 @@ from torch import nn
 from blackboxbench.context import BlockContext
 from blackboxbench.config import ConfigError
 from blackboxbench.errors import BenchError
+from blackboxbench.prep import trained
 from blackboxbench.query import priors
 from blackboxbench.query.hsja import estimate_direction, generator
 from blackboxbench.query.priors import GradientAE, decode, pick_scale, reference_gradients, train_ae
@@ -157,7 +158,7 @@ def test_one_training_per_run_and_a_cache_across_runs(tmp_path, monkeypatch):
     for i in range(2):
         exp = _exp(tmp_path / str(i), attack=attack, model="digits_mlp", surrogates=["digits_cnn"],
                    assets=_digits_assets(), threat=threat, batch_size=2, dataset={"name": "digits", "n": 2})
-        priors._RUN_PRIORS.clear()
+        trained._RUN.clear()
         run_experiment(exp, progress=False)
         assert calls == {"train": 3, "grads": 1, "cache": 3 * (i + 1)}  # one lookup per side and run
     assert len(list((tmp_path / "cache" / "priors").glob("*.pt"))) == 3
@@ -168,7 +169,7 @@ def test_training_on_evaluation_images_is_refused(tmp_path):
     exp = _exp(tmp_path, attack="nonlinear_ba", model="digits_mlp", surrogates=["digits_cnn"],
                assets={"train": {"name": "train_images", "spec": {"name": "digits", "n": 20}}},
                threat={"norm": "l2", "eps": 1.5, "max_queries": 100}, dataset={"name": "digits", "n": 2})
-    priors._RUN_PRIORS.clear()
+    trained._RUN.clear()
     with pytest.raises(BenchError, match="evaluation images of this run"):
         run_experiment(exp, progress=False)
 

@@ -1,8 +1,9 @@
 """What the attacker trains on its own images, shared by the families: the ``train_images`` check, the cache key of
 a trained artifact (the spec sheet's G2 cache) and the cache itself, in ``BLACKBOXBENCH_CACHE``/<kind>/<key>.pt.
 
-Used by the weight-space refinement of transfer attacks (``transfer/weights.py``: LGV, SWA, ...) and by the learned
-probe priors of decision attacks (``query/priors.py``: NonLinear-BA, PSBA).
+Used by the weight-space refinement of transfer attacks (``transfer/weights.py``: LGV, SWA, ...), by the learned
+probe priors of decision attacks (``query/priors.py``: NonLinear-BA, PSBA) and by AdvFlow's flow
+(``query/advflow.py``). :func:`once_per_run` keeps what a block trained or loaded for the later steps of its run.
 """
 import hashlib
 
@@ -54,6 +55,23 @@ def cached(kind, key, train):
     out = train()
     save_atomic(out, path)
     return out
+
+
+_RUN = {}  # key -> (the objects whose ids the key holds, value): kept so that those ids stay theirs
+_KEEP = 8
+
+
+def once_per_run(key, alive, build):
+    """``build()`` once per ``key`` in this process (the last ``_KEEP`` keys). A key holds the ``id`` of run objects
+    (the run's asset, its surrogates): ``alive`` keeps them referenced with the value, so that no later object can
+    take one of those ids while the key is remembered."""
+    if key in _RUN:
+        return _RUN[key][1]
+    value = build()
+    if len(_RUN) >= _KEEP:
+        _RUN.pop(next(iter(_RUN)))
+    _RUN[key] = (alive, value)
+    return value
 
 
 def train_data(ctx, block, name):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BenchError
-from ..prep.trained import augment, cache_key, cached, train_data
+from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import INIT, PERTURB
 from ..threat import per_sample
 from .hsja import hsja_init, hsja_step
@@ -126,10 +126,6 @@ def train_ae(grads, side, *, epochs, lr, batch, seed):
     return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "cos": cos.reshape(1)}
 
 
-_RUN_PRIORS = {}  # (run objects, sides, parameters) -> (data, surrogates, decoders): one training or load per run
-_KEEP = 8
-
-
 def trained_decoders(ctx, block, data, sides, hp):
     """The frozen :class:`GradientAE` of each of ``sides``, trained on the ``train_images`` asset ``data`` against
     the run's surrogates with training parameters ``hp``, on the run's device: cached on disk (see the module
@@ -138,9 +134,12 @@ def trained_decoders(ctx, block, data, sides, hp):
     if not ctx.surrogates:
         raise BenchError(f"'{block}' needs white-box surrogates (config key surrogates:)")
     images = ctx.assets.get(data)
-    key = (id(images), tuple(map(id, ctx.surrogates)), tuple(sides), tuple(sorted(hp.items())), str(ctx.device))
-    if key in _RUN_PRIORS:
-        return _RUN_PRIORS[key][-1]
+    key = ("gradient_ae", id(images), tuple(map(id, ctx.surrogates)), tuple(sides), tuple(sorted(hp.items())),
+           str(ctx.device))
+    return once_per_run(key, (images, ctx.surrogates), lambda: _decoders(ctx, block, data, sides, hp))
+
+
+def _decoders(ctx, block, data, sides, hp):
     images = train_data(ctx, block, data)
     grads = []
 
@@ -156,9 +155,6 @@ def trained_decoders(ctx, block, data, sides, hp):
         net = GradientAE(images.x.shape[1], side)
         net.load_state_dict(cached("priors", disk, lambda: train(side))["state"])
         nets.append(net.to(ctx.device).eval().requires_grad_(False))
-    if len(_RUN_PRIORS) >= _KEEP:
-        _RUN_PRIORS.pop(next(iter(_RUN_PRIORS)))
-    _RUN_PRIORS[key] = (images, ctx.surrogates, nets)
     return nets
 
 
