@@ -25,6 +25,10 @@ BUDGET = {False: 10_000, True: 8_000}
 DECISION_BUDGET = {False: 5_000, True: 8_000}
 NON_NATIVE_BUDGET = 2_000  # a norm a block declares non-native: threat-model checks only
 TRANSFER_ITERATIONS = {False: 20, True: 50}  # untargeted, targeted
+# NP-attack's paper-size ANP decodes 100 candidates per iteration through a 400-wide MLP at every point (GPU-scale):
+# the contract checks its threat model and ASR with a small ANP (tests/test_np_attack.py runs the recipe's shapes)
+REDUCED = {"np_attack": {"init": {"name": "np_init", "z_dim": 16},
+                         "perturb": {"name": "np_attack", "r_dim": 16, "z_dim": 16, "hidden": 32, "epochs": 10}}}
 FAMILIES = {name: registry.FAMILY.get(name) for name in registry.FAMILY.names()}
 QUERY_KINDS = [bk.registry for bk in FAMILIES["score"].blocks.values()]
 TRANSFER_KINDS = {kind: bk.registry for kind, bk in FAMILIES["transfer"].blocks.items()}
@@ -126,6 +130,8 @@ def _experiment(name, norm, targeted, out, blocks=None):
             exp.update(surrogates=["digits_cnn"])
         # learned probe priors (NonLinear-BA, PSBA) train on 200 digits: the first case trains, the others load
         exp.update(assets=_train_assets(recipe, n=200))
+        if recipe in REDUCED:
+            exp["attack"] = {"recipe": recipe, "blocks": REDUCED[recipe]}
     exp = validate_experiment(exp, "contract")
     exp.update(_source="contract", _base_dir=".")
     return family, exp

@@ -2,8 +2,8 @@
 a trained artifact (the spec sheet's G2 cache) and the cache itself, in ``BLACKBOXBENCH_CACHE``/<kind>/<key>.pt.
 
 Used by the weight-space refinement of transfer attacks (``transfer/weights.py``: LGV, SWA, ...), by the learned
-probe priors of decision attacks (``query/priors.py``: NonLinear-BA, PSBA) and by AdvFlow's flow
-(``query/advflow.py``). :func:`once_per_run` keeps what a block trained or loaded for the later steps of its run.
+probe priors of decision attacks (``query/priors.py``: NonLinear-BA, PSBA), by AdvFlow's flow (``query/advflow.py``)
+and by NP-attack's neural process (``query/np_attack.py``). :func:`once_per_run` keeps what a block trained or loaded for the later steps of its run.
 """
 import hashlib
 
@@ -72,6 +72,25 @@ def once_per_run(key, alive, build):
         _RUN.pop(next(iter(_RUN)))
     _RUN[key] = (alive, value)
     return value
+
+
+def trained_model(ctx, block, kind, data, params, make, train):
+    """A frozen network of the run's attacker, built once per run: ``make(shape)`` loaded with the state dict
+    ``train(x)["state"]`` returns for the images ``x`` (on the run's device) of the ``train_images`` asset ``data``,
+    cached on disk as ``<kind>/<key>.pt`` with ``params`` (architecture and training, including ``seed``) in the
+    key."""
+    images = ctx.assets.get(data)
+    key = (block, id(images), tuple(sorted(params.items())), str(ctx.device))
+
+    def build():
+        train_set = train_data(ctx, block, data)
+        disk = cache_key(block, params, [], train_set, params["seed"], ctx.device)
+        out = cached(kind, disk, lambda: train(train_set.x.to(ctx.device)))
+        net = make(train_set.x.shape[1:])
+        net.load_state_dict(out["state"])
+        return net.to(ctx.device).eval().requires_grad_(False)
+
+    return once_per_run(key, images, build)
 
 
 def train_data(ctx, block, name):

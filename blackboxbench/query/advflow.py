@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
+from ..prep.trained import augment, trained_model
 from ..registry import INIT, PERTURB
 from .common import query_margin, start_state
 
@@ -229,18 +229,8 @@ def train_flow(x, arch, *, epochs, views, flow_lr, batch, noise, seed):
 def trained_flow(ctx, data, arch, hp):
     """The frozen flow of ``arch`` trained with ``hp`` on the ``train_images`` asset ``data``, on the run's
     device: cached on disk and built once per run."""
-    images = ctx.assets.get(data)
-    key = ("flow", id(images), tuple(sorted(arch.items())), tuple(sorted(hp.items())), str(ctx.device))
-
-    def build():
-        train = train_data(ctx, "advflow", data)
-        disk = cache_key("advflow", {**arch, **hp}, [], train, hp["seed"], ctx.device)
-        out = cached("flows", disk, lambda: train_flow(train.x.to(ctx.device), arch, **hp))
-        flow = ImageFlow(train.x.shape[1:], **arch, seed=hp["seed"])
-        flow.load_state_dict(out["state"])
-        return flow.to(ctx.device).eval().requires_grad_(False)
-
-    return once_per_run(key, images, build)
+    return trained_model(ctx, "advflow", "flows", data, {**arch, **hp},
+                         lambda shape: ImageFlow(shape, **arch, seed=hp["seed"]), lambda x: train_flow(x, arch, **hp))
 
 
 # ------------------------------------------------------------------------------------------------ blocks ----

@@ -1,0 +1,236 @@
+"""NP-attack (Bai, Zeng, Jiang, Wang, Xia, Guo, ECCV 2020; spec sheet S8): NES on the representation of an image
+learned by an Attentive Neural Process (ANP), so that the candidates are reconstructions of the image from a
+perturbed representation instead of the image plus pixel noise.
+
+**The ANP** (the authors' ``ANP_CIFAR`` model and its training script): an image is a function from pixel
+coordinates (row, column, channel, each in [0, 1]) to intensities minus 0.5. A deterministic path embeds every
+(coordinate, value) point with an MLP (``hidden`` 400, to ``r_dim`` 128) and lets every target coordinate attend to
+the context points with 4-head dot-product attention over learned coordinate features, then maps the result to
+``z_dim`` (128) numbers per point: the representation ``r`` (P points x ``z_dim``). A latent path averages a second
+point embedding into a global Gaussian ``z`` (mean, and a scale in [0.01, 0.1]). The decoder maps (``r`` at the
+point, ``z``, coordinate) through four ReLU layers to a mean and a scale per point. The authors' self-attention
+layers add a zero-initialised multiple of a freshly drawn attention at every call (an identity), so they are left
+out. Training: the Gaussian negative log-likelihood of every pixel, the context and target being the whole image
+(so the KL term between the two latent Gaussians is zero), Adam lr 1e-3, batch 8, 50 epochs (the authors: on the
+50,000 CIFAR-10 training images; here on the attacker's ``train_images`` asset, never the evaluation images, and
+cached in ``BLACKBOXBENCH_CACHE``/np like AdvFlow's flow).
+
+**The attack** (the authors' ``NP_Attack``, type R, their default; Table VI: N 100, I 600, E 0.05, LR 0.05): the
+image is encoded once into ``r``, ``mu_z`` and ``sigma_z``. Each iteration draws ``n_pop`` (N, 100) normal tensors
+``e_k`` shaped like ``r``, decodes ``r + sigma_z e_k`` with one ``z ~ N(mu_z, sigma_z)`` drawn per point (shared by
+the population), clips the decode to the eps ball (and [0, 1]) and queries them; with the unclipped CW margin of
+the log-probabilities as the loss, standardized rewards ``A`` and ``lr`` (LR, 0.05), ``r`` moves by
+``lr / (n_pop sigma_z) sum_k A_k e_k``. The new point is a decode of ``r`` with a fresh ``z`` (the authors' success
+check at the start of each iteration; here ``margin_step`` queries it), so an iteration costs ``n_pop + 1``
+queries. Table VI's I (600 iterations) caps nothing below the budget (600 x 101 > 10,000) and E (0.05) is the
+authors' eps, the threat's here.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BenchError
+from ..prep.trained import augment, trained_model
+from ..registry import INIT, PERTURB
+from .common import query_margin, start_state
+
+PAPER = ("Bai, Zeng, Jiang, Wang, Xia, Guo, Improving Query Efficiency of Black-box Adversarial Attack, "
+         "ECCV 2020")
+COORDS = 3  # row, column, channel
+CHUNK = 1 << 25  # decoder activations per chunk (rows x points x hidden)
+
+
+def coordinates(shape, device=None):
+    """(P, 3) the coordinates of the P = H*W*C points of an image of ``shape`` (C, H, W), in the authors' order
+    (row-major pixels, channels innermost), each in [0, 1]."""
+    c, h, w = shape
+    lin = lambda k: torch.linspace(0, 1, k, device=device)  # noqa: E731
+    rows, cols, chans = torch.meshgrid(lin(h), lin(w), lin(c) if c > 1 else torch.zeros(1, device=device),
+                                       indexing="ij")
+    return torch.stack([rows, cols, chans], -1).reshape(-1, COORDS)
+
+
+def to_points(x):
+    """(n, C, H, W) images -> (n, P) values minus 0.5 in the order of :func:`coordinates`."""
+    return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1) - 0.5
+
+
+def to_images(values, shape):
+    """The inverse of :func:`to_points`."""
+    c, h, w = shape
+    return values.reshape(-1, h, w, c).permute(0, 3, 1, 2) + 0.5
+
+
+def mlp(*widths):
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+class ANP(nn.Module):
+    """The authors' attentive neural process (see the module docstring) for images of ``shape``."""
+
+    def __init__(self, shape, *, r_dim, z_dim, hidden, heads=4):
+        super().__init__()
+        if r_dim % heads:
+            raise ValueError(f"r_dim ({r_dim}) must be a multiple of the {heads} heads")
+        self.shape, self.heads = tuple(shape), heads
+        self.register_buffer("coords", coordinates(shape))
+        self.det = mlp(COORDS + 1, hidden, hidden, r_dim)
+        self.lat = mlp(COORDS + 1, hidden, hidden, r_dim)
+        self.lat_out = nn.Sequential(nn.Linear(r_dim, r_dim), nn.ReLU())
+        self.z_mean, self.z_scale = nn.Linear(r_dim, z_dim), nn.Linear(r_dim, z_dim)
+        self.key_net, self.query_net = mlp(COORDS, hidden, COORDS), mlp(COORDS, hidden, COORDS)
+        size = r_dim // heads
+        self.wq, self.wk = nn.Linear(COORDS, COORDS * heads), nn.Linear(COORDS, COORDS * heads)
+        self.wv, self.wo = nn.Linear(r_dim, size * heads), nn.Linear(size * heads, r_dim)
+        for lin, std in ((self.wq, COORDS), (self.wk, COORDS), (self.wv, COORDS), (self.wo, r_dim)):
+            nn.init.normal_(lin.weight, 0, std ** -0.5)  # the authors' head initialisation
+        self.to_r = nn.Linear(r_dim, z_dim)
+        self.dec = mlp(2 * z_dim + COORDS, hidden, hidden, hidden, hidden)
+        self.dec_mean, self.dec_scale = nn.Linear(hidden, 1), nn.Linear(hidden, 1)
+
+    def encode(self, x):
+        """Images (n, C, H, W) -> (r (n, P, z_dim), z mean (n, z_dim), z scale (n, z_dim))."""
+        n = x.shape[0]
+        xy = torch.cat([self.coords.expand(n, -1, -1), to_points(x)[..., None]], -1)
+        s = self.lat_out(self.lat(xy).mean(1))
+        scale = (0.1 + 0.9 * torch.sigmoid(self.z_scale(s))) * 0.1
+        q = self._heads(self.wq(self.query_net(self.coords)))  # (heads, P, 3)
+        k = self._heads(self.wk(self.key_net(self.coords)))
+        # queries and keys are features of the coordinates alone: one attention (heads, P, P) serves every image
+        weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(COORDS), -1)
+        p, size = self.coords.shape[0], self.wv.out_features // self.heads
+        v = self.wv(self.det(xy)).view(n, p, self.heads, size).permute(2, 1, 0, 3).reshape(self.heads, p, n * size)
+        att = (weights @ v).view(self.heads, p, n, size).permute(2, 1, 0, 3).reshape(n, p, self.heads * size)
+        # the authors sum the heads' output projections: one projection of the concatenated heads
+        return self.to_r(self.wo(att)), self.z_mean(s), scale
+
+    def _heads(self, t):
+        """(P, heads * m) -> (heads, P, m)."""
+        return t.view(t.shape[0], self.heads, -1).transpose(0, 1)
+
+    def decode(self, r, z):
+        """Per-point means and scales (m, P) of the images with representation ``r`` (m, P, z_dim) and latent
+        ``z`` (m, P, z_dim) (one draw per point), in chunks that bound the memory."""
+        hidden = self.dec_mean.in_features
+        step = max(1, CHUNK // (r.shape[1] * hidden))
+        means, scales = [], []
+        for i in range(0, r.shape[0], step):
+            rows = slice(i, i + step)
+            h = self.dec(torch.cat([r[rows], z[rows], self.coords.expand(r[rows].shape[0], -1, -1)], -1))
+            means.append(self.dec_mean(h).squeeze(-1))
+            scales.append(0.1 + 0.9 * F.softplus(self.dec_scale(h).squeeze(-1)))
+        return torch.cat(means), torch.cat(scales)
+
+
+def sample_z(mean, scale, normal):
+    """A latent per point (m, P, z_dim) from the standard normal draws ``normal`` (m, P, z_dim)."""
+    return mean[:, None] + scale[:, None] * normal
+
+
+def nll(net, x, gen=None):
+    """The Gaussian negative log-likelihood of the pixels of ``x`` (per image, summed over points), with one latent
+    per point drawn from ``gen``; the authors' training loss (its KL term is zero: context = target)."""
+    r, mean, scale = net.encode(x)
+    normal = torch.randn(r.shape, generator=gen).to(x.device)
+    mu, sigma = net.decode(r, sample_z(mean, scale, normal))
+    y = to_points(x)
+    return (0.5 * ((y - mu) / sigma) ** 2 + sigma.log() + 0.5 * math.log(2 * math.pi)).sum(1)
+
+
+def train_anp(x, arch, *, epochs, views, np_lr, batch, seed):
+    """The state dict of an :class:`ANP` of ``arch`` trained on ``x`` on its device, deterministic in ``seed``, and
+    its final negative log-likelihood in nats per pixel on ``x``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = ANP(x.shape[1:], **arch).to(x.device)
+    opt = torch.optim.Adam(net.parameters(), lr=np_lr)
+    for _ in range(epochs):
+        data = torch.cat([x] + [augment(x, gen) for _ in range(views - 1)])
+        for idx in torch.randperm(len(data), generator=gen).split(batch):
+            loss = nll(net, data[idx.to(x.device)], gen).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        per_pixel = torch.cat([nll(net, xb, gen) for xb in x.split(batch)]).mean() / x[0].numel()
+    return {"state": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()},
+            "nats_per_pixel": per_pixel.reshape(1).cpu()}
+
+
+def trained_anp(ctx, data, arch, hp):
+    """The frozen ANP of ``arch`` trained with ``hp`` on the ``train_images`` asset ``data``, on the run's device:
+    cached on disk and built once per run."""
+    with torch.random.fork_rng(devices=[]):  # the shell's initialisation is overwritten by the state
+        return trained_model(ctx, "np_attack", "np", data, {**arch, **hp}, lambda shape: ANP(shape, **arch),
+                             lambda x: train_anp(x, arch, **hp))
+
+
+# ------------------------------------------------------------------------------------------------ blocks ----
+
+@INIT.register("np_init", paper=PAPER, norms=("linf", "l2"), ranges={"z_dim": "int [1, inf)"})
+def np_init(ctx, *, z_dim=128):
+    """The clean image (one query) and room for its representation (P points x ``z_dim``, the ANP's, which
+    ``np_attack`` checks) and latent, NaN until the perturb block encodes the image at its first step."""
+    x = ctx.problem.x
+    n, p = x.shape[0], x[0].numel()
+    nan = lambda *shape: torch.full((n, *shape), float("nan"), device=x.device)  # noqa: E731
+    return start_state(ctx, x.clone(), r=nan(p, z_dim), z_mean=nan(z_dim), z_scale=nan(z_dim))
+
+
+def representation_step(ctx, r, z_mean, z_scale, decode, *, n_pop, lr):
+    """NP-attack's NES update of the representations ``r`` (n, P, D): ``n_pop`` candidates ``r + sigma_z e_k``
+    decoded with one shared latent draw per point, projected and queried in one oracle call; returns the new
+    ``r``. A population with a refused query leaves ``r`` as it is."""
+    problem = ctx.problem
+    n, p, d = r.shape
+    e = ctx.rng.normal((n_pop, p, d)).to(r.device)
+    z = sample_z(z_mean, z_scale, ctx.rng.normal((p, d)).to(r.device))
+    scale = z_scale[:, None, None, :]
+    cand = (r[:, None] + scale * e).flatten(0, 1)
+    idx = torch.arange(n, device=r.device).repeat_interleave(n_pop)
+    candidates = problem.sub(idx).project(decode(cand, z[idx]).clamp(0, 1))
+    margin, _, ok = query_margin(ctx, candidates, idx)
+    ok = ok.view(n, n_pop).all(1)
+    reward = torch.where(ok[:, None], -margin.view(n, n_pop), 0.0)
+    a = (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-7)
+    return r + lr / (n_pop * z_scale[:, None, :]) * torch.einsum("nk,nkpd->npd", a, e)
+
+
+@PERTURB.register("np_attack", paper=PAPER, norms=("linf", "l2"), asset_params={"data": "train_images"},
+                  ranges={"n_pop": "int [2, inf)", "lr": "(0, inf)", "r_dim": "int [4, inf)",
+                          "z_dim": "int [1, inf)", "hidden": "int [1, inf)", "epochs": "int [1, inf)",
+                          "views": "int [1, inf)", "np_lr": "(0, inf)", "batch": "int [1, inf)",
+                          "seed": "int [0, inf)"})
+def np_attack(ctx, state, *, n_pop=100, lr=0.05, data="train", r_dim=128, z_dim=128, hidden=400, epochs=50,
+              views=1, np_lr=1e-3, batch=8, seed=0):
+    """One NP-attack iteration: the NES update of the representation from ``n_pop`` candidates, then a decode of
+    it as the new point (see the module docstring for every parameter)."""
+    arch = {"r_dim": int(r_dim), "z_dim": int(z_dim), "hidden": int(hidden)}
+    hp = {"epochs": int(epochs), "views": int(views), "np_lr": float(np_lr), "batch": int(batch),
+          "seed": int(seed)}
+    net = trained_anp(ctx, data, arch, hp)
+    problem = ctx.problem
+    r, z_mean, z_scale = state["r"], state["z_mean"], state["z_scale"]
+    if r.shape[-1] != arch["z_dim"]:
+        raise BenchError(f"np_attack: z_dim {arch['z_dim']} differs from np_init's {r.shape[-1]} (set both)")
+    with torch.no_grad():
+        fresh = torch.isnan(z_mean[:, 0])
+        if fresh.any():
+            enc_r, enc_mean, enc_scale = net.encode(problem.x)
+            keep = ~fresh[:, None]
+            r = torch.where(keep[..., None], r, enc_r)
+            z_mean, z_scale = torch.where(keep, z_mean, enc_mean), torch.where(keep, z_scale, enc_scale)
+
+        def decode(rep, z):
+            return to_images(net.decode(rep, z)[0], net.shape)
+
+        r = representation_step(ctx, r, z_mean, z_scale, decode, n_pop=n_pop, lr=lr)
+        z = sample_z(z_mean, z_scale, ctx.rng.normal(r.shape[1:]).to(r.device))
+        x_new = problem.project(decode(r, z).clamp(0, 1))
+    return {"x_adv": x_new, "r": r, "z_mean": z_mean, "z_scale": z_scale}
