@@ -156,3 +156,11 @@ class Linear2(nn.Module):
     def forward(self, x):
         s = (x - 0.5).flatten(1) @ self.w - self.t
         return torch.stack([torch.zeros_like(s), s], 1)
+
+
+def count_calls(calls, name, fn):
+    """``fn`` wrapped to add one to ``calls[name]`` at every call (for monkeypatching a training or cache step)."""
+    def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return wrapper

@@ -21,7 +21,7 @@ from blackboxbench.query import advflow
 from blackboxbench.query.advflow import Coupling, ImageFlow, nll, population_step, train_flow
 from blackboxbench.runner import run_experiment
 
-from attack_utils import make_ctx
+from attack_utils import count_calls, make_ctx
 from test_engine import _exp, _records, records_by_batch_size
 
 DATA = os.environ.get("BLACKBOXBENCH_DATA")
@@ -138,14 +138,8 @@ def test_one_training_per_run_and_a_cache_across_runs(tmp_path, monkeypatch):
     calls = {"train": 0, "cache": 0}
     train, cache = advflow.train_flow, trained.cached
 
-    def counted(name, fn):
-        def wrapper(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapper
-
-    monkeypatch.setattr(advflow, "train_flow", counted("train", train))
-    monkeypatch.setattr(trained, "cached", counted("cache", cache))
+    monkeypatch.setattr(advflow, "train_flow", count_calls(calls, "train", train))
+    monkeypatch.setattr(trained, "cached", count_calls(calls, "cache", cache))
     monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path / "cache"))
     attack = {"recipe": "advflow", "blocks": {"perturb": {"name": "advflow", **FAST}}}
     for i in range(2):

@@ -25,7 +25,7 @@ from blackboxbench.query.hsja import estimate_direction, generator
 from blackboxbench.query.priors import GradientAE, decode, pick_scale, reference_gradients, train_ae
 from blackboxbench.runner import prepare, run_experiment
 
-from attack_utils import Linear2, make_ctx
+from attack_utils import count_calls, Linear2, make_ctx
 from test_engine import _exp, _records
 
 DATA = os.environ.get("BLACKBOXBENCH_DATA")
@@ -143,15 +143,9 @@ def test_one_training_per_run_and_a_cache_across_runs(tmp_path, monkeypatch):
     calls = {"train": 0, "grads": 0, "cache": 0}
     train, grads, cache = priors.train_ae, priors.reference_gradients, priors.cached
 
-    def counted(name, fn):
-        def wrapper(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapper
-
-    monkeypatch.setattr(priors, "train_ae", counted("train", train))
-    monkeypatch.setattr(priors, "reference_gradients", counted("grads", grads))
-    monkeypatch.setattr(priors, "cached", counted("cache", cache))
+    monkeypatch.setattr(priors, "train_ae", count_calls(calls, "train", train))
+    monkeypatch.setattr(priors, "reference_gradients", count_calls(calls, "grads", grads))
+    monkeypatch.setattr(priors, "cached", count_calls(calls, "cache", cache))
     monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path / "cache"))
     attack = {"recipe": "psba", "blocks": {"perturb": {"name": "psba", **FAST}}}
     threat = {"norm": "l2", "eps": 1.5, "max_queries": 200}
