@@ -4,7 +4,7 @@
 The auto-encoder against the authors' CIFAR-10 layer shapes; a prior trained on the gradients of a linear model
 steers the probes (the estimate finds the model's normal with a few probes, where HSJA's Gaussian probes do not);
 PSBA's progressive scale rule on hand-made generators; the cache and the one-training-per-run memo; the
-evaluation-image check; batch-size invariance of records (float64 digits target); the real pretrained CIFAR-10
+evaluation-image check (also for AdvFlow and NP-attack, which train the same way); batch-size invariance of records (float64 digits target); the real pretrained CIFAR-10
 ResNet-56 with ResNet-20/32 surrogates, NonLinear-BA at L2 1.0 and PSBA at Linf 0.05 (skipped without the offline
 data). The digits
 contract (tests/test_contract.py) runs both recipes at every norm, targeted and not.
@@ -158,9 +158,12 @@ def test_one_training_per_run_and_a_cache_across_runs(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache" / "priors").glob("*.pt"))) == 3
 
 
-def test_training_on_evaluation_images_is_refused(tmp_path):
-    """The train_images asset must not hold the run's evaluation images (here: the same digits)."""
-    exp = _exp(tmp_path, attack="nonlinear_ba", model="digits_mlp", surrogates=["digits_cnn"],
+@pytest.mark.parametrize("attack,extra", [("nonlinear_ba", {"surrogates": ["digits_cnn"]}), ("advflow", {}),
+                                         ("np_attack", {})])
+def test_training_on_evaluation_images_is_refused(tmp_path, attack, extra):
+    """The train_images asset of a query attack that trains (probe priors, AdvFlow's flow, NP-attack's ANP) must not
+    hold the run's evaluation images (here: the same digits)."""
+    exp = _exp(tmp_path, attack=attack, model="digits_mlp", **extra,
                assets={"train": {"name": "train_images", "spec": {"name": "digits", "n": 20}}},
                threat={"norm": "l2", "eps": 1.5, "max_queries": 100}, dataset={"name": "digits", "n": 2})
     trained._RUN.clear()
