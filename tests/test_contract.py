@@ -26,9 +26,11 @@ DECISION_BUDGET = {False: 5_000, True: 8_000}
 NON_NATIVE_BUDGET = 2_000  # a norm a block declares non-native: threat-model checks only
 TRANSFER_ITERATIONS = {False: 20, True: 50}  # untargeted, targeted
 # NP-attack's paper-size ANP decodes 100 candidates per iteration through a 400-wide MLP at every point (GPU-scale):
-# the contract checks its threat model and ASR with a small ANP (tests/test_np_attack.py runs the recipe's shapes)
+# the contract checks its threat model and ASR with a small ANP (tests/test_np_attack.py runs the recipe's shapes).
+# AdvFlow's flow keeps the recipe's architecture with 50 of its 350 epochs (the 350 cost CI 30 s on the digits).
 REDUCED = {"np_attack": {"init": {"name": "np_init", "z_dim": 16},
-                         "perturb": {"name": "np_attack", "r_dim": 16, "z_dim": 16, "hidden": 32, "epochs": 10}}}
+                         "perturb": {"name": "np_attack", "r_dim": 16, "z_dim": 16, "hidden": 32, "epochs": 10}},
+           "advflow": {"perturb": {"name": "advflow", "epochs": 50}}}
 FAMILIES = {name: registry.FAMILY.get(name) for name in registry.FAMILY.names()}
 QUERY_KINDS = [bk.registry for bk in FAMILIES["score"].blocks.values()]
 TRANSFER_KINDS = {kind: bk.registry for kind, bk in FAMILIES["transfer"].blocks.items()}

@@ -348,16 +348,15 @@ def cifar(data_root):
 
 @pytest.fixture(scope="module")
 def transfer_run(cifar):
-    """Memoized: recipe -> (white-box ASR on the surrogates, transfer ASR on ResNet-56), 20 iterations (RAP-Bayesian:
-    its late start 100 and 120 in all) untargeted Linf 0.03 on 16 images; ensembles on ResNet-20 + ResNet-32,
+    """Memoized: recipe -> (white-box ASR on the surrogates, transfer ASR on ResNet-56), 20 iterations untargeted
+    Linf 0.03 on 16 images; ensembles on ResNet-20 + ResNet-32,
     refinements on ResNet-20 (trained on the 200 sdp200 images)."""
     zoo, x, y, assets = cifar
 
     @functools.lru_cache(maxsize=None)
     def run(name):
         surrogates = [zoo[20], zoo[32]] if name in ENSEMBLE + ["ens_logit"] else [zoo[20]]
-        iters = 120 if name == "rap_bayesian" else 20
-        atk = build_recipe(name, "linf", False, 0.03, iters)[0]
+        atk = build_recipe(name, "linf", False, 0.03, 20)[0]
         model = atk.refine(BlockContext(problem=None, rng=run_stream(0, "cpu", 1), assets=assets, pool=Pool(x, y)),
                            surrogates)
         out = atk.run(transfer_ctx(x, y, 0.03, "linf", None, model, atk.alpha, 0, atk.iterations))
@@ -369,7 +368,12 @@ def transfer_run(cifar):
     return run
 
 
-@pytest.mark.parametrize("name", ENSEMBLE + REFINED)
+# RAP-Bayesian's 120 iterations cost CI 100 s here: its parts run on the CIFAR ResNets on their own (``bayesian``
+# above, RAP in tests/test_transfer_opt.py) and the composite on the small networks below and in the contract.
+ON_CIFAR = [name for name in ENSEMBLE + REFINED if name != "rap_bayesian"]
+
+
+@pytest.mark.parametrize("name", ON_CIFAR)
 def test_recipe_on_cifar_resnets_transfers_to_resnet56(name, transfer_run):
     """White-box success on every (unrefined) surrogate and transfer far above ResNet-56's clean error (0 on
     these images). The comparison with I-FGSM and the logit ensemble over 100 images and 5 targets is the
