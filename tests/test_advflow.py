@@ -164,16 +164,18 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path):
 REDUCED = {"channels_hidden": 16, "high_res_blocks": 2, "low_res_blocks": 3, "n_blocks": 2, "epochs": 15}
 
 
-def resnet56_run(tmp_path, attack, n=6, fooled=4, train_n=None, model="cifar_resnet56", eps=0.03):
+def resnet56_run(tmp_path, attack, n=6, fooled=4, train_n=None, model="cifar_resnet56", eps=0.03, surrogates=None):
     """Untargeted Linf ``eps`` on the first ``n`` CIFAR-10 test images, target ``model``, Table V's budget 10,000, the
     generator trained on the 200 images of cifar10_test_sdp200.npz (its first ``train_n``): at least ``fooled`` of
     the correctly classified images fooled inside eps (the runner also checks [0, 1] and the uint8 grid), within
-    budget, every success confirmed by the oracle and by the worker's own forward of the returned image."""
+    budget, every success confirmed by the oracle and by the worker's own forward of the returned image. The
+    attacker's white-box ``surrogates``, when it has any, train the generator."""
     spec = {"name": "cifar10", "file": "cifar10/cifar10_test_sdp200.npz", **({"n": train_n} if train_n else {})}
     exp = _exp(tmp_path, attack=attack, model=model, data_root=DATA, batch_size=n,
                assets={"train": {"name": "train_images", "spec": spec}},
                dataset={"name": "cifar10", "file": "cifar10/cifar10_test_first100.npz", "n": n},
-               threat={"norm": "linf", "eps": eps, "max_queries": 10_000})
+               threat={"norm": "linf", "eps": eps, "max_queries": 10_000},
+               **({"surrogates": surrogates} if surrogates else {}))
     run_dir, _ = run_experiment(exp, progress=False)
     recs = [r for r in _records(run_dir, drop=()) if r["attacked"]]
     assert sum(r["success"] and r["audit_adv"] for r in recs) >= fooled, recs

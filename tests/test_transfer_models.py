@@ -370,7 +370,7 @@ def transfer_run(cifar):
 
 # RAP-Bayesian's 120 iterations cost CI 100 s here: its parts run on the CIFAR ResNets on their own (``bayesian``
 # above, RAP in tests/test_transfer_opt.py) and the composite on the small networks below and in the contract.
-ON_CIFAR = [name for name in ENSEMBLE + REFINED if name != "rap_bayesian"]
+ON_CIFAR = [name for name in ENSEMBLE + REFINED if name not in ("rap_bayesian", "swa_rd")]
 
 
 @pytest.mark.parametrize("name", ON_CIFAR)

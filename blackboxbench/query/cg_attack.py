@@ -1,0 +1,509 @@
+"""CG-Attack (Feng, Wu, Fan, Liu, Li, Xia, CVPR 2022; spec sheet S12): an evolution strategy over the latent space
+of a conditional Glow (c-Glow) that models the surrogates' conditional adversarial distribution (CAD) of a
+perturbation given the clean image. The c-Glow's mapping is learned on the surrogates and frozen; only the latent
+search distribution adapts to the target ("partial transfer", BlackboxBench Supp. G and I, eq. I.5).
+
+**The c-Glow** (the authors' ``CGlowModel.py`` and ``modules.py``; Table VI: ``x_hidden_channels`` 64,
+``x_hidden_size`` 128, ``y_hidden_channels`` 256, ``flow_depth`` K 8, ``num_levels`` L 3, ``learn_top`` False):
+L levels of a 2x2 squeeze, K steps and (but at the last level) a split whose second half gets a Gaussian prior
+whose mean and log-scale a 3x3 convolution of the first half gives; the top latent has a standard normal prior.
+A step is a conditional actnorm (per-channel log-scale and bias), a conditional 1x1 convolution (a C x C matrix per
+image) and an affine coupling. The actnorm's and the matrix's numbers come from the clean image through three 2x2
+stride-2 convolutions (``x_hidden_channels``), two hidden linear layers (``x_hidden_size``) and a tanh; the
+coupling's network sees the first half concatenated with image features resized to the level's side, and gives a
+shift and a scale ``sigmoid(h + 2)`` for the second half (3x3 and 1x1 convolutions of ``y_hidden_channels`` with
+actnorms, a zero-initialised 3x3 output, tanh). Two departures from the authors' initialisation, both recorded
+in the recipe: (1) they start the conditioners' convolutions and hidden layers at zero, which leaves them without a
+gradient (their actnorm and 1x1 convolution are then unconditional); here those layers start at PyTorch's default
+initialisation so that the image conditions them, as the c-Glow paper describes; (2) their 1x1 matrix is
+``tanh`` of a layer drawn with std 0.1, a near-singular C x C matrix whose inverses, chained over the steps, make a
+decode from a unit latent reach 1e8 (every training clamp then saturates and passes no gradient); here the matrix
+is a learned one starting as a random rotation (Glow's initialisation) plus the conditioner's ``tanh`` output,
+which starts at zero. Everything else is initialised as theirs.
+
+**Training** (the authors' ``RLearner.py`` with Table VI's ``only`` True, ``clamp`` True, ``tanh`` False,
+``margin`` 20, ``lr`` 2e-4, ``max_grad_norm`` 10, ``max_grad_clip`` 0, ``regularizer`` 0): a perturbation is
+decoded from the top latent 0 (their sampler draws it with standard deviation ``logs`` = 0: the prior's mean) and
+split latents drawn from their priors; Linf clamps ``eps`` times it to the eps ball (the authors clamp the decode
+itself at eps: a unit-scale decode then saturates the 8/255 clamp in about 98 % of its pixels, which pass no
+gradient; measuring the decode in units of eps changes no candidate of the attack, which takes its sign), L2
+scales it into the ball, and the loss is
+the surrogates' mean CW margin on the logits, floored at ``-margin`` (``only``: no likelihood term, the
+energy-model KL of eq. I.8 with all its weight on the adversarial loss). Adam (betas 0.9/0.9999), gradient norm
+clipped to ``max_grad_norm``. The authors train 50 epochs on the 50,000 CIFAR-10 training images with batches of 2
+(their training script's default; Table VI lists none); here on the attacker's ``train_images`` asset (never the
+evaluation images: checked) against the run's ``surrogates``, cached in ``BLACKBOXBENCH_CACHE``/cglow under a hash
+of the architecture, the training parameters, the surrogates' weights, the images, the threat, the seed and the
+device type, and built once per run.
+
+**The attack** (Supp. I eq. I.5 and the authors' ``run_attack.py``; Table VI lists no attack-loop values, spec
+sheet "verify"): each sample draws its split latents once from their priors (the authors' start: a decode from the
+top latent 0, encoded back) and CMA-ES searches the top latent with ``n_pop`` (20) candidates per generation, from
+the c-Glow's own latent distribution: mean 0 and step ``sigma`` 1 (eq. I.5's ``z = mu + sigma z0``, the transferred
+CAD at the start; the spec sheet's mu = 0, sigma = 1). The authors' script starts at 1e5, on a c-Glow whose
+near-singular 1x1 matrices make a unit latent decode to about 1e8 (see above); on this well-conditioned one, 1e5
+drowns every learned shift: measured on the digits, samples at 1e5 fool the target no more often than random signs
+(3 %), at 1 four times as often (12 %). A candidate is ``x + eps sign(decode)`` (L2: ``eps decode / |decode|``)
+clipped to [0, 1], its fitness the target's CW margin floored at -20. The authors run pycma's full-covariance
+CMA-ES one image at a time; here a batched separable CMA-ES (Ros and Hansen 2008: diagonal covariance, learning
+rates scaled by (N + 2) / 3): at the top latent's 768 dimensions, pycma's full covariance moves by about 3e-6 per
+generation and stays near the identity over a 10,000-query budget (500 generations). The clean image is the first
+query (theirs: the start's decode); each generation's best candidate is kept when it beats the best so far (no
+extra query: ``es_best``), and a success is the oracle's answer on that exact image.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BenchError
+from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
+from ..registry import ACCEPT, INIT, PERTURB
+from ..threat import margin_loss, rows_where
+from .common import merge_proposal, query_margin, start_state
+
+PAPER = ("Feng, Wu, Fan, Liu, Li, Xia, Boosting Black-box Attack with Partially Transferred Conditional Adversarial "
+         "Distribution, CVPR 2022")
+SCALE_OFFSET = 2.0  # the coupling's scale is sigmoid(h + 2)
+LOGSCALE_FACTOR = 3.0  # the coupling's output layer: (conv + b) * exp(3 logs)
+FLOOR = 20.0  # the attack's fitness: the margin floored at -20 (run_attack.py's threshold)
+
+
+# ------------------------------------------------------------------------------------------------ c-Glow ----
+
+def _normal_(module, std):
+    nn.init.normal_(module.weight, std=std)
+    if module.bias is not None:
+        nn.init.normal_(module.bias, std=std)
+    return module
+
+
+def _zero(module):
+    nn.init.zeros_(module.weight)
+    nn.init.zeros_(module.bias)
+    return module
+
+
+class Conditioner(nn.Module):
+    """Image -> ``out`` numbers in (-1, 1): three 2x2 stride-2 convolutions, two hidden linear layers, tanh (the
+    authors' ``x_Con`` and ``x_Linear``), the last layer starting at zero (the step starts unconditional)."""
+
+    def __init__(self, x_shape, channels, size, out):
+        super().__init__()
+        c, h, w = x_shape
+        self.conv = nn.Sequential(nn.Conv2d(c, channels, 2, stride=2), nn.ReLU(),
+                                  nn.Conv2d(channels, channels, 2, stride=2), nn.ReLU(),
+                                  nn.Conv2d(channels, channels, 2, stride=2), nn.ReLU())
+        self.linear = nn.Sequential(nn.Linear(channels * (h // 8) * (w // 8), size), nn.ReLU(),
+                                    nn.Linear(size, size), nn.ReLU(),
+                                    _zero(nn.Linear(size, out)), nn.Tanh())
+
+    def forward(self, x):
+        return self.linear(self.conv(x).flatten(1))
+
+
+class ActNorm(nn.Module):
+    """Glow's actnorm inside the coupling network: ``(x + bias) exp(logs)``, both starting at N(0, 0.05^2)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.bias = nn.Parameter(0.05 * torch.randn(1, channels, 1, 1))
+        self.logs = nn.Parameter(0.05 * torch.randn(1, channels, 1, 1))
+
+    def forward(self, x):
+        return (x + self.bias) * self.logs.exp()
+
+
+class ZeroOut(nn.Conv2d):
+    """The coupling's zero-initialised 3x3 output: ``(conv(x) + b) exp(3 logs)``."""
+
+    def __init__(self, cin, cout):
+        super().__init__(cin, cout, 3, padding=1)
+        _zero(self)
+        self.newbias = nn.Parameter(torch.zeros(cout, 1, 1))
+        self.logs = nn.Parameter(torch.zeros(cout, 1, 1))
+
+    def forward(self, x):
+        return (super().forward(x) + self.newbias) * (LOGSCALE_FACTOR * self.logs).exp()
+
+
+def _cross(h):
+    """The authors' ``split_feature(h, "cross")``: even and odd channels."""
+    return h[:, 0::2], h[:, 1::2]
+
+
+class Step(nn.Module):
+    """One c-Glow step on C channels at side ``hw``: conditional actnorm, conditional 1x1 convolution, affine
+    coupling. :meth:`condition` computes its image-dependent numbers once per image."""
+
+    def __init__(self, x_shape, channels, hw, x_channels, x_size, y_channels):
+        super().__init__()
+        c, half = channels, channels // 2
+        self.c = c
+        self.act = Conditioner(x_shape, x_channels, x_size, 2 * c)
+        self.mix = Conditioner(x_shape, x_channels, x_size, c * c)
+        self.rotation = nn.Parameter(torch.linalg.qr(torch.randn(c, c))[0])
+        stride = x_shape[1] // hw
+        self.resize_x = nn.Sequential(_normal_(nn.Conv2d(x_shape[0], 16, 3, padding=1), 0.1), nn.ReLU(),
+                                      _zero(nn.Conv2d(16, half, stride, stride=stride)), nn.ReLU(),
+                                      _normal_(nn.Conv2d(half, half, 3, padding=1), 0.1), nn.ReLU())
+        self.f = nn.Sequential(_conv_norm(c, y_channels, 3), ActNorm(y_channels), nn.ReLU(),
+                               _conv_norm(y_channels, y_channels, 1), ActNorm(y_channels), nn.ReLU(),
+                               ZeroOut(y_channels, 2 * (c - half)), nn.Tanh())
+
+    def condition(self, x, inverse):
+        """(actnorm log-scales and biases (n, C, 1, 1), the 1x1 matrices (n, C, C) or their inverses, their
+        log|det| (n,), the coupling's image features)."""
+        logs, bias = _cross(self.act(x)[:, :, None, None])
+        w = self.rotation + self.mix(x).view(-1, self.c, self.c)
+        logdet = torch.linalg.slogdet(w)[1]
+        if inverse:
+            w = torch.linalg.inv(w.double()).to(w.dtype)
+        return logs, bias, w, logdet, self.resize_x(x)
+
+    def _shift_scale(self, feat, y1):
+        shift, scale = _cross(self.f(torch.cat([feat, y1], 1)))
+        return shift, torch.sigmoid(scale + SCALE_OFFSET)
+
+    def forward(self, cond, y):
+        logs, bias, w, wlogdet, feat = cond
+        hw = y.shape[2] * y.shape[3]
+        y = (y + bias) * logs.exp()
+        y = torch.einsum("nij,njhw->nihw", w, y)
+        y1, y2 = y[:, :self.c // 2], y[:, self.c // 2:]
+        shift, scale = self._shift_scale(feat, y1)
+        y2 = (y2 + shift) * scale
+        logdet = hw * (logs.flatten(1).sum(1) + wlogdet) + scale.log().flatten(1).sum(1)
+        return torch.cat([y1, y2], 1), logdet
+
+    def inverse(self, cond, y):
+        logs, bias, w_inv, _, feat = cond
+        y1, y2 = y[:, :self.c // 2], y[:, self.c // 2:]
+        shift, scale = self._shift_scale(feat, y1)
+        y = torch.cat([y1, y2 / scale - shift], 1)
+        y = torch.einsum("nij,njhw->nihw", w_inv, y)
+        return y * (-logs).exp() - bias
+
+
+def _conv_norm(cin, cout, k):
+    conv = nn.Conv2d(cin, cout, k, padding=k // 2, bias=False)
+    nn.init.normal_(conv.weight, std=0.05)
+    return conv
+
+
+class SplitPrior(nn.Module):
+    """The Gaussian prior (mean, log-scale) of a split's second half given its first: 3x3 convolution, tanh."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = _normal_(nn.Conv2d(channels // 2, channels, 3, padding=1), 0.1)
+
+    def forward(self, z1):
+        return _cross(torch.tanh(self.conv(z1)))
+
+
+def gaussian_logp(mean, logs, z):
+    return (-0.5 * (2 * logs + (z - mean) ** 2 * (-2 * logs).exp() + math.log(2 * math.pi))).flatten(1).sum(1)
+
+
+class CondGlow(nn.Module):
+    """The c-Glow of perturbations of shape ``shape`` (C, H, W) given images of that shape (see the module
+    docstring). :meth:`condition` maps images to the per-step numbers, :meth:`decode` maps (conditions, top
+    latent, split latents) to perturbations, :meth:`encode` the reverse with the log-likelihood."""
+
+    def __init__(self, shape, *, x_hidden_channels, x_hidden_size, y_hidden_channels, flow_depth, num_levels):
+        super().__init__()
+        c, h, w = shape
+        if h % 2 ** max(num_levels, 3) or w % 2 ** max(num_levels, 3):
+            raise BenchError(f"cg_attack: image sides {h} x {w} must be multiples of "
+                             f"{2 ** max(num_levels, 3)} (num_levels {num_levels}, the conditioners' 8)")
+        self.shape, self.levels = tuple(shape), num_levels
+        self.steps, self.priors, self.top = nn.ModuleList(), nn.ModuleList(), None
+        for level in range(num_levels):
+            c, h, w = 4 * c, h // 2, w // 2
+            self.steps.append(nn.ModuleList(Step(shape, c, h, x_hidden_channels, x_hidden_size, y_hidden_channels)
+                                            for _ in range(flow_depth)))
+            if level < num_levels - 1:
+                self.priors.append(SplitPrior(c))
+                c //= 2
+        self.top = (c, h, w)
+
+    def split_shapes(self):
+        """The shapes of the split latents, level by level."""
+        c, h, w, out = *self.shape, []
+        for _ in range(self.levels - 1):
+            c, h, w = 2 * c, h // 2, w // 2
+            out.append((c, h, w))
+        return out
+
+    def condition(self, x, inverse=True):
+        return [[step.condition(x, inverse) for step in level] for level in self.steps]
+
+    def encode(self, cond, y):
+        """(top latent, split latents, log-likelihood of ``y`` given the images (n,))."""
+        logp, zs = y.new_zeros(y.shape[0]), []
+        for level, steps in enumerate(self.steps):
+            y = F.pixel_unshuffle(y, 2)
+            for step, c in zip(steps, cond[level]):
+                y, ld = step(c, y)
+                logp = logp + ld
+            if level < self.levels - 1:
+                y, z2 = y.chunk(2, 1)
+                logp = logp + gaussian_logp(*self.priors[level](y), z2)
+                zs.append(z2)
+        return y, zs, logp + gaussian_logp(torch.zeros_like(y), torch.zeros_like(y), y)
+
+    def decode(self, cond, top, zs=None, noise=None):
+        """Perturbations from the ``top`` latent and the split latents ``zs`` (one per split), or, without ``zs``,
+        split latents drawn from their priors with the standard normal ``noise`` (one tensor per split); returns
+        (perturbations, the split latents used)."""
+        y, used = top, [None] * (self.levels - 1)
+        for level in reversed(range(self.levels)):
+            if level < self.levels - 1:
+                if zs is None:
+                    mean, logs = self.priors[level](y)
+                    used[level] = mean + logs.exp() * noise[level]
+                else:
+                    used[level] = zs[level]
+                y = torch.cat([y, used[level]], 1)
+            for step, c in zip(reversed(self.steps[level]), reversed(cond[level])):
+                y = step.inverse(c, y)
+            y = F.pixel_shuffle(y, 2)
+        return y, used
+
+
+def expand(cond, idx):
+    """The conditions of images ``idx`` (rows repeated as many times as they appear)."""
+    return [[tuple(t[idx] for t in c) for c in level] for level in cond]
+
+
+# ---------------------------------------------------------------------------------------------- training ----
+
+def to_ball(y, eps, norm):
+    """Training's map of decodes into the eps ball: Linf ``eps clamp(y, -1, 1)`` (the authors' ``clamp`` of the
+    decode, measured in units of eps: see the module docstring), L2 scales down to the ball."""
+    if norm == "linf":
+        return eps * y.clamp(-1, 1)
+    scale = (eps / y.flatten(1).norm(dim=1).clamp_min(1e-12)).clamp(max=1.0)
+    return y * scale.view(-1, 1, 1, 1)
+
+
+def to_boundary(y, eps, norm):
+    """The attack's map of decodes onto the ball's boundary: ``eps sign`` (the authors' Linf), L2 ``eps y/|y|``."""
+    if norm == "linf":
+        return eps * torch.sign(y)
+    return eps * y / y.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1)
+
+
+def adversarial_loss(models, x, labels, margin):
+    """The authors' ``adv_loss``: the mean over models of the mean CW margin on the logits, floored at -margin."""
+    return sum(margin_loss(m(x), labels).clamp_min(-margin).mean() for m in models) / len(models)
+
+
+def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_grad_norm, margin, seed):
+    """The state dict of a :class:`CondGlow` of ``arch`` trained on images ``x`` with labels ``y`` against
+    ``models`` (see the module docstring), deterministic in ``seed``, and the surrogates' mean margin on its
+    perturbations of ``x`` before and after training."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        flow = CondGlow(x.shape[1:], **arch).to(x.device)
+    opt = torch.optim.Adam(flow.parameters(), lr=lr, betas=(0.9, 0.9999))
+
+    def loss_on(xb, yb):
+        noise = [torch.randn((len(xb), *s), generator=gen).to(x.device) for s in flow.split_shapes()]
+        top = torch.zeros((len(xb), *flow.top), device=x.device)
+        delta = flow.decode(flow.condition(xb), top, noise=noise)[0]
+        return adversarial_loss(models, (xb + to_ball(delta, eps, norm)).clamp(0, 1), yb, margin)
+
+    with torch.no_grad():
+        before = loss_on(x, y)
+    for _ in range(epochs):
+        data = torch.cat([x] + [augment(x, gen) for _ in range(views - 1)])
+        labels = y.repeat(views)
+        for idx in torch.randperm(len(data), generator=gen).split(batch):
+            idx = idx.to(x.device)
+            loss = loss_on(data[idx], labels[idx])
+            opt.zero_grad()
+            loss.backward()
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(flow.parameters(), max_grad_norm)
+            opt.step()
+    with torch.no_grad():
+        after = loss_on(x, y)
+    return {"state": {k: v.detach().cpu().clone() for k, v in flow.state_dict().items()},
+            "margin": torch.stack([before, after]).cpu()}
+
+
+def trained_cglow(ctx, data, arch, hp):
+    """The frozen :class:`CondGlow` trained with ``hp`` on the ``train_images`` asset ``data`` against the run's
+    surrogates under the run's threat, on the run's device: cached on disk and built once per run."""
+    if not ctx.surrogates:
+        raise BenchError("'cg_attack' needs white-box surrogates (config key surrogates:)")
+    images = ctx.assets.get(data)
+    p = ctx.problem
+    params = {**arch, **hp, "eps": float(p.eps), "norm": p.norm}
+    key = ("cglow", id(images), tuple(map(id, ctx.surrogates)), tuple(sorted(params.items())), str(ctx.device))
+
+    def build():
+        train_set = train_data(ctx, "cg_attack", data)
+        disk = cache_key("cglow", params, list(ctx.surrogates), train_set, hp["seed"], ctx.device)
+        out = cached("cglow", disk, lambda: train_cglow(
+            list(ctx.surrogates), train_set.x.to(ctx.device), train_set.y.to(ctx.device), arch,
+            eps=float(p.eps), norm=p.norm, **hp))
+        flow = CondGlow(train_set.x.shape[1:], **arch)
+        flow.load_state_dict(out["state"])
+        return flow.to(ctx.device).eval().requires_grad_(False)
+
+    return once_per_run(key, (images, ctx.surrogates), build)
+
+
+# ----------------------------------------------------------------------------------------- separable CMA ----
+
+def cma_constants(dim, n_pop):
+    """Hansen's default CMA-ES constants for ``dim`` and population ``n_pop``, with the separable learning rates
+    (Ros and Hansen 2008): a dict of floats and the (mu,) recombination weights."""
+    mu = n_pop // 2
+    w = math.log(mu + 0.5) - torch.log(torch.arange(1, mu + 1, dtype=torch.float64))
+    w = w / w.sum()
+    mu_eff = float(1 / (w ** 2).sum())
+    c_sigma = (mu_eff + 2) / (dim + mu_eff + 5)
+    c1 = 2 / ((dim + 1.3) ** 2 + mu_eff)
+    c_mu = min(1 - c1, 2 * (mu_eff - 2 + 1 / mu_eff) / ((dim + 2) ** 2 + mu_eff))
+    sep = (dim + 2) / 3
+    c1, c_mu = min(1.0, c1 * sep), min(1 - min(1.0, c1 * sep), c_mu * sep)
+    return {"mu": mu, "mu_eff": mu_eff, "c_sigma": c_sigma,
+            "d_sigma": 1 + 2 * max(0.0, math.sqrt((mu_eff - 1) / (dim + 1)) - 1) + c_sigma,
+            "c_c": (4 + mu_eff / dim) / (dim + 4 + 2 * mu_eff / dim), "c1": c1, "c_mu": c_mu,
+            "chi": math.sqrt(dim) * (1 - 1 / (4 * dim) + 1 / (21 * dim ** 2))}, w.float()
+
+
+def sep_cma_update(es, z, fitness, k, w):
+    """One separable CMA-ES update of the per-sample states ``es`` (``mean``, ``sigma``, ``cov`` (diagonal),
+    ``p_sigma``, ``p_c``, ``gen``) from the standard normal draws ``z`` (n, n_pop, D) and their ``fitness``
+    (n, n_pop), lower is better. Returns the new states."""
+    n, n_pop, dim = z.shape
+    order = fitness.argsort(dim=1, stable=True)[:, :k["mu"]]
+    z_sel = z.gather(1, order[:, :, None].expand(-1, -1, dim))
+    w = w.to(z.device)
+    z_w = torch.einsum("k,nkd->nd", w, z_sel)
+    root = es["cov"].sqrt()
+    y_w = root * z_w
+    sigma = es["sigma"]
+    mean = es["mean"] + sigma[:, None] * y_w
+    p_sigma = (1 - k["c_sigma"]) * es["p_sigma"] + math.sqrt(k["c_sigma"] * (2 - k["c_sigma"]) * k["mu_eff"]) * z_w
+    gen = es["gen"] + 1
+    norm = p_sigma.norm(dim=1)
+    h_sigma = (norm / torch.sqrt(1 - (1 - k["c_sigma"]) ** (2 * gen.double())).float()
+               < (1.4 + 2 / (dim + 1)) * k["chi"]).float()[:, None]
+    p_c = (1 - k["c_c"]) * es["p_c"] + h_sigma * math.sqrt(k["c_c"] * (2 - k["c_c"]) * k["mu_eff"]) * y_w
+    rank_mu = torch.einsum("k,nkd->nd", w, (root[:, None] * z_sel) ** 2)
+    cov = ((1 - k["c1"] - k["c_mu"]) * es["cov"]
+           + k["c1"] * (p_c ** 2 + (1 - h_sigma) * k["c_c"] * (2 - k["c_c"]) * es["cov"]) + k["c_mu"] * rank_mu)
+    sigma = sigma * torch.exp(k["c_sigma"] / k["d_sigma"] * (norm / k["chi"] - 1))
+    return {"mean": mean, "sigma": sigma, "cov": cov, "p_sigma": p_sigma, "p_c": p_c, "gen": gen}
+
+
+# ------------------------------------------------------------------------------------------------ blocks ----
+
+ES_KEYS = ("mean", "sigma", "cov", "p_sigma", "p_c", "gen")
+
+
+@INIT.register("cg_init", paper=PAPER, norms=("linf", "l2"))
+def cg_init(ctx):
+    """The clean image (one query; the authors' first query is their start's decode) with the evolution strategy
+    not yet started (``gen`` -1: the perturb block starts it, knowing the c-Glow). The per-sample ES tensors have
+    the image's size D: the c-Glow's top latent (the searched part) first, then its split latents (fixed)."""
+    n, d = ctx.problem.n, ctx.problem.x[0].numel()
+    zeros = torch.zeros(n, d, device=ctx.device)
+    return start_state(ctx, ctx.problem.x.clone(), mean=zeros, sigma=torch.zeros(n, device=ctx.device),
+                       cov=torch.ones(n, d, device=ctx.device), p_sigma=zeros.clone(), p_c=zeros.clone(),
+                       gen=torch.full((n,), -1, dtype=torch.long, device=ctx.device))
+
+
+def _start(ctx, flow, state, sigma0):
+    """Start the samples that have not (``gen`` -1): mean 0 (the top latent of the authors' start), step
+    ``sigma0``, identity covariance, split latents drawn from their priors at the top latent 0."""
+    fresh = state["gen"] < 0
+    if not bool(fresh.any()):
+        return state
+    state, dev = dict(state), ctx.device
+    rows = fresh.nonzero().squeeze(1)
+    m, dim = len(rows), math.prod(flow.top)
+    noise = [ctx.rng.normal(s, rows=rows).to(dev) for s in flow.split_shapes()]
+    cond = flow.condition(ctx.problem.x[rows])
+    zs = flow.decode(cond, torch.zeros((m, *flow.top), device=dev), noise=noise)[1]
+    mean = torch.cat([torch.zeros(m, dim, device=dev)] + [z.flatten(1) for z in zs], 1)
+    width = mean.shape[1]
+    for key, value in (("mean", mean), ("cov", torch.ones(m, width, device=dev)),
+                       ("p_sigma", torch.zeros(m, width, device=dev)), ("p_c", torch.zeros(m, width, device=dev)),
+                       ("sigma", torch.full((m,), float(sigma0), device=dev)),
+                       ("gen", torch.zeros(m, dtype=torch.long, device=dev))):
+        state[key] = state[key].index_put((rows,), value)
+    return state
+
+
+def _unflatten(flat, shapes):
+    out, at = [], 0
+    for s in shapes:
+        d = math.prod(s)
+        out.append(flat[:, at:at + d].view(-1, *s))
+        at += d
+    return out
+
+
+@PERTURB.register("cg_attack", paper=PAPER, norms=("linf", "l2"), needs=("surrogates",),
+                  asset_params={"data": "train_images"},
+                  ranges={"n_pop": "int [4, inf)", "sigma": "(0, inf)", "x_hidden_channels": "int [1, inf)",
+                          "x_hidden_size": "int [1, inf)", "y_hidden_channels": "int [1, inf)",
+                          "flow_depth": "int [1, inf)", "num_levels": "int [1, inf)", "epochs": "int [0, inf)",
+                          "views": "int [1, inf)", "lr": "(0, inf)", "batch": "int [1, inf)",
+                          "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)"})
+def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channels=64, x_hidden_size=128,
+              y_hidden_channels=256, flow_depth=8, num_levels=3, epochs=50, views=1, lr=2e-4, batch=2,
+              max_grad_norm=10.0, margin=20.0, seed=0):
+    """One CMA-ES generation of ``n_pop`` c-Glow candidates per sample, queried in one oracle call; proposes each
+    sample's best candidate with the oracle's answer on it (see the module docstring for every parameter)."""
+    arch = {"x_hidden_channels": int(x_hidden_channels), "x_hidden_size": int(x_hidden_size),
+            "y_hidden_channels": int(y_hidden_channels), "flow_depth": int(flow_depth),
+            "num_levels": int(num_levels)}
+    hp = {"epochs": int(epochs), "views": int(views), "lr": float(lr), "batch": int(batch),
+          "max_grad_norm": float(max_grad_norm), "margin": float(margin), "seed": int(seed)}
+    flow = trained_cglow(ctx, data, arch, hp)
+    problem, dev = ctx.problem, ctx.device
+    with torch.no_grad():
+        state = _start(ctx, flow, state, sigma)
+        n, dim = problem.n, math.prod(flow.top)
+        es = {key: state[key][:, :dim] if state[key].dim() == 2 else state[key] for key in ES_KEYS}
+        z = ctx.rng.normal((n_pop, dim)).to(dev)
+        latents = es["mean"][:, None] + es["sigma"][:, None, None] * es["cov"].sqrt()[:, None] * z
+        idx = torch.arange(n, device=dev).repeat_interleave(n_pop)
+        cond = expand(flow.condition(problem.x), idx)
+        zs = _unflatten(state["mean"][idx, dim:], flow.split_shapes())
+        delta = flow.decode(cond, latents.reshape(n * n_pop, *flow.top), zs=zs)[0]
+        candidates = problem.sub(idx).project(
+            (problem.x[idx] + to_boundary(delta, problem.eps, problem.norm)).clamp(0, 1))
+        fit, adv, ok = query_margin(ctx, candidates, idx)
+        fit, ok = fit.clamp_min(-FLOOR).view(n, n_pop), ok.view(n, n_pop).all(1)
+        new = sep_cma_update(es, z, fit, *cma_constants(dim, n_pop))
+        pick = torch.arange(n, device=dev) * n_pop + fit.argmin(1)
+    out = {}
+    for key in ES_KEYS:  # a generation with a refused query (past the budget) leaves the ES as it was
+        value = torch.where(ok.view(-1, *[1] * (new[key].dim() - 1)), new[key], es[key])
+        out[key] = torch.cat([value, state[key][:, dim:]], 1) if value.dim() == 2 else value
+    return {"x_adv": candidates[pick], "margin": fit.view(-1)[pick], "adv": adv[pick], **out}
+
+
+@ACCEPT.register("es_best", paper="population attacks keep their best queried candidate (Supp. F-B, Alg. 2)",
+                 norms=("linf", "l2"))
+def es_best(ctx, state, proposal):
+    """Move to the proposal's candidate where its margin (already asked of the oracle by the perturb block) beats
+    the best so far; no query. The proposal holds ``x_adv``, ``margin`` and ``adv`` (the oracle's answers)."""
+    margin, adv = proposal["margin"], proposal["adv"]
+    candidates, state = merge_proposal(state, {k: v for k, v in proposal.items() if k not in ("margin", "adv")})
+    better = margin < state["margin"]
+    state["x_adv"] = rows_where(better, candidates, state["x_adv"])
+    state["margin"] = torch.where(better, margin, state["margin"])
+    state["success"] = torch.where(better, adv, state["success"])
+    return state
