@@ -42,8 +42,9 @@ top latent 0, encoded back) and CMA-ES searches the top latent with ``n_pop`` (2
 the c-Glow's own latent distribution: mean 0 and step ``sigma`` 1 (eq. I.5's ``z = mu + sigma z0``, the transferred
 CAD at the start; the spec sheet's mu = 0, sigma = 1). The authors' script starts at 1e5, on a c-Glow whose
 near-singular 1x1 matrices make a unit latent decode to about 1e8 (see above); on this well-conditioned one, 1e5
-drowns every learned shift: measured on the digits, samples at 1e5 fool the target no more often than random signs
-(3 %), at 1 four times as often (12 %). A candidate is ``x + eps sign(decode)`` (L2: ``eps decode / |decode|``)
+drowns every learned shift on the digits (samples at 1e5 fool the target no more often than random signs, 3 %; at
+1 four times as often, 12 %), while on CIFAR-10 (``configs/cifar10_cg_attack.yaml``) both steps give the same ASR
+and queries. A candidate is ``x + eps sign(decode)`` (L2: ``eps decode / |decode|``)
 clipped to [0, 1], its fitness the target's CW margin floored at -20. The authors run pycma's full-covariance
 CMA-ES one image at a time; here a batched separable CMA-ES (Ros and Hansen 2008: diagonal covariance, learning
 rates scaled by (N + 2) / 3): at the top latent's 768 dimensions, pycma's full covariance moves by about 3e-6 per
