@@ -1,7 +1,8 @@
 """CG-Attack: CMA-ES in the latent space of a conditional Glow trained on the surrogates (``query/cg_attack.py``).
 
 The c-Glow against independent references (its inverse, and its log-likelihood against the autograd Jacobian and
-the priors), conditioning on the image, training that lowers the surrogate's margin on held-out images, the
+the priors), conditioning on the image, finite candidates from an overflowing decode, training that lowers the
+surrogate's margin on held-out images, the
 separable CMA-ES on test functions (a sphere and an ill-conditioned ellipsoid, two samples at once), one training
 per run and a cache across runs, batch-size invariance (float64 digits target) and the real pretrained CIFAR-10
 ResNet-20 at the paper's budget (skipped without the offline data). The digits contract (tests/test_contract.py)
@@ -15,7 +16,8 @@ from blackboxbench.prep import trained
 from blackboxbench.prep.data import digits
 from blackboxbench.prep.models import build_model
 from blackboxbench.query import cg_attack
-from blackboxbench.query.cg_attack import CondGlow, cma_constants, gaussian_logp, sep_cma_update, train_cglow
+from blackboxbench.query.cg_attack import (CondGlow, cma_constants, gaussian_logp, sep_cma_update, to_boundary,
+                                           train_cglow)
 from blackboxbench.runner import run_experiment
 from blackboxbench.threat import margin_loss
 
@@ -95,6 +97,17 @@ def test_training_lowers_the_surrogates_margin_on_held_out_images():
             unseen.append(margin_loss(mlp(xa), test.y).clamp_min(-20).mean().item())
     assert margins[1] < margins[0] - 1.0, margins
     assert unseen[1] < unseen[0] - 0.5, unseen
+
+
+def test_candidates_stay_finite_on_the_sphere_when_a_decode_overflows():
+    """A decode with NaN and infinite entries (an overflow) maps to a finite point of the eps sphere or inside it,
+    never to a NaN image: NaN reads as 0, +-inf as the largest float."""
+    y = torch.tensor([[[[float("nan"), float("inf")], [-float("inf"), 0.5]]]])
+    linf = to_boundary(y, 0.1, "linf")
+    assert torch.equal(linf, torch.tensor([[[[0.0, 0.1], [-0.1, 0.1]]]]))
+    ok = torch.tensor([[[[0.3, -0.4], [0.0, 0.0]]]])
+    assert torch.isfinite(to_boundary(y, 1.0, "l2")).all()
+    assert torch.allclose(to_boundary(ok, 1.0, "l2").flatten(1).norm(dim=1), torch.ones(1))
 
 
 def _run_es(fns, dim, generations, n_pop=20, sigma=1.0, start=3.0):

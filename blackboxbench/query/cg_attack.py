@@ -61,8 +61,9 @@ from torch import nn
 from ..errors import BenchError
 from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import ACCEPT, INIT, PERTURB
-from ..threat import margin_loss, rows_where
-from .common import merge_proposal, query_margin, start_state
+from ..threat import margin_loss, project
+from .common import keep_better, merge_proposal, query_margin, start_state
+from .prgf import l2_normalize
 
 PAPER = ("Feng, Wu, Fan, Liu, Li, Xia, Boosting Black-box Attack with Partially Transferred Conditional Adversarial "
          "Distribution, CVPR 2022")
@@ -281,20 +282,17 @@ def expand(cond, idx):
 
 # ---------------------------------------------------------------------------------------------- training ----
 
-def to_ball(y, eps, norm):
-    """Training's map of decodes into the eps ball: Linf ``eps clamp(y, -1, 1)`` (the authors' ``clamp`` of the
-    decode, measured in units of eps: see the module docstring), L2 scales down to the ball."""
-    if norm == "linf":
-        return eps * y.clamp(-1, 1)
-    scale = (eps / y.flatten(1).norm(dim=1).clamp_min(1e-12)).clamp(max=1.0)
-    return y * scale.view(-1, 1, 1, 1)
+def training_point(x, y, eps, norm):
+    """Training's adversarial image from decodes ``y``: Linf ``x + eps y`` (the decode measured in units of eps: see
+    the module docstring), L2 ``x + y``, projected onto the eps ball and [0, 1] (the authors' ``clamp``)."""
+    return project(x + (eps * y if norm == "linf" else y), x, eps, norm)
 
 
 def to_boundary(y, eps, norm):
-    """The attack's map of decodes onto the ball's boundary: ``eps sign`` (the authors' Linf), L2 ``eps y/|y|``."""
-    if norm == "linf":
-        return eps * torch.sign(y)
-    return eps * y / y.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1)
+    """The attack's map of decodes onto the ball's boundary: ``eps sign`` (the authors' Linf), L2 ``eps y/|y|``. A
+    non-finite decode (an overflow) is read as 0 where NaN and as the largest float where infinite."""
+    y = torch.nan_to_num(y)
+    return eps * (torch.sign(y) if norm == "linf" else l2_normalize(y))
 
 
 def adversarial_loss(models, x, labels, margin):
@@ -316,7 +314,7 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
         noise = [torch.randn((len(xb), *s), generator=gen).to(x.device) for s in flow.split_shapes()]
         top = torch.zeros((len(xb), *flow.top), device=x.device)
         delta = flow.decode(flow.condition(xb), top, noise=noise)[0]
-        return adversarial_loss(models, (xb + to_ball(delta, eps, norm)).clamp(0, 1), yb, margin)
+        return adversarial_loss(models, training_point(xb, delta, eps, norm), yb, margin)
 
     with torch.no_grad():
         before = loss_on(x, y)
@@ -423,9 +421,10 @@ def cg_init(ctx):
                        gen=torch.full((n,), -1, dtype=torch.long, device=ctx.device))
 
 
-def _start(ctx, flow, state, sigma0):
-    """Start the samples that have not (``gen`` -1): mean 0 (the top latent of the authors' start), step
-    ``sigma0``, identity covariance, split latents drawn from their priors at the top latent 0."""
+def _start(ctx, flow, cond, state, sigma0):
+    """Start the samples that have not (``gen`` -1), given every sample's conditions ``cond``: step ``sigma0`` and
+    split latents drawn from their priors at the top latent 0 (``cg_init`` set the mean 0, the identity covariance
+    and the empty paths)."""
     fresh = state["gen"] < 0
     if not bool(fresh.any()):
         return state
@@ -433,15 +432,12 @@ def _start(ctx, flow, state, sigma0):
     rows = fresh.nonzero().squeeze(1)
     m, dim = len(rows), math.prod(flow.top)
     noise = [ctx.rng.normal(s, rows=rows).to(dev) for s in flow.split_shapes()]
-    cond = flow.condition(ctx.problem.x[rows])
-    zs = flow.decode(cond, torch.zeros((m, *flow.top), device=dev), noise=noise)[1]
-    mean = torch.cat([torch.zeros(m, dim, device=dev)] + [z.flatten(1) for z in zs], 1)
-    width = mean.shape[1]
-    for key, value in (("mean", mean), ("cov", torch.ones(m, width, device=dev)),
-                       ("p_sigma", torch.zeros(m, width, device=dev)), ("p_c", torch.zeros(m, width, device=dev)),
-                       ("sigma", torch.full((m,), float(sigma0), device=dev)),
-                       ("gen", torch.zeros(m, dtype=torch.long, device=dev))):
-        state[key] = state[key].index_put((rows,), value)
+    zs = flow.decode(expand(cond, rows), torch.zeros((m, *flow.top), device=dev), noise=noise)[1]
+    mean = state["mean"].clone()
+    mean[rows, dim:] = torch.cat([z.flatten(1) for z in zs], 1)
+    state["mean"] = mean
+    state["sigma"] = state["sigma"].index_put((rows,), torch.tensor(float(sigma0), device=dev))
+    state["gen"] = state["gen"].index_put((rows,), torch.tensor(0, device=dev))
     return state
 
 
@@ -474,17 +470,16 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
     flow = trained_cglow(ctx, data, arch, hp)
     problem, dev = ctx.problem, ctx.device
     with torch.no_grad():
-        state = _start(ctx, flow, state, sigma)
+        cond = flow.condition(problem.x)
+        state = _start(ctx, flow, cond, state, sigma)
         n, dim = problem.n, math.prod(flow.top)
         es = {key: state[key][:, :dim] if state[key].dim() == 2 else state[key] for key in ES_KEYS}
         z = ctx.rng.normal((n_pop, dim)).to(dev)
         latents = es["mean"][:, None] + es["sigma"][:, None, None] * es["cov"].sqrt()[:, None] * z
         idx = torch.arange(n, device=dev).repeat_interleave(n_pop)
-        cond = expand(flow.condition(problem.x), idx)
         zs = _unflatten(state["mean"][idx, dim:], flow.split_shapes())
-        delta = flow.decode(cond, latents.reshape(n * n_pop, *flow.top), zs=zs)[0]
-        candidates = problem.sub(idx).project(
-            (problem.x[idx] + to_boundary(delta, problem.eps, problem.norm)).clamp(0, 1))
+        delta = flow.decode(expand(cond, idx), latents.reshape(n * n_pop, *flow.top), zs=zs)[0]
+        candidates = problem.sub(idx).project(problem.x[idx] + to_boundary(delta, problem.eps, problem.norm))
         fit, adv, ok = query_margin(ctx, candidates, idx)
         fit, ok = fit.clamp_min(-FLOOR).view(n, n_pop), ok.view(n, n_pop).all(1)
         new = sep_cma_update(es, z, fit, *cma_constants(dim, n_pop))
@@ -501,10 +496,6 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
 def es_best(ctx, state, proposal):
     """Move to the proposal's candidate where its margin (already asked of the oracle by the perturb block) beats
     the best so far; no query. The proposal holds ``x_adv``, ``margin`` and ``adv`` (the oracle's answers)."""
-    margin, adv = proposal["margin"], proposal["adv"]
     candidates, state = merge_proposal(state, {k: v for k, v in proposal.items() if k not in ("margin", "adv")})
-    better = margin < state["margin"]
-    state["x_adv"] = rows_where(better, candidates, state["x_adv"])
-    state["margin"] = torch.where(better, margin, state["margin"])
-    state["success"] = torch.where(better, adv, state["success"])
+    keep_better(state, candidates, proposal["margin"], proposal["adv"])
     return state

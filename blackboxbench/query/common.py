@@ -104,15 +104,22 @@ def greedy_update(ctx, state, candidates, idx=None):
     """
     margin, adv, _ = query_margin(ctx, candidates, idx)
     if idx is None:  # one candidate per sample
-        better = margin < state["margin"]
-        state["x_adv"] = rows_where(better, candidates, state["x_adv"])
-        state["margin"] = torch.where(better, margin, state["margin"])
-        state["success"] = torch.where(better, adv, state["success"])
-        return better
+        return keep_better(state, candidates, margin, adv)
     better = margin < state["margin"][idx]
     keep = idx[better]
     for key, new in (("x_adv", candidates), ("margin", margin), ("success", adv)):
         state[key] = state[key].index_put((keep,), new[better])
+    return better
+
+
+def keep_better(state, candidates, margin, adv):
+    """Move each sample to its candidate (one per sample) where the oracle's ``margin`` on it beats the sample's;
+    ``adv`` is the oracle's verdict on the candidates. Replaces the ``x_adv``/``margin``/``success`` entries of
+    ``state`` and returns the bool mask (n,) of moves. A refused query (margin +inf) never moves a sample."""
+    better = margin < state["margin"]
+    state["x_adv"] = rows_where(better, candidates, state["x_adv"])
+    state["margin"] = torch.where(better, margin, state["margin"])
+    state["success"] = torch.where(better, adv, state["success"])
     return better
 
 
