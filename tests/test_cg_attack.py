@@ -2,10 +2,10 @@
 
 The c-Glow against independent references (its inverse, and its log-likelihood against the autograd Jacobian and
 the priors), conditioning on the image, finite candidates from an overflowing decode, training that lowers the
-surrogate's margin on held-out images, the
-separable CMA-ES on test functions (a sphere and an ill-conditioned ellipsoid, two samples at once), one training
-per run and a cache across runs, batch-size invariance (float64 digits target) and the real pretrained CIFAR-10
-ResNet-20 at the paper's budget (skipped without the offline data). The digits contract (tests/test_contract.py)
+surrogate's margin on held-out images, the separable CMA-ES on test functions (a sphere and an ill-conditioned
+ellipsoid, two samples at once), one training per run and a cache across runs, batch-size invariance (float64
+digits target) and the real pretrained CIFAR-10 ResNet-20 at the paper's budget (skipped without the offline
+data). The digits contract (tests/test_contract.py)
 runs the recipe at both norms with a small c-Glow.
 """
 import math
