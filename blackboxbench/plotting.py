@@ -43,23 +43,27 @@ def grid_figure(path, title, panels, draw_panel, cols=4):
 def heatmap(path, rlabels, clabels, m, title, fmt="{:.2f}", cmap="viridis"):
     """A heatmap of the matrix ``m`` (rows ``rlabels``, columns ``clabels``) with each finite value written in its
     cell; NaN cells (missing or incompatible) are light gray. Returns ``path``."""
+    with figure(path, (1.6 + 1.1 * len(clabels), 1.2 + 0.45 * len(rlabels))) as (fig, axes):
+        matrix_panel(fig, axes[0, 0], rlabels, clabels, m, title, fmt, cmap)
+    return path
+
+
+def matrix_panel(fig, ax, rlabels, clabels, m, title, fmt="{:.2f}", cmap="viridis"):
+    """Draw the matrix ``m`` on ``ax`` as :func:`heatmap` does, with its colour bar."""
     import matplotlib
     import numpy as np
 
     a = np.array(m, dtype=float).reshape(len(rlabels), len(clabels))
     colors = matplotlib.colormaps[cmap].with_extremes(bad="lightgray")
-    with figure(path, (1.6 + 1.1 * len(clabels), 1.2 + 0.45 * len(rlabels))) as (fig, axes):
-        ax = axes[0, 0]
-        im = ax.imshow(np.ma.masked_invalid(a), cmap=colors, aspect="auto")
-        ax.set_xticks(range(len(clabels)), clabels, rotation=35, ha="right", fontsize=8)
-        ax.set_yticks(range(len(rlabels)), rlabels, fontsize=8)
-        for i in range(a.shape[0]):
-            for j in range(a.shape[1]):
-                if np.isfinite(a[i, j]):
-                    ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="w")
-        ax.set_title(title, fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.04)
-    return path
+    im = ax.imshow(np.ma.masked_invalid(a), cmap=colors, aspect="auto")
+    ax.set_xticks(range(len(clabels)), clabels, rotation=35, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rlabels)), rlabels, fontsize=8)
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            if np.isfinite(a[i, j]):
+                ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="w")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.04)
 
 
 def _value(text):

@@ -24,6 +24,7 @@ from blackboxbench.registry import ANALYSIS
 from blackboxbench.runner import run_experiment
 
 PNG = b"\x89PNG\r\n\x1a\n"
+TINY_CGLOW = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 8, "flow_depth": 1, "num_levels": 2}
 MODEL_TOOLS = [n for n in ANALYSIS.names() if ANALYSIS.get(n).registry_meta.get("inputs") == "model"]
 
 
@@ -243,8 +244,12 @@ def test_a_run_without_some_images(saved_run, tmp_path):
 def test_every_model_recipe_on_a_run(saved_run, tmp_path, capsys, tool):
     run_dir, _ = saved_run
     recipe = next(n for n, p in catalog.entries("analysis").items() if load_yaml(p)["tool"] == tool)
-    param = {"fsm": "log=false", "dbviz": "resolution=9"}.get(tool, "max_images=3")
-    assert main(["analyze", "-r", recipe, "--run", str(run_dir), "--param", param, "--device", "cpu", "-o",
+    args = {"fsm": ["--param", "log=false"], "dbviz": ["--param", "resolution=9"],
+            "adm": ["--model", "[digits_cnn, digits_mlp]", "--param", "train={name: digits, split: train, n: 40}",
+                    "--param", "epochs=1", "--param", "samples=12", "--param", "eps=0.3", "--param", "batch=8",
+                    *[a for k, v in TINY_CGLOW.items() for a in ("--param", f"{k}={v}")]]}
+    args = args.get(tool, ["--param", "max_images=3"])
+    assert main(["analyze", "-r", recipe, "--run", str(run_dir), *args, "--device", "cpu", "-o",
                  str(tmp_path / "fig.png")]) == 0, capsys.readouterr().err
     assert (tmp_path / "fig.png").read_bytes()[:8] == PNG
     assert (tmp_path / "fig.csv").read_text().count("\n") >= 2 and np.load(tmp_path / "fig.npz").files

@@ -35,6 +35,8 @@ class Inputs:
     x_adv: Optional[torch.Tensor] = None
     seed: int = 0
     paths: Optional[dict] = None  # dataset index -> (steps (K,), uint8 images (K, C, H, W)) of a run's attack paths
+    models: Optional[list] = None  # tools that compare models (ADM): [(name, model)], the first is ``model``
+    data_root: Optional[str] = None  # where the tool may read more data (ADM's training images)
 
 
 def _spec_name(spec):
@@ -51,12 +53,23 @@ def _run_config(run):
     return cfg
 
 
-def _run_model(cfg, path):
-    """The model a run attacked: a query run's target, else a transfer run's first target."""
+def _bare(spec):
+    return {k: v for k, v in spec.items() if k != "defense"} if isinstance(spec, dict) else spec
+
+
+def _run_model(cfg, path, many=False):
+    """The model a run attacked: a query run's target, else a transfer run's first target. ``many``: the run's
+    surrogates and then its target(s) (a transfer run's ``targets``, a query run's ``model``)."""
+    if many:
+        targets = cfg.get("targets") or ([cfg["model"]] if cfg.get("model") else [])
+        specs = list(cfg.get("surrogates") or []) + list(targets)
+        if len(specs) < 2:
+            raise BenchError(f"{path}: the run names fewer than 2 models; give a list with --model")
+        return [_bare(s) for s in specs]
     spec = cfg.get("model") or (cfg.get("targets") or [None])[0]
     if spec is None:
         raise BenchError(f"{path}: the run names no model; give one with --model")
-    return {k: v for k, v in spec.items() if k != "defense"} if isinstance(spec, dict) else spec
+    return _bare(spec)
 
 
 def _saved(run, folder, suffix, index):
@@ -99,13 +112,20 @@ def _saved_indices(run):
     return sorted(found)
 
 
-def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indices=None, seed=0, device="cpu"):
+def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indices=None, seed=0, device="cpu",
+                many=False):
     """:class:`Inputs` of a run directory (``model`` / ``dataset`` override what its config names) or of a model
     and a dataset spec (a name or ``{name: ..., params}``). ``indices`` picks dataset indices; else the first
     ``n`` (with a run: its first ``n`` samples with a saved adversarial image or path, or its first ``n`` images when
-    it saved neither)."""
+    it saved neither). ``many``: for a tool that compares models, ``model`` is a list of two or more (a run's
+    default: its surrogates and targets)."""
     cfg = _run_config(run) if run is not None else {}
-    model = model if model is not None else (_run_model(cfg, run) if run is not None else None)
+    model = model if model is not None else (_run_model(cfg, run, many) if run is not None else None)
+    if model is not None and many != isinstance(model, list):
+        raise BenchError("this tool compares models: give a list of two or more, e.g. --model '[cifar_resnet20, "
+                         "cifar_resnet56]'" if many else f"this tool reads one model, got the list {model!r}")
+    if many and len(model) < 2:
+        raise BenchError(f"this tool compares models: give two or more, got {model!r}")
     given = dataset is not None  # on the command line, else the run's config names it
     dataset = dataset if given else cfg.get("dataset")
     if model is None or dataset is None:
@@ -126,11 +146,15 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     if bad or not indices:
         raise BenchError(f"image indices {bad or indices} are not in the dataset ({len(data.y)} images)")
     index = [int(i) for i in indices]
-    net = build_model(model, root, device)
+    nets = [(str(_spec_name(m)), build_model(m, root, device)) for m in (model if many else [model])]
+    names = [name for name, _ in nets]
+    if len(set(names)) < len(names):
+        raise BenchError(f"the models to compare repeat a name: {names}")
     x_adv = _adv_images(run, index) if run is not None else None
     paths = _attack_paths(run, index) if run is not None else None
     if x_adv is not None and x_adv.shape != data.x[index].shape:
         raise BenchError(f"{run}/adv: images of shape {tuple(x_adv.shape[1:])}, the dataset's are "
                          f"{tuple(data.x.shape[1:])}")
-    return Inputs(net, str(_spec_name(model)), data.x[index].to(device), data.y[index].to(device), index,
-                  None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)), paths)
+    return Inputs(nets[0][1], ", ".join(names), data.x[index].to(device), data.y[index].to(device), index,
+                  None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)), paths,
+                  nets if many else None, None if root is None else str(root))

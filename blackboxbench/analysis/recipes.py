@@ -114,7 +114,7 @@ def analyze(recipe, out, params=None, device="cpu", **source):
     ``indices``, ``seed``). Returns ``(png, csv, npz, images used)``."""
     path, r, tool = load_recipe(recipe, "model")
     p = _params(path, r, tool, params)
-    inputs = load_inputs(device=device, **source)
+    inputs = load_inputs(device=device, many=tool.registry_meta.get("models", False), **source)
     header, body, arrays, draw = tool(inputs, **p)
     png, table = _write(out, header, body, draw, f"{r['name']}: {inputs.model_name}", arrays)
     return png, table, Path(out).with_suffix(".npz"), len(inputs.index)

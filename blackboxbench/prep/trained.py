@@ -102,13 +102,18 @@ def train_data(ctx, block, name):
                          f"{{{name}: {{name: train_images}}}})")
     data = ctx.assets[name]
     if ctx.pool is not None:
-        seen = {digest(im) for im in ctx.pool.x}
-        shared = sum(digest(im) in seen for im in data.x)
+        shared = shared_images(data.x, ctx.pool.x)
         if shared:
             raise BenchError(f"'{block}': {shared} of the {len(data.y)} images of asset '{name}' are "
                              "evaluation images of this run; train on other images (the default trains on "
                              "cifar10_test_sdp200.npz: evaluate on cifar10_test_first100.npz)")
     return data
+
+
+def shared_images(x, others):
+    """How many of the images ``x`` are (bit for bit) among ``others``."""
+    seen = {digest(im) for im in others}
+    return sum(digest(im) in seen for im in x)
 
 
 def augment(x, gen, pad=None):

@@ -335,6 +335,20 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
             "margin": torch.stack([before, after]).cpu()}
 
 
+def fit_cglow(models, train_set, arch, hp, eps, norm, device):
+    """``(frozen CondGlow, the models' margin before and after training)``: a c-Glow of ``arch`` trained with ``hp``
+    on the labelled images ``train_set`` against ``models`` under the threat (``eps``, ``norm``) on ``device``,
+    cached on disk (BLACKBOXBENCH_CACHE/cglow; CG-Attack's c-Glow against one surrogate and the ADM tool's CAD of
+    that model are the same file)."""
+    params = {**arch, **hp, "eps": float(eps), "norm": norm}
+    disk = cache_key("cglow", params, list(models), train_set, hp["seed"], device)
+    out = cached("cglow", disk, lambda: train_cglow(
+        list(models), train_set.x.to(device), train_set.y.to(device), arch, eps=float(eps), norm=norm, **hp))
+    flow = CondGlow(train_set.x.shape[1:], **arch)
+    flow.load_state_dict(out["state"])
+    return flow.to(device).eval().requires_grad_(False), out["margin"]
+
+
 def trained_cglow(ctx, data, arch, hp):
     """The frozen :class:`CondGlow` trained with ``hp`` on the ``train_images`` asset ``data`` against the run's
     surrogates under the run's threat, on the run's device: cached on disk and built once per run."""
@@ -347,13 +361,7 @@ def trained_cglow(ctx, data, arch, hp):
 
     def build():
         train_set = train_data(ctx, "cg_attack", data)
-        disk = cache_key("cglow", params, list(ctx.surrogates), train_set, hp["seed"], ctx.device)
-        out = cached("cglow", disk, lambda: train_cglow(
-            list(ctx.surrogates), train_set.x.to(ctx.device), train_set.y.to(ctx.device), arch,
-            eps=float(p.eps), norm=p.norm, **hp))
-        flow = CondGlow(train_set.x.shape[1:], **arch)
-        flow.load_state_dict(out["state"])
-        return flow.to(ctx.device).eval().requires_grad_(False)
+        return fit_cglow(ctx.surrogates, train_set, arch, hp, p.eps, p.norm, ctx.device)[0]
 
     return once_per_run(key, (images, ctx.surrogates), build)
 
@@ -441,7 +449,8 @@ def _start(ctx, flow, cond, state, sigma0):
     return state
 
 
-def _unflatten(flat, shapes):
+def unflatten(flat, shapes):
+    """Rows of ``flat`` (n, D) cut into tensors of ``shapes`` in order (n, *shape)."""
     out, at = [], 0
     for s in shapes:
         d = math.prod(s)
@@ -477,7 +486,7 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
         z = ctx.rng.normal((n_pop, dim)).to(dev)
         latents = es["mean"][:, None] + es["sigma"][:, None, None] * es["cov"].sqrt()[:, None] * z
         idx = torch.arange(n, device=dev).repeat_interleave(n_pop)
-        zs = _unflatten(state["mean"][idx, dim:], flow.split_shapes())
+        zs = unflatten(state["mean"][idx, dim:], flow.split_shapes())
         delta = flow.decode(expand(cond, idx), latents.reshape(n * n_pop, *flow.top), zs=zs)[0]
         candidates = problem.sub(idx).project(problem.x[idx] + to_boundary(delta, problem.eps, problem.norm))
         fit, adv, ok = query_margin(ctx, candidates, idx)
