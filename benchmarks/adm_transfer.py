@@ -30,7 +30,7 @@ from blackboxbench.analysis.divergence import adversarial_divergence  # noqa: E4
 from blackboxbench.analysis.inputs import load_inputs  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
 from blackboxbench.registry import DATASET  # noqa: E402
-from fidelity_transfer_features import asr, build, run_attack  # noqa: E402
+from fidelity_transfer_features import asr, build, emit, run_attack  # noqa: E402
 
 MODELS = ["cifar_resnet20", "cifar_resnet56", "oval_cifar_wide", "cifar_cnn_a_mix"]
 REDUCED = {"x_hidden_channels": 16, "x_hidden_size": 32, "y_hidden_channels": 32, "flow_depth": 4, "epochs": 10}
@@ -99,11 +99,7 @@ def main():
                  f"KL vs ASR {spearman(kl[off], rate[off]):+.2f} (the paper's reading: negative). Surrogates' "
                  f"margin on their c-Glow's training decodes before -> after training: "
                  + ", ".join(f"{m} {b:.2f} -> {c:.2f}" for m, (b, c) in zip(a.models, arrays["train_margin"])) + ".")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,15 @@ def asr(model, x, x_adv, y, keep):
     return (fooled & ok).sum().item() / max(ok.sum().item(), 1), int(ok.sum())
 
 
+def emit(lines, out=None):
+    """Print the markdown ``lines`` and append them to the file ``out`` (when given), a blank line after."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n\n")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=100)
@@ -134,11 +143,7 @@ def main():
                       f"({len(beat)} of {len(rows) - 1})."]
         if feat:
             lines.append(f"Best feature-level attack: {max(feat)[1]}.")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text + "\n\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":
