@@ -54,9 +54,9 @@ def test_rounds_merge_members_in_order():
     shared = SharedForward(model, len(plans), chunk=6)
     jobs, seen = _jobs(shared, plans)
     assert shared.run(jobs) == [(0, None), (1, None), (2, None)]
-    for k in range(len(plans)):  # every member got its own rows' answers
-        for x, y in zip(seen[k]["in"], seen[k]["out"]):
-            assert torch.equal(y, model.lin(x).detach())
+    for k in range(len(plans)):  # every member got its own rows' answers (to the last bits a batch's BLAS path
+        for x, y in zip(seen[k]["in"], seen[k]["out"]):  # may move: a row mix-up is off by O(1))
+            assert torch.allclose(y, model.lin(x).detach(), rtol=0, atol=1e-12)
     # rounds: 5+3+0, 1+3+4, 2+2 (member 1 has ended), 7 (member 0 has ended); forwarded in chunks of 6
     assert model.sizes == [6, 2, 6, 2, 4, 6, 1]
     assert shared.rounds == 4 and shared.asks == [3, 2, 4]
