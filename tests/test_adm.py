@@ -45,7 +45,9 @@ def _affine_cglow(seed):
     zero (the coupling's shift 0, its scale the constant sigmoid(2); the splits standard normal), the image
     conditioning the actnorms and the 1x1 matrices (random last conditioner layers)."""
     g = torch.Generator().manual_seed(seed)
-    flow = CondGlow((1, 8, 8), **SMALL).double()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the layers' initialisation, apart from the global stream
+        flow = CondGlow((1, 8, 8), **SMALL).double()
     with torch.no_grad():
         for prior in flow.priors:
             prior.conv.weight.zero_()
