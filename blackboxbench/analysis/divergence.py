@@ -11,9 +11,9 @@ For a pair (s, t), eq. I.10's Monte Carlo estimate of KL(P_s || P_t) over the ev
 perturbations delta ~ P(. | x, theta_s) (the c-Glow's own latent distribution: top latent z0 ~ N(0, I), mu 0 and
 sigma 1 of eq. I.5, split latents from their learned priors) and the mean of log P_s(delta | x) - log P_t(delta |
 x), both by the change of variables of eq. I.6 (:meth:`CondGlow.encode`); ``samples`` draws in all (the paper:
-100,000), spread evenly over the images. Each image's draws come from its own generator (seed, dataset index), the
-same for every source model, so the estimate depends on the seed, the images and the config, not on ``chunk`` or on
-the other images.
+100,000), spread evenly over the images. Each image's draws come from its own random stream (seed, dataset
+index: :class:`blackboxbench.rng.Streams`), the same for every source model, so the estimate depends on the seed,
+the images and the config, not on ``chunk`` or on the other images.
 
 Eq. I.4: sim(s, t) = 1 / log2 D_KL(s, t) and AD = 1 - sim / max sim. The paper leaves D_KL <= 1 undefined (log2 <=
 0; spec sheet open item 13): here D_KL is floored at ``floor`` (default 2 nats, so sim <= 1 and a pair closer than
@@ -32,17 +32,11 @@ from ..prep.assets import train_images
 from ..prep.trained import shared_images
 from ..query.cg_attack import expand, fit_cglow, unflatten
 from ..registry import ANALYSIS
-from ..rng import mix64_int
+from ..rng import Streams
 
 PAPER = ("BlackboxBench Supp. I, eqs. I.4-I.10 (ADM); the CAD is CG-Attack's c-Glow (Feng et al., CVPR 2022), "
          "Table VI")
-NOISE_SALT = 0x3C6EF372FE94F82B  # the tool's per-image generators, apart from other uses of the same seed
-
-
-def image_noise(seed, index, m, dim):
-    """(m, dim) standard normal latents of the image with dataset ``index``: its own CPU generator."""
-    gen = torch.Generator().manual_seed(mix64_int(int(seed) ^ NOISE_SALT ^ mix64_int(int(index))) & (2 ** 63 - 1))
-    return torch.randn((m, dim), generator=gen)
+NOISE_SALT = 0x3C6EF372FE94F82B  # the tool's per-image streams, apart from the attack's (same seed and index)
 
 
 def log_ratios(flows, x, index, samples, seed, chunk):
@@ -53,19 +47,22 @@ def log_ratios(flows, x, index, samples, seed, chunk):
     dim = x[0].numel()
     total = torch.zeros(k, k, n, dtype=torch.float64)
     squares = torch.zeros_like(total)
-    per = max(1, chunk // m)  # whole images per group: their draws do not depend on the grouping
+    per = max(1, chunk // m)  # whole images per group: each image's draws are one draw of its own stream
+    streams = Streams((int(seed) ^ NOISE_SALT) % 2 ** 63, max(index) + 1, "cpu")
     with torch.no_grad():
         inverse = [f.condition(x) for f in flows]  # decoding
         forward = [f.condition(x, inverse=False) for f in flows]  # encoding
         for g in range(0, n, per):
-            owner = torch.arange(g, min(n, g + per)).repeat_interleave(m)
-            z = torch.cat([image_noise(seed, index[i], m, dim) for i in range(g, min(n, g + per))])
+            group = torch.arange(g, min(n, g + per))
+            owner = group.repeat_interleave(m)
+            z = streams.view([index[i] for i in group]).normal((dim,), rows=owner - g)
             for a in range(0, len(z), chunk):
                 idx, zz = owner[a:a + chunk], z[a:a + chunk].to(x)  # the images' device and dtype
+                rows = idx.to(x.device)
                 for s, flow in enumerate(flows):
                     top, *noise = unflatten(zz, [flow.top] + flow.split_shapes())
-                    delta = flow.decode(expand(inverse[s], idx.to(x.device)), top, noise=noise)[0]
-                    logp = torch.stack([f.encode(expand(c, idx.to(x.device)), delta)[2]
+                    delta = flow.decode(expand(inverse[s], rows), top, noise=noise)[0]
+                    logp = torch.stack([f.encode(expand(c, rows), delta)[2]
                                         for f, c in zip(flows, forward)]).double().cpu()
                     r = logp[s] - logp  # (K, rows)
                     total[s].index_add_(1, idx, r)
