@@ -3,7 +3,8 @@ a trained artifact (the spec sheet's G2 cache) and the cache itself, in ``BLACKB
 
 Used by the weight-space refinement of transfer attacks (``transfer/weights.py``: LGV, SWA, ...), by the learned
 probe priors of decision attacks (``query/priors.py``: NonLinear-BA, PSBA), by AdvFlow's flow (``query/advflow.py``),
-by NP-attack's neural process (``query/np_attack.py``) and by CG-Attack's c-Glow (``query/cg_attack.py``).
+by NP-attack's neural process (``query/np_attack.py``) and by the c-Glows of CG-Attack and MCG (``query/cg_attack.py``,
+``query/mcg.py``).
 :func:`once_per_run` keeps what a block trained or loaded for the later steps of its run.
 """
 import hashlib

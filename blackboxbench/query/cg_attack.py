@@ -300,10 +300,15 @@ def adversarial_loss(models, x, labels, margin):
     return sum(margin_loss(m(x), labels).clamp_min(-margin).mean() for m in models) / len(models)
 
 
-def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_grad_norm, margin, seed):
+def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_grad_norm, margin, seed,
+                inner_steps=None, outer_step=1.0):
     """The state dict of a :class:`CondGlow` of ``arch`` trained on images ``x`` with labels ``y`` against
     ``models`` (see the module docstring), deterministic in ``seed``, and the surrogates' mean margin on its
-    perturbations of ``x`` before and after training."""
+    perturbations of ``x`` before and after training.
+
+    ``inner_steps`` None: one step of one Adam per batch (CG-Attack). An integer: Reptile meta-training (MCG,
+    ``query/mcg.py``): every batch is a task; a fresh Adam takes ``inner_steps`` steps on it, then the weights move
+    ``outer_step`` of the way from where the task started to where those steps ended (1: keep the inner weights)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -318,17 +323,29 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
 
     with torch.no_grad():
         before = loss_on(x, y)
+    def step(optimizer, xb, yb):
+        loss = loss_on(xb, yb)
+        optimizer.zero_grad()
+        loss.backward()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(flow.parameters(), max_grad_norm)
+        optimizer.step()
+
     for _ in range(epochs):
         data = torch.cat([x] + [augment(x, gen) for _ in range(views - 1)])
         labels = y.repeat(views)
         for idx in torch.randperm(len(data), generator=gen).split(batch):
             idx = idx.to(x.device)
-            loss = loss_on(data[idx], labels[idx])
-            opt.zero_grad()
-            loss.backward()
-            if max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(flow.parameters(), max_grad_norm)
-            opt.step()
+            if inner_steps is None:
+                step(opt, data[idx], labels[idx])
+                continue
+            start = [p.detach().clone() for p in flow.parameters()]
+            task = torch.optim.Adam(flow.parameters(), lr=lr, betas=(0.9, 0.9999))
+            for _ in range(inner_steps):
+                step(task, data[idx], labels[idx])
+            with torch.no_grad():
+                for p, p0 in zip(flow.parameters(), start):
+                    p.copy_(torch.lerp(p0, p, outer_step))
     with torch.no_grad():
         after = loss_on(x, y)
     return {"state": {k: v.detach().cpu().clone() for k, v in flow.state_dict().items()},
@@ -349,18 +366,19 @@ def fit_cglow(models, train_set, arch, hp, eps, norm, device):
     return flow.to(device).eval().requires_grad_(False), out["margin"]
 
 
-def trained_cglow(ctx, data, arch, hp):
+def trained_cglow(ctx, data, arch, hp, block="cg_attack"):
     """The frozen :class:`CondGlow` trained with ``hp`` on the ``train_images`` asset ``data`` against the run's
-    surrogates under the run's threat, on the run's device: cached on disk and built once per run."""
+    surrogates under the run's threat, on the run's device: cached on disk and built once per run (``block``
+    names the asking block in errors)."""
     if not ctx.surrogates:
-        raise BenchError("'cg_attack' needs white-box surrogates (config key surrogates:)")
+        raise BenchError(f"'{block}' needs white-box surrogates (config key surrogates:)")
     images = ctx.assets.get(data)
     p = ctx.problem
     params = {**arch, **hp, "eps": float(p.eps), "norm": p.norm}
     key = ("cglow", id(images), tuple(map(id, ctx.surrogates)), tuple(sorted(params.items())), str(ctx.device))
 
     def build():
-        train_set = train_data(ctx, "cg_attack", data)
+        train_set = train_data(ctx, block, data)
         return fit_cglow(ctx.surrogates, train_set, arch, hp, p.eps, p.norm, ctx.device)[0]
 
     return once_per_run(key, (images, ctx.surrogates), build)

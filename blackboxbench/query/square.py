@@ -84,11 +84,22 @@ def square_init_linf(ctx):
     """
     problem = ctx.problem
     _check_norm(problem, "linf")
-    x = problem.x
-    n, c, _, w = x.shape
-    x_hi, x_lo = (problem.quantize((x + sign * problem.eps).clamp(0, 1)) for sign in (1, -1))
+    n, c, _, w = problem.x.shape
+    x_hi, x_lo = linf_vertices(problem)
     stripes = torch.where(ctx.rng.uniform((c, 1, w)) < 0.5, x_hi, x_lo)
-    return start_state(ctx, stripes, it=torch.zeros(n, dtype=torch.long, device=x.device),
+    return linf_state(ctx, stripes, x_hi, x_lo, 0)
+
+
+def linf_vertices(problem):
+    """The two vertices ``x +- eps`` of every pixel, clipped to [0, 1] and on the uint8 grid (rounded towards x)."""
+    return tuple(problem.quantize((problem.x + sign * problem.eps).clamp(0, 1)) for sign in (1, -1))
+
+
+def linf_state(ctx, x0, x_hi, x_lo, it):
+    """The Linf Square state at ``x0`` (one query) with the pixels' vertices and the p schedule's iteration ``it``
+    (every sample's first)."""
+    n = len(x0)
+    return start_state(ctx, x0, it=torch.full((n,), int(it), dtype=torch.long, device=x0.device),
                        x_hi=x_hi.view(n, -1), x_lo=x_lo.view(n, -1))  # flat (n, C*H*W), gathered by index
 
 

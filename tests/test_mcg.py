@@ -1,0 +1,118 @@
+"""MCG: a meta-trained c-Glow, fine-tuned per image on the surrogates, starts Square (``query/mcg.py``).
+
+Reptile's outer step against its definition (no move, a straight line between the task's start and end, one inner
+step of a fresh Adam equal to CG-Attack's training), the batched per-image fine-tuning against an independent
+reference (a copy of the c-Glow per image trained by ``torch.optim.Adam``, float64), batch-size invariance
+(float64 digits target) and the real pretrained CIFAR-10 ResNet-20 at the paper's budget (skipped without the
+offline data). The digits contract (tests/test_contract.py) runs the recipe with a small c-Glow.
+"""
+import copy
+
+import torch
+
+from blackboxbench.prep.data import digits
+from blackboxbench.prep.models import build_model
+from blackboxbench.query.cg_attack import adversarial_loss, train_cglow, training_point
+from blackboxbench.query.mcg import finetuned_decodes
+from blackboxbench.threat import margin_loss
+
+from test_advflow import needs_data, resnet56_run
+from test_cg_attack import _random_cglow
+from test_engine import records_by_batch_size
+
+TINY = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 8, "flow_depth": 1, "num_levels": 2}
+
+
+def _meta(models, x, y, **kw):
+    hp = {"eps": 0.2, "norm": "linf", "epochs": 1, "views": 1, "lr": 1e-2, "batch": len(x), "max_grad_norm": 10.0,
+          "margin": 5.0, "seed": 0, **kw}
+    return train_cglow(models, x, y, TINY, **hp)["state"]
+
+
+def test_reptile_outer_step():
+    """One task (one batch, one epoch): outer step 0 keeps the initial weights, 0.5 lands halfway on the line from
+    them to where the inner steps end (outer step 1), and one inner step of a fresh Adam is CG-Attack's first
+    step."""
+    cnn, data = build_model("digits_cnn"), digits(n=16, split="train")
+    start = _meta([cnn], data.x, data.y, epochs=0)
+    end = _meta([cnn], data.x, data.y, inner_steps=3, outer_step=1.0)
+    half = _meta([cnn], data.x, data.y, inner_steps=3, outer_step=0.5)
+    still = _meta([cnn], data.x, data.y, inner_steps=3, outer_step=1e-12)
+    moved = max((end[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3
+    for k in start:
+        assert torch.allclose(half[k], (start[k] + end[k]) / 2, atol=1e-6), k
+        assert torch.allclose(still[k], start[k], atol=1e-9), k
+    one, plain = _meta([cnn], data.x, data.y, inner_steps=1), _meta([cnn], data.x, data.y)
+    assert all(torch.equal(one[k], plain[k]) for k in one)
+
+
+def test_per_image_finetuning_matches_a_copy_per_image():
+    """The batched fine-tuning (per-sample weights through vmap, chunks of 2) gives, for each of 3 images, the
+    decode of a deep copy of the c-Glow trained by torch.optim.Adam on that image alone (2 steps, values clipped),
+    and the outer step's line; the fine-tuned decodes lower the model's floored margin."""
+    shape = (1, 8, 8)
+    flow = _random_cglow(shape, 0)
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).double()
+    with torch.no_grad():
+        model[1].weight.copy_(0.05 * torch.randn(10, 64, generator=g, dtype=torch.float64))
+    x = torch.rand(3, *shape, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (3,), generator=g)
+    top = torch.randn(3, *flow.top, generator=g, dtype=torch.float64)
+    zs = [torch.randn(3, *s, generator=g, dtype=torch.float64) for s in flow.split_shapes()]
+    kw = {"eps": 0.2, "norm": "linf", "steps": 2, "lr": 1e-2, "clip": 0.05, "chunk": 2}
+    got = finetuned_decodes(flow, [model], x, y, top, zs, outer=1.0, **kw)
+    halfway = finetuned_decodes(flow, [model], x, y, top, zs, outer=0.5, **kw)
+    for i in range(3):
+        ref, one = copy.deepcopy(flow), slice(i, i + 1)
+        opt = torch.optim.Adam(ref.parameters(), lr=1e-2, betas=(0.9, 0.9999), eps=1e-8)
+        for _ in range(2):
+            delta = ref.decode(ref.condition(x[one]), top[one], zs=[z[one] for z in zs])[0]
+            loss = adversarial_loss([model], training_point(x[one], delta, 0.2, "linf"), y[one], 5.0)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 0.05)
+            opt.step()
+        with torch.no_grad():
+            want = ref.decode(ref.condition(x[one]), top[one], zs=[z[one] for z in zs])[0]
+            assert torch.allclose(got[one], want, atol=1e-9), (got[one] - want).abs().max()
+            mid = copy.deepcopy(flow)
+            for p, q, r in zip(mid.parameters(), flow.parameters(), ref.parameters()):
+                p.copy_((q + r) / 2)
+            want = mid.decode(mid.condition(x[one]), top[one], zs=[z[one] for z in zs])[0]
+            assert torch.allclose(halfway[one], want, atol=1e-9)
+    with torch.no_grad():
+        before = flow.decode(flow.condition(x), top, zs=zs)[0]
+        margins = [margin_loss(model(training_point(x, d, 0.2, "linf")), y).clamp_min(-5) for d in (before, got)]
+    assert (margins[1] < margins[0]).all(), margins
+
+
+def _digits_assets(n=200):
+    return {"train": {"name": "train_images", "spec": {"name": "digits", "split": "train", "n": n}}}
+
+
+FAST = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 16, "flow_depth": 2, "num_levels": 3,
+        "epochs": 2}
+
+
+def test_records_do_not_depend_on_the_batch_size(tmp_path):
+    """batch_size 1, 7 and 100 give identical records (float64 digits target, a small c-Glow)."""
+    attack = {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **FAST}}}
+    runs = records_by_batch_size(tmp_path, attack, "linf", 0.2, False, budget=2000, assets=_digits_assets(),
+                                 surrogates=["digits_cnn"], dataset={"name": "digits", "n": 8})
+    assert runs[0] == runs[1] == runs[2]
+    assert sum(r["success"] for r in runs[0]) >= 6
+
+
+# a reduced c-Glow, meta-trained in about half a minute on 2 cores (configs/cifar10_mcg.yaml runs a larger one)
+REDUCED = {"x_hidden_channels": 8, "x_hidden_size": 16, "y_hidden_channels": 16, "flow_depth": 2, "epochs": 2}
+
+
+@needs_data
+def test_resnet20_at_the_papers_budget(tmp_path):
+    """MCG with a small c-Glow meta-trained against ResNet-32 on 64 images, against the pretrained ResNet-20 at
+    Linf 0.03 (Table V's CIFAR-10 eps): see test_advflow.resnet56_run."""
+    recs = resnet56_run(tmp_path, {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **REDUCED}}},
+                        n=4, fooled=3, train_n=64, model="cifar_resnet20", surrogates=["cifar_resnet32"])
+    print(sorted(r["queries"] for r in recs))
