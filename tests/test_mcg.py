@@ -16,9 +16,8 @@ from blackboxbench.query.cg_attack import adversarial_loss, train_cglow, trainin
 from blackboxbench.query.mcg import finetuned_decodes
 from blackboxbench.threat import margin_loss
 
-from test_advflow import needs_data, resnet56_run
-from test_cg_attack import _random_cglow
-from test_engine import records_by_batch_size
+from test_advflow import needs_data
+from test_cg_attack import _random_cglow, assert_batch_invariant, resnet20_run
 
 TINY = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 8, "flow_depth": 1, "num_levels": 2}
 
@@ -88,21 +87,13 @@ def test_per_image_finetuning_matches_a_copy_per_image():
     assert (margins[1] < margins[0]).all(), margins
 
 
-def _digits_assets(n=200):
-    return {"train": {"name": "train_images", "spec": {"name": "digits", "split": "train", "n": n}}}
-
-
 FAST = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 16, "flow_depth": 2, "num_levels": 3,
         "epochs": 2}
 
 
 def test_records_do_not_depend_on_the_batch_size(tmp_path):
     """batch_size 1, 7 and 100 give identical records (float64 digits target, a small c-Glow)."""
-    attack = {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **FAST}}}
-    runs = records_by_batch_size(tmp_path, attack, "linf", 0.2, False, budget=2000, assets=_digits_assets(),
-                                 surrogates=["digits_cnn"], dataset={"name": "digits", "n": 8})
-    assert runs[0] == runs[1] == runs[2]
-    assert sum(r["success"] for r in runs[0]) >= 6
+    assert_batch_invariant(tmp_path, {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **FAST}}})
 
 
 # a reduced c-Glow, meta-trained in about half a minute on 2 cores (configs/cifar10_mcg.yaml runs a larger one)
@@ -113,6 +104,4 @@ REDUCED = {"x_hidden_channels": 8, "x_hidden_size": 16, "y_hidden_channels": 16,
 def test_resnet20_at_the_papers_budget(tmp_path):
     """MCG with a small c-Glow meta-trained against ResNet-32 on 64 images, against the pretrained ResNet-20 at
     Linf 0.03 (Table V's CIFAR-10 eps): see test_advflow.resnet56_run."""
-    recs = resnet56_run(tmp_path, {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **REDUCED}}},
-                        n=4, fooled=3, train_n=64, model="cifar_resnet20", surrogates=["cifar_resnet32"])
-    print(sorted(r["queries"] for r in recs))
+    resnet20_run(tmp_path, {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **REDUCED}}})
