@@ -34,7 +34,7 @@ REDUCED = {"np_attack": {"init": {"name": "np_init", "z_dim": 16},
            "cg_attack": {"perturb": {"name": "cg_attack", "x_hidden_channels": 4, "x_hidden_size": 8,
                                      "y_hidden_channels": 16, "flow_depth": 2, "epochs": 2, "batch": 16}},
            "mcg": {"init": {"name": "mcg_init", "x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 16,
-                            "flow_depth": 2, "epochs": 2}}}
+                            "flow_depth": 2, "epochs": 2, "pretrain_epochs": 2}}}
 FAMILIES = {name: registry.FAMILY.get(name) for name in registry.FAMILY.names()}
 QUERY_KINDS = [bk.registry for bk in FAMILIES["score"].blocks.values()]
 TRANSFER_KINDS = {kind: bk.registry for kind, bk in FAMILIES["transfer"].blocks.items()}

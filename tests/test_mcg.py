@@ -1,6 +1,7 @@
 """MCG: a meta-trained c-Glow, fine-tuned per image on the surrogates, starts Square (``query/mcg.py``).
 
-Reptile's outer step against its definition (no move, a straight line between the task's start and end, one inner
+Stage 1 (MI-FGSM sign labels that fool the model, learned by maximum likelihood), Reptile's outer step
+against its definition (no move, a straight line between the task's start and end, one inner
 step of a fresh Adam equal to CG-Attack's training), the batched per-image fine-tuning against an independent
 reference (a copy of the c-Glow per image trained by ``torch.optim.Adam``, float64), batch-size invariance
 (float64 digits target) and the real pretrained CIFAR-10 ResNet-20 at the paper's budget (skipped without the
@@ -12,7 +13,7 @@ import torch
 
 from blackboxbench.prep.data import digits
 from blackboxbench.prep.models import build_model
-from blackboxbench.query.cg_attack import adversarial_loss, train_cglow, training_point
+from blackboxbench.query.cg_attack import CondGlow, adversarial_loss, pseudo_labels, train_cglow, training_point
 from blackboxbench.query.mcg import finetuned_decodes
 from blackboxbench.threat import margin_loss
 
@@ -44,6 +45,30 @@ def test_reptile_outer_step():
         assert torch.allclose(still[k], start[k], atol=1e-9), k
     one, plain = _meta([cnn], data.x, data.y, inner_steps=1), _meta([cnn], data.x, data.y)
     assert all(torch.equal(one[k], plain[k]) for k in one)
+
+
+def test_stage_one_learns_the_pseudo_labels():
+    """The stage-1 labels are MI-FGSM signs that fool the digits CNN (accuracy 1.0 -> below 0.1 at Linf 0.2), and 20
+    epochs of maximum likelihood on them make the c-Glow's decodes agree with them in sign more than the untrained
+    c-Glow's (which agree by chance)."""
+    cnn, data = build_model("digits_cnn"), digits(n=64, split="train")
+    labels = pseudo_labels([cnn], data.x, data.y, 0.2, 30, 0.03)
+    assert set(labels.unique().tolist()) <= {-1.0, 0.0, 1.0}
+    with torch.no_grad():
+        assert (cnn((data.x + 0.2 * labels).clamp(0, 1)).argmax(1) == data.y).float().mean() < 0.1
+    arch = {**TINY, "y_hidden_channels": 16, "flow_depth": 2}
+    agree = []
+    for epochs in (0, 20):
+        state = train_cglow([cnn], data.x, data.y, arch, eps=0.2, norm="linf", epochs=0, views=1, lr=1e-3, batch=16,
+                            max_grad_norm=10.0, margin=5.0, seed=0, pretrain_epochs=epochs, pseudo_step=0.03)["state"]
+        flow = CondGlow((1, 8, 8), **arch)
+        flow.load_state_dict(state)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            noise = [torch.randn((64, *s), generator=g) for s in flow.split_shapes()]
+            delta = flow.decode(flow.condition(data.x), torch.zeros(64, *flow.top), noise=noise)[0]
+        agree.append((delta.sign() == labels)[labels != 0].float().mean().item())
+    assert agree[1] > agree[0] + 0.05 and abs(agree[0] - 0.5) < 0.05, agree
 
 
 def test_per_image_finetuning_matches_a_copy_per_image():
@@ -88,7 +113,7 @@ def test_per_image_finetuning_matches_a_copy_per_image():
 
 
 FAST = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 16, "flow_depth": 2, "num_levels": 3,
-        "epochs": 2}
+        "epochs": 2, "pretrain_epochs": 2}
 
 
 def test_records_do_not_depend_on_the_batch_size(tmp_path):
@@ -97,7 +122,8 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path):
 
 
 # a reduced c-Glow, meta-trained in about half a minute on 2 cores (configs/cifar10_mcg.yaml runs a larger one)
-REDUCED = {"x_hidden_channels": 8, "x_hidden_size": 16, "y_hidden_channels": 16, "flow_depth": 2, "epochs": 2}
+REDUCED = {"x_hidden_channels": 8, "x_hidden_size": 16, "y_hidden_channels": 16, "flow_depth": 2, "epochs": 2,
+           "pretrain_epochs": 2}
 
 
 @needs_data

@@ -63,7 +63,7 @@ from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import ACCEPT, INIT, PERTURB
 from ..threat import margin_loss, project
 from .common import keep_better, merge_proposal, query_margin, start_state
-from .prgf import l2_normalize
+from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
 
 PAPER = ("Feng, Wu, Fan, Liu, Li, Xia, Boosting Black-box Attack with Partially Transferred Conditional Adversarial "
          "Distribution, CVPR 2022")
@@ -300,15 +300,49 @@ def adversarial_loss(models, x, labels, margin):
     return sum(margin_loss(m(x), labels).clamp_min(-margin).mean() for m in models) / len(models)
 
 
+def pseudo_labels(models, x, y, eps, iters, step):
+    """The authors' MCG stage-1 labels (``data/data_prehandle.py``): the sign of an MI-FGSM perturbation (decay 1,
+    ``iters`` steps of ``step``, the models' summed cross-entropy, gradients L1-normalised per image) of the images
+    ``x`` in the Linf ball of radius ``eps``; in units of eps (our decodes' unit: see :func:`training_point`)."""
+    def loss(k, logits, rows):
+        return surrogate_loss(logits, y[rows], None, "ce")
+
+    xa, g = x.clone(), torch.zeros_like(x)
+    for _ in range(iters):
+        grad = surrogate_gradient(models, xa, loss)
+        g = g + grad / grad.abs().flatten(1).sum(1).clamp_min(1e-12).view(-1, 1, 1, 1)
+        xa = project(xa - step * g.sign(), x, eps, "linf")
+    return (xa - x).sign()
+
+
+def pretrain_nll(flow, x, labels, *, epochs, lr, batch, max_grad_norm, gen):
+    """MCG's stage 1 (the authors' ``trainners/Learner.py``): maximum likelihood of ``labels`` given the images
+    ``x`` (no dequantisation, as theirs), Adam (betas 0.9/0.9999), gradient norm clipped at ``max_grad_norm``."""
+    opt = torch.optim.Adam(flow.parameters(), lr=lr, betas=(0.9, 0.9999))
+    dims = labels[0].numel()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=gen).split(batch):
+            idx = idx.to(x.device)
+            loss = -flow.encode(flow.condition(x[idx], inverse=False), labels[idx])[2].mean() / dims
+            opt.zero_grad()
+            loss.backward()
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(flow.parameters(), max_grad_norm)
+            opt.step()
+
+
 def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_grad_norm, margin, seed,
-                inner_steps=None, outer_step=1.0):
+                inner_steps=None, outer_step=1.0, pretrain_epochs=0, pretrain_lr=1e-3, pseudo_iters=30,
+                pseudo_step=0.005):
     """The state dict of a :class:`CondGlow` of ``arch`` trained on images ``x`` with labels ``y`` against
     ``models`` (see the module docstring), deterministic in ``seed``, and the surrogates' mean margin on its
     perturbations of ``x`` before and after training.
 
     ``inner_steps`` None: one step of one Adam per batch (CG-Attack). An integer: Reptile meta-training (MCG,
     ``query/mcg.py``): every batch is a task; a fresh Adam takes ``inner_steps`` steps on it, then the weights move
-    ``outer_step`` of the way from where the task started to where those steps ended (1: keep the inner weights)."""
+    ``outer_step`` of the way from where the task started to where those steps ended (1: keep the inner weights).
+    ``pretrain_epochs`` > 0 (MCG's stage 1, Linf): first :func:`pretrain_nll` at ``pretrain_lr`` on the
+    :func:`pseudo_labels` (``pseudo_iters``, ``pseudo_step``) of ``x`` against ``models``."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -323,6 +357,12 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
 
     with torch.no_grad():
         before = loss_on(x, y)
+    if pretrain_epochs > 0:
+        if norm != "linf":
+            raise BenchError("the c-Glow's stage-1 pretraining (MCG) is Linf only: its labels are sign perturbations")
+        pretrain_nll(flow, x, pseudo_labels(models, x, y, eps, pseudo_iters, pseudo_step), epochs=pretrain_epochs,
+                     lr=pretrain_lr, batch=batch, max_grad_norm=max_grad_norm, gen=gen)
+
     def step(optimizer, xb, yb):
         loss = loss_on(xb, yb)
         optimizer.zero_grad()

@@ -7,7 +7,14 @@ Written from the authors' ``MCG-Blackbox`` code (``attack.py``, ``trainners/Meta
 ``utils/finetune.py``, ``attacks/square.py``; read, not copied), on CG-Attack's c-Glow (``query/cg_attack.py``:
 the same architecture, decode and training loss, with that module's recorded departures).
 
-**Meta-training** (``MetaLearner.meta_train``, Reptile): every batch of ``batch`` images is a task; a fresh Adam
+**Stage 1, pretraining** (the authors' ``data/data_prehandle.py``, ``trainners/Learner.py`` and
+``imagenet_pretrain.sh``): each training image gets a pseudo label, the sign of an MI-FGSM perturbation on the
+surrogates (decay 1, ``pseudo_iters`` 30 steps of ``pseudo_step`` 0.005, cross-entropy; theirs attack one surrogate
+and keep the images it classifies correctly with probability above 0.5: here every image, against all the
+surrogates), and the c-Glow learns those labels by maximum likelihood (``pretrain_epochs`` 40, ``pretrain_lr``
+1e-3, batch and gradient-norm clip as below; no dequantisation, as theirs).
+
+**Stage 2, meta-training** (``MetaLearner.meta_train``, Reptile, from the stage-1 weights): every batch of ``batch`` images is a task; a fresh Adam
 (``lr`` 4e-4, betas 0.9/0.9999) takes ``inner_steps`` (5) steps on the surrogates' mean CW margin floored at
 ``-margin`` (5), gradient norm clipped at ``max_grad_norm`` (10), decoding from the top latent 0 with split latents
 drawn from their priors (the authors' sampler), for ``epochs`` (5) epochs. The values are those of the authors'
@@ -114,11 +121,14 @@ def finetuned_decodes(flow, models, x, y, top, zs, *, eps, norm, steps, lr, clip
                        "num_levels": "int [1, inf)", "epochs": "int [0, inf)", "lr": "(0, inf)",
                        "inner_steps": "int [1, inf)", "outer_step": "(0, 1]", "batch": "int [1, inf)",
                        "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)",
+                       "pretrain_epochs": "int [0, inf)", "pretrain_lr": "(0, inf)", "pseudo_iters": "int [1, inf)",
+                       "pseudo_step": "(0, inf)",
                        "finetune_steps": "int [0, inf)", "finetune_lr": "(0, inf)", "finetune_clip": "[0, inf)",
                        "finetune_outer": "(0, 1]", "square_start": "int [0, inf)", "chunk": "int [1, inf)"})
 def mcg_init(ctx, *, data="train", x_hidden_channels=64, x_hidden_size=128, y_hidden_channels=256, flow_depth=8,
              num_levels=3, epochs=5, lr=4e-4, inner_steps=5, outer_step=1.0, batch=16, max_grad_norm=10.0,
-             margin=5.0, seed=0, finetune_steps=2, finetune_lr=1e-3, finetune_clip=5.0, finetune_outer=1.0,
+             margin=5.0, seed=0, pretrain_epochs=40, pretrain_lr=1e-3, pseudo_iters=30, pseudo_step=0.005,
+             finetune_steps=2, finetune_lr=1e-3, finetune_clip=5.0, finetune_outer=1.0,
              square_start=500, chunk=16):
     """The meta-trained c-Glow's guess for each image, fine-tuned on the surrogates for that image, as the start of
     Linf Square (one query; see the module docstring for every parameter)."""
@@ -130,7 +140,8 @@ def mcg_init(ctx, *, data="train", x_hidden_channels=64, x_hidden_size=128, y_hi
             "num_levels": int(num_levels)}
     hp = {"epochs": int(epochs), "views": 1, "lr": float(lr), "batch": int(batch),
           "max_grad_norm": float(max_grad_norm), "margin": float(margin), "seed": int(seed),
-          "inner_steps": int(inner_steps), "outer_step": float(outer_step)}
+          "inner_steps": int(inner_steps), "outer_step": float(outer_step), "pretrain_epochs": int(pretrain_epochs),
+          "pretrain_lr": float(pretrain_lr), "pseudo_iters": int(pseudo_iters), "pseudo_step": float(pseudo_step)}
     flow = trained_cglow(ctx, data, arch, hp, block="mcg_init")
     x, n = problem.x, problem.n
     with torch.no_grad():
