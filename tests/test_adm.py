@@ -15,6 +15,7 @@ from blackboxbench.query.cg_attack import CondGlow, unflatten
 
 SMALL = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 8, "flow_depth": 2, "num_levels": 2}
 TINY = ["--param", "train={name: digits, split: train, n: 60}", "--param", "eps=0.2", "--param", "epochs=1",
+        "--param", "pretrain_epochs=1",
         "--param", "batch=8", "--param", "lr=0.001", "--param", "x_hidden_channels=4", "--param",
         "x_hidden_size=8", "--param", "y_hidden_channels=8", "--param", "flow_depth=2", "--param", "num_levels=2"]
 
@@ -139,6 +140,18 @@ def test_adm_on_the_digits(tmp_path, cache, capsys):
     per = np.load(out.with_suffix(".npz"))["kl_per_image"]
     assert code == 0 and np.allclose(np.load(two.with_suffix(".npz"))["kl_per_image"], per[:, :, 1:], rtol=1e-6,
                                      atol=1e-6)
+
+
+def test_adm_with_cg_attacks_cads(tmp_path, cache, capsys):
+    """``pretrain_epochs`` 0 (CG-Attack's c-Glows, the adversarial loss alone) trains other c-Glows than the
+    default stage-1 CADs and gives finite KLs; stage 1 under L2 is a one-line error before any training."""
+    code, out = _analyze(tmp_path, "s", "--param", "samples=10", "--param", "pretrain_epochs=0")
+    assert code == 0, capsys.readouterr().err
+    assert len(cache) == 3 and np.isfinite(np.load(out.with_suffix(".npz"))["kl"]).all()
+    code, _ = _analyze(tmp_path, "l2", "--param", "norm=l2", "--param", "eps=1.0")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "params.pretrain_epochs: the stage-1 labels" in err, err
+    assert len(cache) == 3
 
 
 def test_adm_errors_are_one_line(tmp_path, cache, capsys):

@@ -246,7 +246,8 @@ def test_every_model_recipe_on_a_run(saved_run, tmp_path, capsys, tool):
     recipe = next(n for n, p in catalog.entries("analysis").items() if load_yaml(p)["tool"] == tool)
     args = {"fsm": ["--param", "log=false"], "dbviz": ["--param", "resolution=9"],
             "adm": ["--model", "[digits_cnn, digits_mlp]", "--param", "train={name: digits, split: train, n: 40}",
-                    "--param", "epochs=1", "--param", "samples=12", "--param", "eps=0.3", "--param", "batch=8",
+                    "--param", "epochs=1", "--param", "pretrain_epochs=1", "--param", "samples=12", "--param",
+                    "eps=0.3", "--param", "batch=8",
                     *[a for k, v in TINY_CGLOW.items() for a in ("--param", f"{k}={v}")]]}
     args = args.get(tool, ["--param", "max_images=3"])
     assert main(["analyze", "-r", recipe, "--run", str(run_dir), *args, "--device", "cpu", "-o",

@@ -1,11 +1,17 @@
 """Adversarial divergence measurement (ADM; BlackboxBench Sec. IV model architecture Q2, Fig. 14 right, Tab. III and
 Supp. I eqs. I.4-I.10): how far apart two models' conditional adversarial distributions (CADs) are.
 
-Per model, the CAD P(delta | x, theta) is a c-Glow trained against that model alone, exactly as CG-Attack trains
-its c-Glow against its surrogates (:func:`blackboxbench.query.cg_attack.fit_cglow`: Table VI's c-Glow, the same
-cache, so CG-Attack's c-Glow against one surrogate is that surrogate's CAD). Every model's c-Glow starts from the
-same initialisation (the same ``seed``): two CADs differ by what training against their models made of them, not
-by two random starts.
+Per model, the CAD P(delta | x, theta) is Table VI's c-Glow trained against that model alone
+(:func:`blackboxbench.query.cg_attack.fit_cglow`). By default (``pretrain_epochs`` 40, ``epochs`` 0, ``batch``
+16) it is a density of that model's adversarial perturbations: maximum likelihood of the signs of its MI-FGSM
+perturbations of the training images (MCG's stage 1, the same authors' c-Glow training by likelihood; Supp. I
+eqs. I.7-I.8 define the CAD as a density). Supp. I says the CADs follow CG-Attack; CG-Attack's training
+(``pretrain_epochs`` 0, ``epochs`` 50, ``batch`` 2: Table VI's ``only``, adversarial loss alone, the same cache
+files as CG-Attack's c-Glow against one surrogate) was this tool's first default, and it collapses: its c-Glows
+decode one saturated sign pattern for every image, their KLs reach 1e6-1e16 nats and the AD matrix does not follow
+transfer (Spearman -0.14 with I-FGSM transfer ASR on four CIFAR-10 models), where the likelihood-trained CADs give
+-0.73 (``benchmarks/RESULTS.md``). Every model's c-Glow starts from the same initialisation (the same ``seed``):
+two CADs differ by what training against their models made of them, not by two random starts.
 
 For a pair (s, t), eq. I.10's Monte Carlo estimate of KL(P_s || P_t) over the evaluation images x:
 perturbations delta ~ P(. | x, theta_s) (the c-Glow's own latent distribution: top latent z0 ~ N(0, I), mu 0 and
@@ -120,17 +126,21 @@ def _train_set(inputs, train):
                            "x_hidden_size": "int [1, inf)", "y_hidden_channels": "int [1, inf)",
                            "flow_depth": "int [1, inf)", "num_levels": "int [1, inf)", "epochs": "int [0, inf)",
                            "views": "int [1, inf)", "lr": "(0, inf)", "batch": "int [1, inf)",
-                           "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)"})
+                           "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)",
+                           "pretrain_epochs": "int [0, inf)", "pretrain_lr": "(0, inf)",
+                           "pseudo_iters": "int [1, inf)", "pseudo_step": "(0, inf)"})
 def adversarial_divergence(inputs, *, norm="linf", eps=0.03, samples=100000, floor=2.0, train=None, families=None,
                            chunk=256, x_hidden_channels=64, x_hidden_size=128, y_hidden_channels=256, flow_depth=8,
-                           num_levels=3, epochs=50, views=1, lr=2e-4, batch=2, max_grad_norm=10.0, margin=20.0,
-                           seed=0):
+                           num_levels=3, epochs=0, views=1, lr=2e-4, batch=16, max_grad_norm=10.0, margin=20.0,
+                           seed=0, pretrain_epochs=40, pretrain_lr=1e-3, pseudo_iters=30, pseudo_step=0.005):
     """The adversarial divergence between every ordered pair (surrogate s, target t) of the models: each model's
     CAD a c-Glow trained against it on ``train`` (a dataset spec, default the ``train_images`` asset's split A)
     under the threat (``norm``, ``eps``), KL estimated on the evaluation images from ``samples`` draws (see the
     module docstring). ``families`` ({model name: family}) adds the family-averaged matrix. The table: one row per
     pair (KL in nats, its standard error, sim, AD) and per family pair; the figure: the AD matrix (and the family
-    one)."""
+    one). ``pretrain_epochs`` > 0 first trains each c-Glow by maximum likelihood on the signs of that model's
+    MI-FGSM perturbations (MCG's stage 1, :func:`blackboxbench.query.cg_attack.pretrain_nll`; Linf); ``epochs``
+    then trains it on the adversarial loss (CG-Attack's training)."""
     names = [name for name, _ in inputs.models]
     if families is not None:
         missing = [n for n in names if not isinstance(families, dict) or not isinstance(families.get(n), str)]
@@ -140,6 +150,12 @@ def adversarial_divergence(inputs, *, norm="linf", eps=0.03, samples=100000, flo
             "y_hidden_channels": y_hidden_channels, "flow_depth": flow_depth, "num_levels": num_levels}
     hp = {"epochs": epochs, "views": views, "lr": lr, "batch": batch, "max_grad_norm": max_grad_norm,
           "margin": margin, "seed": seed}
+    if pretrain_epochs > 0:  # otherwise the key (and the cache file) stays CG-Attack's
+        if norm != "linf":
+            raise BenchError("adm: params.pretrain_epochs: the stage-1 labels are Linf sign perturbations; use "
+                             "norm linf or pretrain_epochs 0")
+        hp.update(pretrain_epochs=pretrain_epochs, pretrain_lr=pretrain_lr, pseudo_iters=pseudo_iters,
+                  pseudo_step=pseudo_step)
     data = _train_set(inputs, train)
     fitted = [fit_cglow([model], data, arch, hp, eps, norm, inputs.x.device) for _, model in inputs.models]
     flows = [f for f, _ in fitted]

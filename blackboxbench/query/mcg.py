@@ -3,8 +3,8 @@ IEEE TPAMI 2023; BlackboxBench Supp. G, Table VI; spec sheet S13): a conditional
 surrogates gives each image a first adversarial guess, adapted to that image by a few gradient steps on the
 surrogates, and an off-the-shelf score attack (Square, the authors' CIFAR-10 script) starts from it.
 
-Written from the authors' ``MCG-Blackbox`` code (``attack.py``, ``trainners/MetaLearner.py``,
-``utils/finetune.py``, ``attacks/square.py``; read, not copied), on CG-Attack's c-Glow (``query/cg_attack.py``:
+Written from the authors' ``MCG-Blackbox`` code (``attack.py``, ``trainners/MetaLearner.py``, ``Learner.py``,
+``data/data_prehandle.py``, ``utils/finetune.py``, ``attacks/square.py``; read, not copied), on CG-Attack's c-Glow (``query/cg_attack.py``:
 the same architecture, decode and training loss, with that module's recorded departures).
 
 **Stage 1, pretraining** (the authors' ``data/data_prehandle.py``, ``trainners/Learner.py`` and
@@ -14,8 +14,9 @@ and keep the images it classifies correctly with probability above 0.5: here eve
 surrogates), and the c-Glow learns those labels by maximum likelihood (``pretrain_epochs`` 40, ``pretrain_lr``
 1e-3, batch and gradient-norm clip as below; no dequantisation, as theirs).
 
-**Stage 2, meta-training** (``MetaLearner.meta_train``, Reptile, from the stage-1 weights): every batch of ``batch`` images is a task; a fresh Adam
-(``lr`` 4e-4, betas 0.9/0.9999) takes ``inner_steps`` (5) steps on the surrogates' mean CW margin floored at
+**Stage 2, meta-training** (``MetaLearner.meta_train``, Reptile, from the stage-1 weights): every batch of
+``batch`` images is a task; a fresh Adam (``lr`` 4e-4, betas 0.9/0.9999) takes ``inner_steps`` (5) steps on the
+surrogates' mean CW margin floored at
 ``-margin`` (5), gradient norm clipped at ``max_grad_norm`` (10), decoding from the top latent 0 with split latents
 drawn from their priors (the authors' sampler), for ``epochs`` (5) epochs. The values are those of the authors'
 only meta-training script (``imagenet_metatrain.sh``; Table VI lists the generator only as a path). The outer step
@@ -47,6 +48,10 @@ config (``batch_size`` 1, 7 or 100 give the same records), which that state shar
 deterministic form (rounds of samples, each fine-tuning on the rounds before it) is left. Their
 ``finetune_clean`` and ``finetune_latent`` are off in Table VI and not built. Untargeted and Linf: the authors'
 generator is trained untargeted, and their attack is Linf.
+
+Measured (``configs/cifar10_mcg.yaml``, ``benchmarks/RESULTS.md``): on the CPU-reduced c-Glow, stage 2 collapses it
+to one saturated sign pattern for every image (its loss has no term that keeps decodes inside the clamp), which
+leaves step 2 no gradient; after stage 1 alone the c-Glow keeps a spread and step 2 halves the queries.
 """
 import torch
 from torch import nn
