@@ -10,6 +10,7 @@ runs the recipe at both norms with a small c-Glow.
 """
 import math
 
+import pytest
 import torch
 
 from blackboxbench.prep import trained
@@ -170,21 +171,32 @@ def assert_batch_invariant(tmp_path, attack):
     assert sum(r["success"] for r in runs[0]) >= 6
 
 
-def test_records_do_not_depend_on_the_batch_size(tmp_path):
-    """batch_size 1, 7 and 100 give identical records (float64 digits target, a small c-Glow)."""
-    assert_batch_invariant(tmp_path, {"recipe": "cg_attack", "blocks": {"perturb": {"name": "cg_attack", **FAST}}})
-
-
 # a reduced c-Glow that trains in about half a minute on 2 cores (benchmarks/ run the CPU config's)
 REDUCED = {"x_hidden_channels": 8, "x_hidden_size": 16, "y_hidden_channels": 16, "flow_depth": 2, "epochs": 2,
            "batch": 16}
+# every recipe on a c-Glow: its block kind and name, a small c-Glow for the digits, a reduced one for CIFAR-10
+CGLOW_RECIPES = {"cg_attack": ("perturb", "cg_attack", FAST, REDUCED),
+                 "mcg": ("init", "mcg_init", {**FAST, "pretrain_epochs": 2},
+                         {**REDUCED, "pretrain_epochs": 2})}
+
+
+def _attack(recipe, size):
+    kind, block, fast, reduced = CGLOW_RECIPES[recipe]
+    return {"recipe": recipe, "blocks": {kind: {"name": block, **(fast if size == "fast" else reduced)}}}
+
+
+@pytest.mark.parametrize("recipe", CGLOW_RECIPES)
+def test_records_do_not_depend_on_the_batch_size(tmp_path, recipe):
+    """batch_size 1, 7 and 100 give identical records (float64 digits target, a small c-Glow)."""
+    assert_batch_invariant(tmp_path, _attack(recipe, "fast"))
 
 
 @needs_data
-def test_resnet20_at_the_papers_budget(tmp_path):
-    """CG-Attack with a small c-Glow trained against ResNet-32 on 64 images, against the pretrained ResNet-20 at
+@pytest.mark.parametrize("recipe", CGLOW_RECIPES)
+def test_resnet20_at_the_papers_budget(tmp_path, recipe):
+    """The recipe with a small c-Glow trained against ResNet-32 on 64 images, against the pretrained ResNet-20 at
     Linf 0.03 (Table V's CIFAR-10 eps): see test_advflow.resnet56_run."""
-    resnet20_run(tmp_path, {"recipe": "cg_attack", "blocks": {"perturb": {"name": "cg_attack", **REDUCED}}})
+    resnet20_run(tmp_path, _attack(recipe, "reduced"))
 
 
 def resnet20_run(tmp_path, attack):

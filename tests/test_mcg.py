@@ -3,9 +3,9 @@
 Stage 1 (MI-FGSM sign labels that fool the model, learned by maximum likelihood), Reptile's outer step
 against its definition (no move, a straight line between the task's start and end, one inner
 step of a fresh Adam equal to CG-Attack's training), the batched per-image fine-tuning against an independent
-reference (a copy of the c-Glow per image trained by ``torch.optim.Adam``, float64), batch-size invariance
-(float64 digits target) and the real pretrained CIFAR-10 ResNet-20 at the paper's budget (skipped without the
-offline data). The digits contract (tests/test_contract.py) runs the recipe with a small c-Glow.
+reference (a copy of the c-Glow per image trained by ``torch.optim.Adam``, float64). Batch-size invariance and the
+pretrained ResNet-20 at the paper's budget: tests/test_cg_attack.py, over every c-Glow recipe. The digits contract
+(tests/test_contract.py) runs the recipe with a small c-Glow.
 """
 import copy
 
@@ -17,8 +17,7 @@ from blackboxbench.query.cg_attack import CondGlow, adversarial_loss, pseudo_lab
 from blackboxbench.query.mcg import finetuned_decodes
 from blackboxbench.threat import margin_loss
 
-from test_advflow import needs_data
-from test_cg_attack import _random_cglow, assert_batch_invariant, resnet20_run
+from test_cg_attack import _random_cglow
 
 TINY = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 8, "flow_depth": 1, "num_levels": 2}
 
@@ -110,24 +109,3 @@ def test_per_image_finetuning_matches_a_copy_per_image():
         before = flow.decode(flow.condition(x), top, zs=zs)[0]
         margins = [margin_loss(model(training_point(x, d, 0.2, "linf")), y).clamp_min(-5) for d in (before, got)]
     assert (margins[1] < margins[0]).all(), margins
-
-
-FAST = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 16, "flow_depth": 2, "num_levels": 3,
-        "epochs": 2, "pretrain_epochs": 2}
-
-
-def test_records_do_not_depend_on_the_batch_size(tmp_path):
-    """batch_size 1, 7 and 100 give identical records (float64 digits target, a small c-Glow)."""
-    assert_batch_invariant(tmp_path, {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **FAST}}})
-
-
-# a reduced c-Glow, meta-trained in about half a minute on 2 cores (configs/cifar10_mcg.yaml runs a larger one)
-REDUCED = {"x_hidden_channels": 8, "x_hidden_size": 16, "y_hidden_channels": 16, "flow_depth": 2, "epochs": 2,
-           "pretrain_epochs": 2}
-
-
-@needs_data
-def test_resnet20_at_the_papers_budget(tmp_path):
-    """MCG with a small c-Glow meta-trained against ResNet-32 on 64 images, against the pretrained ResNet-20 at
-    Linf 0.03 (Table V's CIFAR-10 eps): see test_advflow.resnet56_run."""
-    resnet20_run(tmp_path, {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **REDUCED}}})
