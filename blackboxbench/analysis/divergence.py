@@ -36,7 +36,7 @@ from ..errors import BenchError
 from ..plotting import figure, matrix_panel
 from ..prep.assets import train_images
 from ..prep.trained import shared_images
-from ..query.cg_attack import expand, fit_cglow, unflatten
+from ..query.cg_attack import STAGE_ONE_RANGES, expand, fit_cglow, stage_one, unflatten
 from ..registry import ANALYSIS
 from ..rng import Streams
 
@@ -127,8 +127,7 @@ def _train_set(inputs, train):
                            "flow_depth": "int [1, inf)", "num_levels": "int [1, inf)", "epochs": "int [0, inf)",
                            "views": "int [1, inf)", "lr": "(0, inf)", "batch": "int [1, inf)",
                            "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)",
-                           "pretrain_epochs": "int [0, inf)", "pretrain_lr": "(0, inf)",
-                           "pseudo_iters": "int [1, inf)", "pseudo_step": "(0, inf)"})
+                           **STAGE_ONE_RANGES})
 def adversarial_divergence(inputs, *, norm="linf", eps=0.03, samples=100000, floor=2.0, train=None, families=None,
                            chunk=256, x_hidden_channels=64, x_hidden_size=128, y_hidden_channels=256, flow_depth=8,
                            num_levels=3, epochs=0, views=1, lr=2e-4, batch=16, max_grad_norm=10.0, margin=20.0,
@@ -150,12 +149,7 @@ def adversarial_divergence(inputs, *, norm="linf", eps=0.03, samples=100000, flo
             "y_hidden_channels": y_hidden_channels, "flow_depth": flow_depth, "num_levels": num_levels}
     hp = {"epochs": epochs, "views": views, "lr": lr, "batch": batch, "max_grad_norm": max_grad_norm,
           "margin": margin, "seed": seed}
-    if pretrain_epochs > 0:  # otherwise the key (and the cache file) stays CG-Attack's
-        if norm != "linf":
-            raise BenchError("adm: params.pretrain_epochs: the stage-1 labels are Linf sign perturbations; use "
-                             "norm linf or pretrain_epochs 0")
-        hp.update(pretrain_epochs=pretrain_epochs, pretrain_lr=pretrain_lr, pseudo_iters=pseudo_iters,
-                  pseudo_step=pseudo_step)
+    hp = stage_one(hp, norm, "adm: params", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
     data = _train_set(inputs, train)
     fitted = [fit_cglow([model], data, arch, hp, eps, norm, inputs.x.device) for _, model in inputs.models]
     flows = [f for f, _ in fitted]

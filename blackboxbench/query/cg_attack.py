@@ -331,6 +331,22 @@ def pretrain_nll(flow, x, labels, *, epochs, lr, batch, max_grad_norm, gen):
             opt.step()
 
 
+STAGE_ONE_RANGES = {"pretrain_epochs": "int [0, inf)", "pretrain_lr": "(0, inf)", "pseudo_iters": "int [1, inf)",
+                    "pseudo_step": "(0, inf)"}
+
+
+def stage_one(hp, norm, where, pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step):
+    """``hp`` with the stage-1 training parameters when ``pretrain_epochs`` > 0 (otherwise unchanged, so the cache key
+    of a c-Glow trained without it stays the same); a one-line error naming ``where`` when the threat is not Linf."""
+    if pretrain_epochs <= 0:
+        return hp
+    if norm != "linf":
+        raise BenchError(f"{where}.pretrain_epochs: the stage-1 labels are Linf sign perturbations; use norm linf or "
+                         "pretrain_epochs 0")
+    return {**hp, "pretrain_epochs": int(pretrain_epochs), "pretrain_lr": float(pretrain_lr),
+            "pseudo_iters": int(pseudo_iters), "pseudo_step": float(pseudo_step)}
+
+
 def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_grad_norm, margin, seed,
                 inner_steps=None, outer_step=1.0, pretrain_epochs=0, pretrain_lr=1e-3, pseudo_iters=30,
                 pseudo_step=0.005):
@@ -358,8 +374,7 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
     with torch.no_grad():
         before = loss_on(x, y)
     if pretrain_epochs > 0:
-        if norm != "linf":
-            raise BenchError("the c-Glow's stage-1 pretraining (MCG) is Linf only: its labels are sign perturbations")
+        stage_one({}, norm, "train_cglow", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
         pretrain_nll(flow, x, pseudo_labels(models, x, y, eps, pseudo_iters, pseudo_step), epochs=pretrain_epochs,
                      lr=pretrain_lr, batch=batch, max_grad_norm=max_grad_norm, gen=gen)
 
@@ -523,10 +538,12 @@ def unflatten(flat, shapes):
                           "x_hidden_size": "int [1, inf)", "y_hidden_channels": "int [1, inf)",
                           "flow_depth": "int [1, inf)", "num_levels": "int [1, inf)", "epochs": "int [0, inf)",
                           "views": "int [1, inf)", "lr": "(0, inf)", "batch": "int [1, inf)",
-                          "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)"})
+                          "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)",
+                          **STAGE_ONE_RANGES})
 def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channels=64, x_hidden_size=128,
               y_hidden_channels=256, flow_depth=8, num_levels=3, epochs=50, views=1, lr=2e-4, batch=2,
-              max_grad_norm=10.0, margin=20.0, seed=0):
+              max_grad_norm=10.0, margin=20.0, seed=0, pretrain_epochs=0, pretrain_lr=1e-3, pseudo_iters=30,
+              pseudo_step=0.005):
     """One CMA-ES generation of ``n_pop`` c-Glow candidates per sample, queried in one oracle call; proposes each
     sample's best candidate with the oracle's answer on it (see the module docstring for every parameter)."""
     arch = {"x_hidden_channels": int(x_hidden_channels), "x_hidden_size": int(x_hidden_size),
@@ -534,6 +551,7 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
             "num_levels": int(num_levels)}
     hp = {"epochs": int(epochs), "views": int(views), "lr": float(lr), "batch": int(batch),
           "max_grad_norm": float(max_grad_norm), "margin": float(margin), "seed": int(seed)}
+    hp = stage_one(hp, ctx.problem.norm, "cg_attack", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
     flow = trained_cglow(ctx, data, arch, hp)
     problem, dev = ctx.problem, ctx.device
     with torch.no_grad():

@@ -59,7 +59,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..errors import BenchError
 from ..registry import INIT
-from .cg_attack import adversarial_loss, trained_cglow, training_point
+from .cg_attack import STAGE_ONE_RANGES, adversarial_loss, stage_one, trained_cglow, training_point
 from .square import linf_state, linf_vertices
 
 PAPER = ("Yin, Zhang, Wu, Feng, Zhang, Fan, Yang, Generalizable Black-Box Adversarial Attack with Meta Learning, "
@@ -125,9 +125,7 @@ def finetuned_decodes(flow, models, x, y, top, zs, *, eps, norm, steps, lr, clip
                        "y_hidden_channels": "int [1, inf)", "flow_depth": "int [1, inf)",
                        "num_levels": "int [1, inf)", "epochs": "int [0, inf)", "lr": "(0, inf)",
                        "inner_steps": "int [1, inf)", "outer_step": "(0, 1]", "batch": "int [1, inf)",
-                       "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)",
-                       "pretrain_epochs": "int [0, inf)", "pretrain_lr": "(0, inf)", "pseudo_iters": "int [1, inf)",
-                       "pseudo_step": "(0, inf)",
+                       "max_grad_norm": "[0, inf)", "margin": "(0, inf)", "seed": "int [0, inf)", **STAGE_ONE_RANGES,
                        "finetune_steps": "int [0, inf)", "finetune_lr": "(0, inf)", "finetune_clip": "[0, inf)",
                        "finetune_outer": "(0, 1]", "square_start": "int [0, inf)", "chunk": "int [1, inf)"})
 def mcg_init(ctx, *, data="train", x_hidden_channels=64, x_hidden_size=128, y_hidden_channels=256, flow_depth=8,
@@ -145,8 +143,8 @@ def mcg_init(ctx, *, data="train", x_hidden_channels=64, x_hidden_size=128, y_hi
             "num_levels": int(num_levels)}
     hp = {"epochs": int(epochs), "views": 1, "lr": float(lr), "batch": int(batch),
           "max_grad_norm": float(max_grad_norm), "margin": float(margin), "seed": int(seed),
-          "inner_steps": int(inner_steps), "outer_step": float(outer_step), "pretrain_epochs": int(pretrain_epochs),
-          "pretrain_lr": float(pretrain_lr), "pseudo_iters": int(pseudo_iters), "pseudo_step": float(pseudo_step)}
+          "inner_steps": int(inner_steps), "outer_step": float(outer_step)}
+    hp = stage_one(hp, problem.norm, "mcg_init", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
     flow = trained_cglow(ctx, data, arch, hp, block="mcg_init")
     x, n = problem.x, problem.n
     with torch.no_grad():
