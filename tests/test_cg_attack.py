@@ -3,9 +3,9 @@
 The c-Glow against independent references (its inverse, and its log-likelihood against the autograd Jacobian and
 the priors), conditioning on the image, finite candidates from an overflowing decode, training that lowers the
 surrogate's margin on held-out images, the separable CMA-ES on test functions (a sphere and an ill-conditioned
-ellipsoid, two samples at once), one training per run and a cache across runs, batch-size invariance (float64
-digits target) and the real pretrained CIFAR-10 ResNet-20 at the paper's budget (skipped without the offline
-data). The digits contract (tests/test_contract.py)
+ellipsoid, two samples at once), one training per run and a cache across runs; over every c-Glow recipe
+(CG-Attack, MCG): batch-size invariance (float64 digits target) and the real pretrained CIFAR-10 ResNet-20 at the
+paper's budget (skipped without the offline data). The digits contract (tests/test_contract.py)
 runs the recipe at both norms with a small c-Glow.
 """
 import math
@@ -162,15 +162,6 @@ def test_one_training_per_run_and_a_cache_across_runs(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache" / "cglow").glob("*.pt"))) == 1
 
 
-def assert_batch_invariant(tmp_path, attack):
-    """``attack`` (a c-Glow recipe against the digits CNN as surrogate) gives identical records at batch_size 1, 7
-    and 100 on 8 digits (float64 target) and fools at least 6 of them."""
-    runs = records_by_batch_size(tmp_path, attack, "linf", 0.2, False, budget=2000, assets=_digits_assets(),
-                                 surrogates=["digits_cnn"], dataset={"name": "digits", "n": 8})
-    assert runs[0] == runs[1] == runs[2]
-    assert sum(r["success"] for r in runs[0]) >= 6
-
-
 # a reduced c-Glow that trains in about half a minute on 2 cores (benchmarks/ run the CPU config's)
 REDUCED = {"x_hidden_channels": 8, "x_hidden_size": 16, "y_hidden_channels": 16, "flow_depth": 2, "epochs": 2,
            "batch": 16}
@@ -187,8 +178,12 @@ def _attack(recipe, size):
 
 @pytest.mark.parametrize("recipe", CGLOW_RECIPES)
 def test_records_do_not_depend_on_the_batch_size(tmp_path, recipe):
-    """batch_size 1, 7 and 100 give identical records (float64 digits target, a small c-Glow)."""
-    assert_batch_invariant(tmp_path, _attack(recipe, "fast"))
+    """batch_size 1, 7 and 100 give identical records on 8 digits (float64 target, a small c-Glow against the digits
+    CNN) and at least 6 are fooled."""
+    runs = records_by_batch_size(tmp_path, _attack(recipe, "fast"), "linf", 0.2, False, budget=2000,
+                                 assets=_digits_assets(), surrogates=["digits_cnn"], dataset={"name": "digits", "n": 8})
+    assert runs[0] == runs[1] == runs[2]
+    assert sum(r["success"] for r in runs[0]) >= 6
 
 
 @needs_data
@@ -196,12 +191,6 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, recipe):
 def test_resnet20_at_the_papers_budget(tmp_path, recipe):
     """The recipe with a small c-Glow trained against ResNet-32 on 64 images, against the pretrained ResNet-20 at
     Linf 0.03 (Table V's CIFAR-10 eps): see test_advflow.resnet56_run."""
-    resnet20_run(tmp_path, _attack(recipe, "reduced"))
-
-
-def resnet20_run(tmp_path, attack):
-    """``attack`` (a c-Glow recipe) with ResNet-32 as its surrogate and 64 training images fools at least 3 of the
-    first 4 CIFAR-10 test images on the pretrained ResNet-20 (see test_advflow.resnet56_run)."""
-    recs = resnet56_run(tmp_path, attack, n=4, fooled=3, train_n=64, model="cifar_resnet20",
+    recs = resnet56_run(tmp_path, _attack(recipe, "reduced"), n=4, fooled=3, train_n=64, model="cifar_resnet20",
                         surrogates=["cifar_resnet32"])
     print(sorted(r["queries"] for r in recs))

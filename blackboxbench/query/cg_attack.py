@@ -335,14 +335,19 @@ STAGE_ONE_RANGES = {"pretrain_epochs": "int [0, inf)", "pretrain_lr": "(0, inf)"
                     "pseudo_step": "(0, inf)"}
 
 
-def stage_one(hp, norm, where, pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step):
-    """``hp`` with the stage-1 training parameters when ``pretrain_epochs`` > 0 (otherwise unchanged, so the cache key
-    of a c-Glow trained without it stays the same); a one-line error naming ``where`` when the threat is not Linf."""
-    if pretrain_epochs <= 0:
-        return hp
+def check_stage_one(norm, where):
+    """A one-line error naming ``where`` when stage 1 is asked for under a threat other than Linf."""
     if norm != "linf":
         raise BenchError(f"{where}.pretrain_epochs: the stage-1 labels are Linf sign perturbations; use norm linf or "
                          "pretrain_epochs 0")
+
+
+def stage_one(hp, norm, where, pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step):
+    """``hp`` with the stage-1 training parameters when ``pretrain_epochs`` > 0 (otherwise unchanged, so the cache key
+    of a c-Glow trained without it stays the same); see :func:`check_stage_one`."""
+    if pretrain_epochs <= 0:
+        return hp
+    check_stage_one(norm, where)
     return {**hp, "pretrain_epochs": int(pretrain_epochs), "pretrain_lr": float(pretrain_lr),
             "pseudo_iters": int(pseudo_iters), "pseudo_step": float(pseudo_step)}
 
@@ -374,7 +379,7 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
     with torch.no_grad():
         before = loss_on(x, y)
     if pretrain_epochs > 0:
-        stage_one({}, norm, "train_cglow", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
+        check_stage_one(norm, "train_cglow")
         pretrain_nll(flow, x, pseudo_labels(models, x, y, eps, pseudo_iters, pseudo_step), epochs=pretrain_epochs,
                      lr=pretrain_lr, batch=batch, max_grad_norm=max_grad_norm, gen=gen)
 

@@ -4,8 +4,8 @@ surrogates gives each image a first adversarial guess, adapted to that image by 
 surrogates, and an off-the-shelf score attack (Square, the authors' CIFAR-10 script) starts from it.
 
 Written from the authors' ``MCG-Blackbox`` code (``attack.py``, ``trainners/MetaLearner.py``, ``Learner.py``,
-``data/data_prehandle.py``, ``utils/finetune.py``, ``attacks/square.py``; read, not copied), on CG-Attack's c-Glow (``query/cg_attack.py``:
-the same architecture, decode and training loss, with that module's recorded departures).
+``data/data_prehandle.py``, ``utils/finetune.py``, ``attacks/square.py``; read, not copied), on CG-Attack's c-Glow
+(``query/cg_attack.py``: the same architecture, decode and training loss, with that module's recorded departures).
 
 **Stage 1, pretraining** (the authors' ``data/data_prehandle.py``, ``trainners/Learner.py`` and
 ``imagenet_pretrain.sh``): each training image gets a pseudo label, the sign of an MI-FGSM perturbation on the
@@ -86,6 +86,8 @@ def finetuned_decodes(flow, models, x, y, top, zs, *, eps, norm, steps, lr, clip
     -5 of its own image's training point, then moved ``outer`` of the way from the start (the authors'
     ``meta_finetune``). ``chunk`` samples are fine-tuned at once; each sample's result depends on its own inputs
     only."""
+    if steps == 0:  # nothing to fine-tune: every sample decodes with the shared weights
+        return flow.decode(flow.condition(x), top, zs=zs)[0].detach()
     dec = _Decoder(flow)
     base = {k: v.detach() for k, v in dec.named_parameters()}
 

@@ -84,7 +84,7 @@ def square_init_linf(ctx):
     """
     problem = ctx.problem
     _check_norm(problem, "linf")
-    n, c, _, w = problem.x.shape
+    _, c, _, w = problem.x.shape
     x_hi, x_lo = linf_vertices(problem)
     stripes = torch.where(ctx.rng.uniform((c, 1, w)) < 0.5, x_hi, x_lo)
     return linf_state(ctx, stripes, x_hi, x_lo, 0)
