@@ -41,7 +41,7 @@ from fidelity_transfer_features import asr, build  # noqa: E402
 SETTINGS = {
     "refinement": (["cifar_resnet20"], ["cifar_resnet32", "cifar_resnet44", "cifar_resnet56", "oval_cifar_wide",
                                         "cifar_cnn_a_mix"],
-                   ["i_fgsm", "rd", "lgv", "swa", "bayesian", "swa_rd", "lgv_ghostnet", "rap_bayesian"]),
+                   ["i_fgsm", "rd", "lgv", "swa", "bayesian", "swa_rd", "lgv_ghostnet", "rap_bayesian", "dra"]),
     "ensemble": (["cifar_resnet20", "cifar_resnet32", "oval_cifar_deep"],
                  ["cifar_resnet44", "cifar_resnet56", "oval_cifar_wide", "cifar_cnn_a_mix", "marabou_cifar_large"],
                  ["ens_logit", "ens_loss", "ens_longitudinal", "cwa", "adaea"]),
@@ -63,7 +63,9 @@ def _with(recipe, index, **params):
 
 VARIANTS = {"rd (BN update)": _with("rd", 0, data="train"), "lgv (BN kept)": _with("lgv", 0, bn_stats="keep"),
             "swa (BN kept)": _with("swa", 0, bn_stats="keep"), "bayesian (BN kept)": _with("bayesian", 0,
-                                                                                           bn_stats="keep")}
+                                                                                           bn_stats="keep"),
+            # DRA's regulariser off (the same fine-tuning on cross-entropy alone), and with momentum
+            "dra (lam 0)": _with("dra", 0, lam=0.0), "dra (momentum 0.9)": _with("dra", 0, momentum=0.9)}
 
 
 def run_attack(atk, surrogates, x, y, eps, assets, seed=0):

@@ -1,11 +1,12 @@
 """Model-perspective transfer attacks (spec sheet T16-T24): the fusion policies of a surrogate ensemble (logit,
 loss, longitudinal), CWA and AdaEA (blackboxbench/transfer/ensemble.py) and the weight-space refinements RD, LGV,
-SWA and SWAG (blackboxbench/transfer/weights.py) with their cache, and their recipes.
+SWA, SWAG and DRA (blackboxbench/transfer/weights.py) with their cache, and their recipes.
 
 Each block is checked against an independent reference: per-model autograd for the fused gradients, a
 hand-written loop of the authors' algorithm for CWA, a per-sample loop for AdaEA's weights and mask, the empirical
-spread of the weight noise for RD and SWAG. With the offline data, each recipe attacks 16 CIFAR-10 images on
-ResNet-20 (the refinements trained on the 200 other images) and transfers to ResNet-56.
+spread of the weight noise for RD and SWAG, DRA's score matching against the full input Hessian. With the offline
+data, each recipe attacks 16 CIFAR-10 images on ResNet-20 (the refinements trained on the 200 other images) and
+transfers to ResNet-56.
 """
 import functools
 from pathlib import Path
@@ -33,7 +34,7 @@ from attack_utils import check_output, correctly_classified, transfer_ctx
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "attacks" / "transfer"
 ENSEMBLE = ["ens_loss", "ens_longitudinal", "cwa", "adaea"]
-REFINED = ["rd", "lgv", "swa", "bayesian", "swa_rd", "lgv_ghostnet", "rap_bayesian"]
+REFINED = ["rd", "lgv", "swa", "bayesian", "swa_rd", "lgv_ghostnet", "rap_bayesian", "dra"]
 TABLE_VII = ["rd", "lgv", "swa", "bayesian"]
 
 
@@ -276,10 +277,72 @@ def test_bn_stats_keep_leaves_the_checkpoint_statistics():
     assert not torch.equal(bns(trained[0])[0].running_mean, bns(net)[0].running_mean)
 
 
+# -------------------------------------------------------------------------------------------------- DRA ----
+
+def test_score_matching_is_the_sliced_fisher_objective_of_the_normalized_input():
+    """Against the full Hessian of log p(y|z) in the network's input z = (x - mean) / std (torch.autograd.functional,
+    float64, one image at a time): (0.5 ||grad||^2 + v' H v) / d, on a Softplus network (a curved log-density)."""
+    from blackboxbench.prep.models import Normalized, input_std
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Flatten(), nn.Linear(12, 7), nn.Softplus(), nn.Linear(7, 3)).double()
+    model = Normalized(inner, (0.4, 0.5, 0.3), (0.2, 0.25, 0.3)).double()
+    x, y, v = torch.rand(5, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0]), torch.randn(5, 3, 2, 2,
+                                                                                               dtype=torch.float64)
+    logits, loss = weights.score_matching(model, x, y, v, input_std(model))
+    z = (x - model.mean) / model.std
+    for i in range(5):
+        logp = lambda t: F.log_softmax(inner(t[None]), 1)[0, y[i]]  # noqa: E731
+        g = torch.autograd.functional.jacobian(logp, z[i]).flatten()
+        h = torch.autograd.functional.hessian(logp, z[i]).reshape(12, 12)
+        ref = (0.5 * g @ g + v[i].flatten() @ h @ v[i].flatten()) / 12
+        assert loss[i].item() == pytest.approx(ref.item(), rel=1e-9)
+    assert torch.allclose(logits, model(x))
+    pixels = weights.score_matching(model, x, y, v)[1]  # scale None: the same objective in pixels
+    assert not torch.allclose(pixels, loss)
+    for p in inner.parameters():  # the loss trains the network: it carries the parameters' gradient
+        p.requires_grad_(True)
+    grads = torch.autograd.grad(weights.score_matching(model, x, y, v, input_std(model))[1].sum(),
+                                list(inner.parameters()))
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached(monkeypatch):
+    """The step's loss is cross-entropy + lam x the score matching loss (lam 0: cross-entropy alone, another
+    model); the learning rate drops ten-fold at ``decay_epoch``; BatchNorm keeps the checkpoint's statistics; a
+    second run loads the cached weights."""
+    net, data = small_resnet(), digits_like(n=40, size=16)
+    lrs = []
+    step = torch.optim.SGD.step
+
+    def record(self, *a, **k):
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", record)
+    kw = {"lr": 0.01, "epochs": 3, "decay_epoch": 2, "batch": 16}
+    tuned = REFINE.get("dra")(run_ctx(data), [net], **kw)[0]
+    assert lrs == [0.01] * 8 + [0.001] * 4  # 40 images in batches of 16: 3 steps, at least min_steps 4 an epoch
+    plain = REFINE.get("dra")(run_ctx(data), [net], lam=0.0, **kw)[0]
+    bns = lambda m: [b for b in m.modules() if isinstance(b, nn.BatchNorm2d)]  # noqa: E731
+    for m in (tuned, plain):
+        assert not m.training and all(torch.equal(a.running_mean, b.running_mean) for a, b in zip(bns(m), bns(net)))
+        assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), net.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(tuned.parameters(), plain.parameters()))
+    assert all(not p.requires_grad for p in net.parameters())
+
+    def boom(*a, **k):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(weights, "_dra_finetune", boom)
+    again = REFINE.get("dra")(run_ctx(data), [net], **kw)[0]
+    assert all(torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), again.state_dict().values()))
+
+
 def test_training_on_evaluation_images_is_refused():
     net, data = small_resnet(), digits_like(n=16, size=16)
     pool = Pool(data.x[5:9], data.y[5:9])
-    for block in ("lgv", "swa", "random_directions"):
+    for block in ("lgv", "swa", "random_directions", "dra"):
         with pytest.raises(BenchError, match="4 of the 16 images of asset 'train' are evaluation images") as e:
             REFINE.get(block)(run_ctx(data, pool=pool), [net], data="train")
         assert "\n" not in str(e.value)

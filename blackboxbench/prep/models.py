@@ -89,12 +89,22 @@ def arch_name(spec):
     return arch_name(inner) if isinstance(inner, dict) or ":" in str(inner) else str(inner)
 
 
+def _normalization(model, name):
+    inner = next((m for m in model.modules() if isinstance(m, Normalized)), None) \
+        if isinstance(model, nn.Module) else None
+    return None if inner is None else getattr(inner, name)
+
+
 def input_mean(model):
     """The per-channel mean the first :class:`Normalized` inside ``model`` (itself included) subtracts from its
     [0, 1] input, (1, C, 1, 1), or None (no normalization inside)."""
-    inner = next((m for m in model.modules() if isinstance(m, Normalized)), None) \
-        if isinstance(model, nn.Module) else None
-    return None if inner is None else inner.mean
+    return _normalization(model, "mean")
+
+
+def input_std(model):
+    """The per-channel standard deviation the first :class:`Normalized` inside ``model`` divides its [0, 1] input
+    by, (1, C, 1, 1), or None."""
+    return _normalization(model, "std")
 
 
 def build_model(spec, data_root=None, device="cpu"):

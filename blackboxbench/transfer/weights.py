@@ -1,5 +1,6 @@
-"""Surrogate refinement in weight space (spec sheet T16-T19): RD, LGV, SWA and the Bayesian attack's SWAG samples,
-as ``refine`` blocks that turn each surrogate into one or more models (fuse several with ``longitudinal``).
+"""Surrogate refinement in weight space (spec sheet T16-T20): RD, LGV, SWA, the Bayesian attack's SWAG samples
+and DRA's score-matching fine-tuning, as ``refine`` blocks that turn each surrogate into one or more models (fuse
+several with ``longitudinal``).
 
 The training blocks fine-tune a copy of the surrogate on the attacker's own labelled images, a ``train_images``
 asset the config declares (by default the 200 CIFAR-10 test images of ``cifar10_test_sdp200.npz``, disjoint from
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..errors import BenchError
 from ..prep.layers import per_arch
+from ..prep.models import input_std
 from ..prep.trained import augment, cache_key, cached, train_data
 from ..registry import REFINE
 
@@ -301,3 +303,69 @@ def swag(ctx, models, *, n_models=50, scale=1.5, beta=0.0, lr=0.05, wd=1e-4, lam
                   for m, sq in zip(_params(mean_model), moments["sq"])]
         out += [_frozen(_noisy_copy(mean_model, ctx, scales)) for _ in range(int(n_models))]
     return out
+
+
+# -------------------------------------------------------------------------------------------------- DRA ----
+
+def score_matching(model, x, y, v, scale=None):
+    """(logits, per-image loss) of DRA's regulariser: sliced score matching (Song et al., UAI 2019, the
+    variance-reduced form) of the classifier's class-conditional score ``s = grad_z log softmax(model)_y``,
+    ``(0.5 ||s||^2 + v' (ds/dz) v) / d`` per image (``d`` values per image: the Fisher divergence per input
+    dimension), ``v`` the probe directions (standard normal, the shape of ``x``).
+    ``z`` is the network's own (normalized) input ``(x - mean) / scale``, so that with ``g`` the gradient in pixels
+    ``s = scale * g`` and ``v' (ds/dz) v = u' (dg/dx) u`` with ``u = scale * v``. Differentiable in the model's
+    parameters (two nested input gradients with ``create_graph``); ``scale`` None: pixels."""
+    x = x.detach().requires_grad_(True)
+    logits = model(x)
+    g, = torch.autograd.grad(F.log_softmax(logits, 1).gather(1, y[:, None]).sum(), x, create_graph=True)
+    u = v if scale is None else v * scale
+    s = g if scale is None else g * scale
+    hu, = torch.autograd.grad((g * u).sum(), x, create_graph=True)
+    return logits, (0.5 * s.flatten(1).pow(2).sum(1) + (hu * u).flatten(1).sum(1)) / x[0].numel()
+
+
+@REFINE.register("dra", paper="Zhu et al., Toward Understanding and Boosting Adversarial Transferability From a "
+                              "Distribution Perspective, IEEE TIP 2022 (DRA)", norms=("linf", "l2"),
+                 ranges={"lam": "[0, inf)", "lr": "arch [0, 10]", "wd": "arch [0, 1]", "momentum": "[0, 1)",
+                         "epochs": "int [1, inf)", "decay_epoch": "int [0, inf)", "batch": "int [1, inf)",
+                         "min_steps": "int [1, inf)"},
+                 asset_params={"data": "train_images"})
+def dra(ctx, models, *, lam=6.0, lr=0.001, wd=0.0, momentum=0.0, epochs=20, decay_epoch=10, batch=32,
+        min_steps=4, data="train"):
+    """DRA: each surrogate fine-tuned by SGD on cross-entropy plus ``lam`` times the sliced score matching loss
+    of its class-conditional score (:func:`score_matching`), so that the gradient of log p(y|x) follows the score
+    of the data distribution; one model per surrogate, attacked as it is (I-FGSM in the ``dra`` recipe). Table
+    VII (ImageNet; no CIFAR-10 values): batch 32, 20 epochs, lr 0.001 divided by 10 at epoch 10
+    (``decay_epoch``; 0: never), regularization constant 6. Plain SGD (no momentum, no weight decay): the table
+    names no optimizer (the recipe records the choice, made on held-out images). One standard normal probe per image and step. The network runs in eval mode
+    while it trains: BatchNorm normalizes with the checkpoint's statistics, which stay as they are, so that an
+    image's score is its own (a batch's statistics would couple the images, and PyTorch's training-mode BatchNorm
+    has no third derivative, which the parameters' gradient of the score's derivative needs)."""
+    if not models:
+        raise BenchError("refine 'dra': no surrogate models")
+    train = train_data(ctx, "dra", data)
+    out = []
+    for model in models:
+        hp = {"lam": lam, "lr": per_arch(lr, model), "wd": per_arch(wd, model), "momentum": momentum,
+              "epochs": epochs, "decay_epoch": decay_epoch, "batch": batch, "min_steps": min_steps}
+        seed = _seed(ctx)
+        key = cache_key("dra", hp, model, train, seed, ctx.rng.device)
+        out.append(_load(model, cached("refine", key, lambda: _dra_finetune(model, train, seed, **hp))))
+    return out
+
+
+def _dra_finetune(model, data, seed, *, lam, lr, wd, momentum, epochs, decay_epoch, batch, min_steps):
+    net = _trainable(model).eval()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+    batch, per, total = schedule(len(data.y), batch, epochs, min_steps)
+    scale, gen = input_std(model), torch.Generator().manual_seed(seed)
+    for step, (xb, yb) in enumerate(_batches(data, gen, batch, total)):
+        if decay_epoch and step == per * int(decay_epoch):
+            for group in opt.param_groups:
+                group["lr"] = lr / 10
+        v = torch.randn(xb.shape, generator=gen).to(xb)
+        logits, sm = score_matching(net, xb, yb, v, None if scale is None else scale.to(xb))
+        opt.zero_grad()
+        (F.cross_entropy(logits, yb) + lam * sm.mean()).backward()
+        opt.step()
+    return _cpu_state(net)
