@@ -23,7 +23,9 @@ setup(
     install_requires=["torch>=2.1", "torchvision", "timm", "numpy", "pyyaml", "scipy", "lpips", "pytorch-msssim", "torchmetrics", "matplotlib",
                       "tqdm", "scikit-learn", "greenlet"],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "pycocotools"],  # -n 2 workers; pycocotools: the detection mAP cross-check
+        # -n 2 workers; pycocotools: the detection mAP cross-check; ai-edge-litert: the TFLite targets' tests
+        "test": ["pytest", "pytest-xdist", "pycocotools", "ai-edge-litert"],
+        "tflite": ["ai-edge-litert"],  # model "tflite": the data root's opaque quantized ImageNet classifiers
         # torchattacks pins an old `requests`: install it with `pip install --no-deps torchattacks`.
         "bench": ["adversarial-robustness-toolbox", "foolbox"],
         "ray": ["ray"],  # backend ray: sweeps across the machines of a Ray cluster (blackboxbench/sweep.py)

@@ -124,6 +124,8 @@ def inference_copy(model, probe, name="model", in_place_ops=True):
     more than ``RTOL`` of the largest, or when the model's own logits cannot be compared: it fails on the probe,
     returns non-finite logits, or is randomized (:func:`is_randomized`; such a model is never copied).
     ``in_place_ops=False`` skips the :func:`in_place` rewrite (the folded, channels-last copy only)."""
+    if getattr(model, "opaque", False):  # not a torch graph (a TFLite black box): nothing to fold
+        return model
     try:
         with torch.no_grad():
             ref = model(probe)
