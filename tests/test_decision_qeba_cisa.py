@@ -119,6 +119,44 @@ def test_dct_gradient_estimate_is_the_normal_projected_on_the_subspace():
     assert ctx.oracle.counts.tolist() == [400, 400]
 
 
+def test_probe_pieces_bound_each_call_and_keep_the_estimate(monkeypatch):
+    """With room for 5 probe images per call, three samples asking 12, 7 and 0 probes: no oracle call holds more
+    than two pieces' worth (10 images), a sample's probes come in pieces of 5, and the estimate equals the one-call
+    estimate on the same directions (a draw stub handing each sample its next rows of a fixed table), to float
+    precision: the pieces change the memory, not the arithmetic."""
+    import blackboxbench.query.hsja as hsja
+
+    shape = (3, 4, 4)
+    w = torch.randn(48, generator=torch.Generator().manual_seed(5))
+    x = 0.5 + 0.002 * torch.randn(3, *shape, generator=torch.Generator().manual_seed(7))  # near the hyperplane
+    table = torch.randn(3, 12, *shape, generator=torch.Generator().manual_seed(6))
+    num, delta = torch.tensor([12, 7, 0]), torch.full((3,), 0.05)
+
+    def estimate(values):
+        monkeypatch.setattr(hsja, "PROBE_VALUES", values)
+        ctx = make_ctx(Linear2(w), x, torch.zeros(3, dtype=torch.long), 1.0, "l2", 10_000, "label",
+                       num_classes=2)
+        used, sizes = [0, 0, 0], []
+
+        def draw(owner, _shape):
+            sizes.append(owner.tolist())
+            rows = []
+            for o in owner.tolist():
+                rows.append(table[o, used[o]])
+                used[o] += 1
+            return torch.stack(rows)
+
+        grad, agreed = estimate_direction(ctx, x, num, delta, draw)
+        return grad, agreed, sizes, ctx.oracle.counts.tolist()
+
+    one, agreed_one, calls_one, counts = estimate(1 << 20)
+    cut, agreed_cut, calls_cut, counts_cut = estimate(5 * 48)
+    assert len(calls_one) == 1 and counts == counts_cut == [12, 7, 0]
+    assert max(len(c) for c in calls_cut) <= 10 and all(c.count(i) <= 5 for c in calls_cut for i in range(3))
+    assert torch.allclose(one, cut, atol=1e-6) and torch.equal(agreed_one, agreed_cut)
+    assert not agreed_one[:2].any() and torch.allclose(one[:2].flatten(1).norm(dim=1), torch.ones(2))
+
+
 # ---------------------------------------------------------------- CISA math
 
 def _griddle_reference(delta, rate, u):

@@ -69,33 +69,52 @@ def to_boundary(ctx, x_far, theta, live, radius, owner=None):
     return point(hi, torch.arange(problem.n, device=x.device)), d_far
 
 
+PROBE_VALUES = 1 << 26  # values per probe call (256 MiB of float32 images): see estimate_direction
+
+
 def estimate_direction(ctx, x_bd, num, delta, draw):
     """HSJA's Monte-Carlo estimate of the boundary normal at ``x_bd``, with ``num[i]`` probes for sample i.
 
-    All probes of all samples go in one oracle call. Directions come from ``draw(owner, shape)`` -> (m, *shape),
-    raw directions for rows of local samples ``owner`` (m,) (see :func:`generator`: the registered generators of
-    ``probes.py``; ``priors.py``: learned ones), normalized, clipped to [0, 1]; the +1/-1 decisions get the
-    mean baseline subtracted unless they are all equal. Refused probes are left out of every sum. Returns unit-L2
-    directions (zero where none answered) and the (n,) mask of samples whose answered probes all agreed.
+    Directions come from ``draw(owner, shape)`` -> (m, *shape), raw directions for rows of local samples ``owner``
+    (m,) (see :func:`generator`: the registered generators of ``probes.py``; ``priors.py``: learned ones),
+    normalized, clipped to [0, 1]; the +1/-1 decisions get the mean baseline subtracted unless they are all equal.
+    Refused probes are left out of every sum. Returns unit-L2 directions (zero where none answered) and the (n,)
+    mask of samples whose answered probes all agreed.
+
+    Memory is bounded: a sample's probes come in pieces of at most ``PROBE_VALUES / d`` rows (``d`` values per
+    image; one piece on CIFAR-10, where it is 21,845 rows, above ``max_num_evals``), piece ``p`` of every sample
+    in the ``p``-th round of draws, each round's samples split into oracle calls of about ``PROBE_VALUES`` values
+    (never a sample across two calls). A sample's draws thus depend only on its own ``num``, not on its batch
+    (an ImageNet image at 100 slots asked for tens of GiB in one call before). The sums are accumulated over the
+    calls: ``sum (f - mean) u = sum f u - mean * sum u`` over the answered probes.
     """
     problem = ctx.problem
-    n = problem.n
-    owner = torch.repeat_interleave(torch.arange(n, device=x_bd.device), num)
-    if owner.numel() == 0:
-        return torch.zeros_like(x_bd), torch.zeros(n, dtype=torch.bool, device=x_bd.device)
-    rv = draw(owner, x_bd.shape[1:]).to(x_bd.dtype)
-    rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)
-    base, step = x_bd[owner], per_sample(delta[owner], rv)
-    probes = (base + step * rv).clamp(0.0, 1.0)
-    rv = (probes - base) / step
-    adv, ok = query_adv(ctx, probes, owner)
-    okf = ok.to(x_bd.dtype)
-    fval = (2 * adv.to(x_bd.dtype) - 1) * okf
-    count = torch.zeros(n, device=x_bd.device).index_add_(0, owner, okf)
-    mean = torch.zeros(n, device=x_bd.device).index_add_(0, owner, fval) / count.clamp_min(1)
+    n, dev = problem.n, x_bd.device
+    piece = max(1, PROBE_VALUES // max(1, x_bd[0].numel()))
+    f_u, ok_u = torch.zeros_like(x_bd), torch.zeros_like(x_bd)
+    count = torch.zeros(n, device=dev)
+    f_sum = torch.zeros(n, device=dev)
+    for start in range(0, int(num.max()) if n else 0, piece):
+        rows = (num - start).clamp(0, piece)
+        call = (torch.cumsum(rows, 0) - rows) // piece  # a sample's call: where its rows start
+        for k in torch.unique(call[rows > 0]).tolist():
+            members = torch.nonzero((call == k) & (rows > 0)).flatten()
+            owner = torch.repeat_interleave(members, rows[members])
+            rv = draw(owner, x_bd.shape[1:]).to(x_bd.dtype)
+            rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)
+            base, step = x_bd[owner], per_sample(delta[owner], rv)
+            probes = (base + step * rv).clamp(0.0, 1.0)
+            rv = (probes - base) / step
+            adv, ok = query_adv(ctx, probes, owner)
+            okf = ok.to(x_bd.dtype)
+            fval = (2 * adv.to(x_bd.dtype) - 1) * okf
+            count.index_add_(0, owner, okf)
+            f_sum.index_add_(0, owner, fval)
+            f_u.index_add_(0, owner, per_sample(fval, rv) * rv)
+            ok_u.index_add_(0, owner, per_sample(okf, rv) * rv)
+    mean = f_sum / count.clamp_min(1)
     mixed = mean.abs() < 1
-    coef = torch.where(mixed[owner], fval - mean[owner], fval) * okf
-    grad = torch.zeros_like(x_bd).index_add_(0, owner, per_sample(coef, rv) * rv)
+    grad = torch.where(per_sample(mixed, x_bd) > 0, f_u - per_sample(mean, x_bd) * ok_u, f_u)
     return grad / per_sample(grad.flatten(1).norm(dim=1).clamp_min(1e-20), grad), ~mixed & (count > 0)
 
 
