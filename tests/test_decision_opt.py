@@ -308,3 +308,38 @@ def test_zero_budget_asks_nothing(toy, name):
     model, x, y, _ = toy
     _, res = run_query(name, model, x, y, 0.5, "l2", budget=0, num_classes=2)
     assert not res.success.any() and (res.queries == 0).all()
+
+
+def test_signed_sum_pieces_bound_each_call(monkeypatch):
+    """Sign-OPT's k signs per sample: with room for 12 images a call, 5 samples x 8 directions (one piece each)
+    come in calls of one sample (8 rows) and give the one-call sum exactly; with room for 5 images, each sample's
+    8 directions come in pieces of 5 and 3, no call holds more than 5 rows, and every sample still counts 8
+    queries."""
+    from attack_utils import Linear2
+    from blackboxbench.query import decision, opt
+    from blackboxbench.query.opt import signed_sum
+
+    real = opt.query_adv
+
+    shape = (3, 4, 4)
+    w = torch.randn(48, generator=torch.Generator().manual_seed(5))
+    x = 0.5 + 0.01 * torch.randn(5, *shape, generator=torch.Generator().manual_seed(7))
+    theta, _ = unit(torch.randn(5, *shape, generator=torch.Generator().manual_seed(8)), "l2")
+    g, idx, beta = torch.full((5,), 0.3), torch.arange(5), torch.full((5,), 0.01)
+
+    def run(values):
+        monkeypatch.setattr(decision, "PROBE_VALUES", values)
+        ctx = make_ctx(Linear2(w), x, torch.zeros(5, dtype=torch.long), 1.0, "l2", 10_000, "label",
+                       num_classes=2)
+        calls = []
+        monkeypatch.setattr(opt, "query_adv", lambda c, images, rows=None: calls.append(len(images))
+                            or real(c, images, rows))
+        total = signed_sum(ctx, theta, g, idx, 8, beta, "l2")
+        return total, calls, ctx.oracle.counts.tolist()
+
+    one, calls_one, counts = run(1 << 20)
+    split, calls_split, counts_split = run(12 * 48)
+    cut, calls_cut, counts_cut = run(5 * 48)
+    assert calls_one == [40] and calls_split == [8] * 5 and torch.equal(one, split)
+    assert max(calls_cut) <= 5 and counts == counts_split == counts_cut == [8] * 5
+    assert one.abs().sum() > 0 and cut.abs().sum() > 0

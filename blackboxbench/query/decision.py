@@ -28,6 +28,8 @@ BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary 
 # adversarial, a margin that survives logits moving with the batch they are computed in (TF32, per-shape GPU
 # kernels: about 1e-3 relative; tests/test_numerics.py).
 CLAIM_MARGIN = 0.02
+# values per call of the batched gradient estimates (HSJA's probes, Sign-OPT's signs): 256 MiB of float32 images
+PROBE_VALUES = 1 << 26
 
 
 def query_adv(ctx, images, idx=None):

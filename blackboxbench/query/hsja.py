@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..registry import INIT, PERTURB
+from . import decision
 from .common import per_sample, rows_where
 from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, known_dist,
                        query_adv, stop_radius)
@@ -69,9 +70,6 @@ def to_boundary(ctx, x_far, theta, live, radius, owner=None):
     return point(hi, torch.arange(problem.n, device=x.device)), d_far
 
 
-PROBE_VALUES = 1 << 26  # values per probe call (256 MiB of float32 images): see estimate_direction
-
-
 def estimate_direction(ctx, x_bd, num, delta, draw):
     """HSJA's Monte-Carlo estimate of the boundary normal at ``x_bd``, with ``num[i]`` probes for sample i.
 
@@ -90,7 +88,7 @@ def estimate_direction(ctx, x_bd, num, delta, draw):
     """
     problem = ctx.problem
     n, dev = problem.n, x_bd.device
-    piece = max(1, PROBE_VALUES // max(1, x_bd[0].numel()))
+    piece = max(1, decision.PROBE_VALUES // max(1, x_bd[0].numel()))
     f_u, ok_u = torch.zeros_like(x_bd), torch.zeros_like(x_bd)
     count = torch.zeros(n, device=dev)
     f_sum = torch.zeros(n, device=dev)

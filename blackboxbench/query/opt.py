@@ -45,6 +45,7 @@ from ..registry import INIT, PERTURB
 from ..rng import rank_within_group
 from ..threat import flat_norm
 from .common import per_sample, rows_where
+from . import decision
 from .decision import claim_limit, decision_state, known_dist, has_budget, query_adv, stop_radius
 
 PAPER_OPT = ("Cheng, Le, Chen, Yi, Zhang, Hsieh, Query-Efficient Hard-label Black-box Attack: An "
@@ -386,6 +387,27 @@ def sign_directions(ctx, theta, g, u, owner, beta, dir_norm):
     return torch.where(adv, -1.0, 1.0) * ok.float()
 
 
+def signed_sum(ctx, theta, g, idx, k, beta, dir_norm):
+    """``sum_i sign_i u_i`` over ``k`` random directions of each sample of ``idx`` (see :func:`sign_directions`),
+    (len(idx), C, H, W). Memory is bounded as in HSJA (``PROBE_VALUES``): a sample's directions come in pieces of at
+    most ``PROBE_VALUES / d`` rows, piece ``p`` in its ``p``-th draw, and a call holds as many whole pieces as fit.
+    On CIFAR-10 (one piece of 200 rows, 109 samples a call) that is one draw and one call, as before; a 299 x 299
+    image at 100 slots asked for about 10 GB in one call."""
+    piece = max(1, decision.PROBE_VALUES // max(1, theta[0].numel()))
+    total = torch.zeros((idx.numel(), *theta.shape[1:]), dtype=theta.dtype, device=theta.device)
+    local = torch.arange(idx.numel(), device=idx.device)
+    for start in range(0, k, piece):
+        rows = min(piece, k - start)
+        per_call = max(1, piece // rows)
+        for first in range(0, idx.numel(), per_call):
+            sel = local[first:first + per_call]
+            owner = idx[sel].repeat_interleave(rows)
+            u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), dir_norm)
+            sgn = sign_directions(ctx, theta, g, u, owner, beta, dir_norm)
+            total[sel] += (per_sample(sgn, u) * u).view(sel.numel(), rows, *theta.shape[1:]).sum(1)
+    return total
+
+
 def nonneg_qp(Q, b, iters=20000, tol=1e-7):
     """The authors' ``quad_solver``, batched: min_a 0.5 a^T Q a + b^T a s.t. a >= 0 for each (K, K) ``Q`` of a
     batch (n, K, K), by greedy coordinate descent (the largest projected coordinate step each time, until it is
@@ -436,19 +458,17 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
     b = beta * state["beta_scale"]
     stop = stop_radius(problem, state)
     idx = go.nonzero().squeeze(1)
-    kk = svm_k if svm else k
-    owner = idx.repeat_interleave(kk)
-    u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), norm)
-    sgn = sign_directions(ctx, theta, g, u, owner, b, norm)
-    signed = (per_sample(sgn, u) * u).view(idx.numel(), kk, theta[0].numel())
     grad = torch.zeros_like(theta)
     if svm:
-        X = signed.double()
-        answered = (sgn != 0).view(idx.numel(), kk).double()  # a refused row (zero in X) gets no weight
+        owner = idx.repeat_interleave(svm_k)
+        u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), norm)
+        sgn = sign_directions(ctx, theta, g, u, owner, b, norm)
+        X = (per_sample(sgn, u) * u).view(idx.numel(), svm_k, theta[0].numel()).double()
+        answered = (sgn != 0).view(idx.numel(), svm_k).double()  # a refused row (zero in X) gets no weight
         coef = nonneg_qp(X @ X.transpose(1, 2), -answered)
         grad[idx] = (coef[:, None, :] @ X).squeeze(1).view(-1, *theta.shape[1:]).to(theta.dtype)
     else:
-        grad[idx] = signed.sum(1).view(-1, *theta.shape[1:]) / kk
+        grad[idx] = signed_sum(ctx, theta, g, idx, k, b, norm) / k
     best_point = _best_point(state)
     new_theta, new_g, a, vel = line_search(ctx, theta, g, grad, a, b / LOCAL_TOL, go, stop, best_point, dir_norm=norm,
                                            max_lambda=MAX_LAMBDA[problem.targeted], velocity=state["velocity"],
