@@ -7,33 +7,26 @@ the score is the mean transfer ASR to ResNet-32 and ResNet-44 over the images al
 evaluation images of the benchmark (``cifar10_test_first100.npz``) are never read. Each row prints as it
 finishes.
 
-    PYTHONPATH=$PWD BLACKBOXBENCH_DATA=/work/shared/data python benchmarks/dra_selection.py --threads 2
+    BLACKBOXBENCH_DATA=/work/shared/data python benchmarks/dra_selection.py --threads 2
 """
 import argparse
 import itertools
 import os
+import sys
 import tempfile
-import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from blackboxbench.context import BlockContext
-from blackboxbench.prep.assets import train_images
-from blackboxbench.prep.data import Dataset
-from blackboxbench.prep.models import build_model
-from blackboxbench.registry import REFINE
-from blackboxbench.rng import run_stream
-from blackboxbench.threat import quantize
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-
-def i_fgsm(model, x, y, eps, iterations):
-    x_adv = x.clone()
-    for _ in range(iterations):
-        x_adv.requires_grad_(True)
-        g, = torch.autograd.grad(F.cross_entropy(model(x_adv), y, reduction="sum"), x_adv)
-        x_adv = (x + (x_adv.detach() + eps / 10 * g.sign() - x).clamp(-eps, eps)).clamp(0, 1)
-    return quantize(x_adv, x)
+from blackboxbench.prep.assets import train_images  # noqa: E402
+from blackboxbench.prep.data import Dataset  # noqa: E402
+from blackboxbench.prep.models import build_model  # noqa: E402
+from fidelity_transfer_features import asr, build  # noqa: E402
+from fidelity_transfer_models import _with, run_attack  # noqa: E402
 
 
 def main():
@@ -46,33 +39,30 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     os.environ.setdefault("BLACKBOXBENCH_CACHE", tempfile.mkdtemp(prefix="bbb-dra-"))
-    root = os.environ.get("BLACKBOXBENCH_DATA", "../shared/data")
+    root = os.environ.get("BLACKBOXBENCH_DATA", str(REPO.parent / "shared" / "data"))
     extra = train_images(root, "cpu")
     k = a.held_out
-    train = Dataset("sdp200[32:]", extra.x[k:], extra.y[k:], 10)
+    assets = {"train": Dataset("sdp200[32:]", extra.x[k:], extra.y[k:], 10)}
     x, y = extra.x[:k], extra.y[:k]
     sur = build_model("cifar_resnet20", root)
     targets = [build_model(f"cifar_resnet{d}", root) for d in (32, 44)]
     with torch.no_grad():
         keep = (sur(x).argmax(1) == y) & torch.stack([(t(x).argmax(1) == y) for t in targets]).all(0)
-    x, y = x[keep], y[keep]
-    print(f"{len(y)} held-out images; I-FGSM {a.iterations} iterations, untargeted Linf 0.03\n")
+    print(f"{int(keep.sum())} held-out images; I-FGSM {a.iterations} iterations, untargeted Linf 0.03\n")
     print("| fine-tuning | surrogate accuracy (held-out) | ResNet-32 | ResNet-44 | mean transfer ASR | s |")
     print("|---|---|---|---|---|---|")
-
-    def row(name, model, secs):
-        out = i_fgsm(model, x, y, 0.03, a.iterations)
-        with torch.no_grad():
-            acc = (model(extra.x[:k]).argmax(1) == extra.y[:k]).float().mean().item()
-            asr = [(t(out).argmax(1) != y).float().mean().item() for t in targets]
-        print(f"| {name} | {acc:.2f} | {asr[0]:.3f} | {asr[1]:.3f} | {sum(asr) / 2:.3f} | {secs:.0f} |", flush=True)
-
-    row("none (I-FGSM on ResNet-20)", sur, 0)
+    hyper = {"hyper": {"iterations": a.iterations}}
+    runs = [("none (I-FGSM on ResNet-20)", build("i_fgsm", 0.03, hyper))]
     for mom, lam in itertools.product(a.momentum, a.lam):
-        t0 = time.perf_counter()
-        ctx = BlockContext(problem=None, rng=run_stream(0, "cpu", 1), assets={"train": train}, pool=None)
-        model = REFINE.get("dra")(ctx, [sur], lam=lam, momentum=mom)[0]
-        row(f"lam {lam:g}, momentum {mom:g}", model, time.perf_counter() - t0)
+        recipe, overrides = _with("dra", 0, lam=lam, momentum=mom)
+        runs.append((f"lam {lam:g}, momentum {mom:g}", build(recipe, 0.03, {**overrides, **hyper})))
+    for name, atk in runs:
+        out, model, wall, _ = run_attack(atk, [sur], x, y, 0.03, assets)
+        with torch.no_grad():
+            acc = (model(x).argmax(1) == y).float().mean().item()
+        rates = [asr(t, x, out, y, keep)[0] for t in targets]
+        print(f"| {name} | {acc:.2f} | {rates[0]:.3f} | {rates[1]:.3f} | {sum(rates) / 2:.3f} | {wall:.0f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_top1_on_the_nips17_images_matches_the_data_readme(arch, data_root, nips
 
 
 def test_scores_are_the_interpreters_probabilities_of_the_uint8_image(data_root, nips17):
-    """Reference: PIL-free, the interpreter itself on the image resized by torch and rounded to uint8; the
+    """Reference: the interpreter itself on the image resized by torch and rounded to uint8; the
     wrapper's rows are the logs of its 1000 non-background probabilities, zeros at half a quantum."""
     model = build_model(SMALL, data_root)
     x = nips17.x[:3]

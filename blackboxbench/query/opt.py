@@ -44,8 +44,8 @@ import torch
 from ..registry import INIT, PERTURB
 from ..rng import rank_within_group
 from ..threat import flat_norm
-from .common import per_sample, rows_where
 from . import decision
+from .common import per_sample, rows_where
 from .decision import claim_limit, decision_state, known_dist, has_budget, query_adv, stop_radius
 
 PAPER_OPT = ("Cheng, Le, Chen, Yi, Zhang, Hsieh, Query-Efficient Hard-label Black-box Attack: An "

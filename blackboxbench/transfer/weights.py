@@ -337,10 +337,11 @@ def dra(ctx, models, *, lam=6.0, lr=0.001, wd=0.0, momentum=0.0, epochs=20, deca
     of the data distribution; one model per surrogate, attacked as it is (I-FGSM in the ``dra`` recipe). Table
     VII (ImageNet; no CIFAR-10 values): batch 32, 20 epochs, lr 0.001 divided by 10 at epoch 10
     (``decay_epoch``; 0: never), regularization constant 6. Plain SGD (no momentum, no weight decay): the table
-    names no optimizer (the recipe records the choice, made on held-out images). One standard normal probe per image and step. The network runs in eval mode
-    while it trains: BatchNorm normalizes with the checkpoint's statistics, which stay as they are, so that an
-    image's score is its own (a batch's statistics would couple the images, and PyTorch's training-mode BatchNorm
-    has no third derivative, which the parameters' gradient of the score's derivative needs)."""
+    names no optimizer (the recipe records the choice, made on held-out images). One standard normal probe per
+    image and step. The network runs in eval mode while it trains: BatchNorm normalizes with the checkpoint's
+    statistics, which stay as they are, so that an image's score is its own (a batch's statistics would couple the
+    images, and PyTorch's training-mode BatchNorm has no third derivative, which the parameters' gradient of the
+    score's derivative needs)."""
     if not models:
         raise BenchError("refine 'dra': no surrogate models")
     train = train_data(ctx, "dra", data)
