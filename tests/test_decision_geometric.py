@@ -129,6 +129,36 @@ def test_geoda_estimate_leaves_out_refused_probes():
     assert answered.tolist() == [50, 30] and ctx.oracle.counts.tolist() == [50, 30]
 
 
+
+def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):
+    """With room for one sample's round (40 probes) a call, each round's probes come in calls of whole samples
+    whose rows start within one such window (the second round: 1 + 40) and give the one-call estimate exactly (a round of 100 samples' 40 probes at 299 x 299 asked for about 30 GB in one
+    call before); every sample still counts its probes."""
+    from blackboxbench.query import decision, geoda
+
+    g = torch.Generator().manual_seed(0)
+    shape = (3, 16, 16)
+    w = torch.randn(shape, generator=g)
+    x = 0.5 + 0.05 * (torch.rand(4, *shape, generator=g) - 0.5)
+    num = torch.tensor([100, 41, 0, 80])
+    real = geoda.query_adv
+
+    def run(values):
+        monkeypatch.setattr(decision, "PROBE_VALUES", values)
+        calls = []
+        monkeypatch.setattr(geoda, "query_adv", lambda c, images, rows=None: calls.append(len(images))
+                            or real(c, images, rows))
+        ctx = make_ctx(Linear2(w, 0.0), x, torch.zeros(4, dtype=torch.long), 0.1, "l2", 5000, "label",
+                       num_classes=2)
+        est, answered = estimate_normal(ctx, x, num, 0.05, 4, 40)
+        return est, answered, calls, ctx.oracle.counts
+
+    est, answered, calls, counts = run(1 << 26)
+    est_cut, answered_cut, calls_cut, counts_cut = run(40 * 3 * 16 * 16)
+    assert calls == [120, 81, 20] and calls_cut == [40, 40, 40, 40, 41, 20]
+    assert torch.equal(est, est_cut) and torch.equal(answered, answered_cut) and torch.equal(counts, num)
+    assert torch.equal(counts_cut, num) and est[:2].abs().sum() > 0
+
 # ---------------------------------------------------------------- Triangle math
 
 def _angle(u, v):

@@ -343,3 +343,31 @@ def test_signed_sum_pieces_bound_each_call(monkeypatch):
     assert calls_one == [40] and calls_split == [8] * 5 and torch.equal(one, split)
     assert max(calls_cut) <= 5 and counts == counts_split == counts_cut == [8] * 5
     assert one.abs().sum() > 0 and cut.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name,blocks,rows", [("opt", None, 10), ("sign_opt", {"perturb": {"svm": True}}, 100)],
+                         ids=["opt", "svm_opt"])
+def test_whole_samples_per_search_bound_each_call(toy, monkeypatch, name, blocks, rows):
+    """OPT's q RGF searches and SVM-OPT's svm_k signs come in groups of whole samples of at most ``PROBE_VALUES``
+    values (one sample per group here: each call then holds at most one sample's rows, where the first run's
+    calls hold all three samples'); the records are those of the one-group run (float64 toy target)."""
+    from blackboxbench.query import decision, opt
+
+    model, x, y, dist = toy
+    real = opt.query_adv
+    d = x[0].numel()
+
+    def run(values):
+        monkeypatch.setattr(decision, "PROBE_VALUES", values)
+        calls = []
+        monkeypatch.setattr(opt, "query_adv", lambda c, images, rows=None: calls.append(len(images))
+                            or real(c, images, rows))
+        _, res = run_query(name, model, x, y, 0.5 * dist["l2"].min().item(), "l2", budget=600, num_classes=2,
+                           blocks=blocks)
+        return res, calls
+
+    one, calls_one = run(1 << 26)
+    split, calls_split = run(rows * d)
+    assert max(calls_one) == 3 * rows and max(calls_split) == rows
+    assert torch.equal(one.queries, split.queries) and torch.equal(one.x_adv, split.x_adv)
+    assert (one.queries > 3 * rows).all()  # past the first iteration's estimate

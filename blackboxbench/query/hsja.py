@@ -94,9 +94,7 @@ def estimate_direction(ctx, x_bd, num, delta, draw):
     f_sum = torch.zeros(n, device=dev)
     for start in range(0, int(num.max()) if n else 0, piece):
         rows = (num - start).clamp(0, piece)
-        call = (torch.cumsum(rows, 0) - rows) // piece  # a sample's call: where its rows start
-        for k in torch.unique(call[rows > 0]).tolist():
-            members = torch.nonzero((call == k) & (rows > 0)).flatten()
+        for members in decision.bounded_calls(rows, x_bd[0].numel()):
             owner = torch.repeat_interleave(members, rows[members])
             rv = draw(owner, x_bd.shape[1:]).to(x_bd.dtype)
             rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)

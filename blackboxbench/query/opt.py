@@ -339,8 +339,9 @@ def opt_init(ctx, *, num_directions=100, init_tol=1e-5):
 def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     """One OPT iteration for every sample with a direction: the RGF estimate of the gradient of ``g`` from ``q``
     directions ``u`` (unit Gaussian; ``(g(theta + beta u) - g(theta)) / beta * u`` averaged, each ``g`` a local
-    search to ``beta / 500``, all ``q`` rows of all samples in one batched search), the line search with initial
-    step ``alpha`` (Table V: alpha 0.2, beta 0.001), then the best of the line search and the best probe direction.
+    search to ``beta / 500``, the ``q`` rows of whole samples in batched searches of at most ``PROBE_VALUES`` values:
+    one on CIFAR-10, pieces at ImageNet size), the line search with initial step ``alpha`` (Table V: alpha 0.2, beta
+    0.001), then the best of the line search and the best probe direction.
     """
     problem = ctx.problem
     go, a = _iteration_start(ctx, state, alpha)
@@ -349,24 +350,26 @@ def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     stop = stop_radius(problem, state)
     max_lambda = MAX_LAMBDA[problem.targeted]
     idx = go.nonzero().squeeze(1)
-    owner = idx.repeat_interleave(q)
-    u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), "l2")
-    probe, _ = unit(theta[owner] + per_sample(b[owner], u) * u, "l2")
-    enough = reach(ctx, stop, probe, owner)
-    g1 = g_search(ctx, probe, owner, g[owner], b[owner] / LOCAL_TOL, enough, local=True, max_lambda=max_lambda)
     best_point = _best_point(state)
-    offer(ctx, best_point, probe, owner, g1)
-    fin = torch.isfinite(g1)
-    coef = torch.where(fin, (g1 - g[owner]) / b[owner], torch.zeros_like(g1))
     grad = torch.zeros_like(theta)
-    grad[idx] = (per_sample(coef, u) * u).view(idx.numel(), q, *u.shape[1:]).sum(1) / q
-    # the best probe of each sample (first of equals), and whether it already lies within reach
-    j = g1.view(-1, q).argmin(1)
-    rows = torch.arange(idx.numel(), device=g.device) * q + j
     min_g1 = torch.full_like(g, float("inf"))
-    min_g1[idx] = g1[rows]
     min_probe = theta.clone()
-    min_probe[idx] = probe[rows]
+    group = max(1, decision.PROBE_VALUES // max(1, q * theta[0].numel()))  # whole samples per batched search
+    for first in range(0, idx.numel(), group):
+        sel = idx[first:first + group]
+        owner = sel.repeat_interleave(q)
+        u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), "l2")
+        probe, _ = unit(theta[owner] + per_sample(b[owner], u) * u, "l2")
+        enough = reach(ctx, stop, probe, owner)
+        g1 = g_search(ctx, probe, owner, g[owner], b[owner] / LOCAL_TOL, enough, local=True, max_lambda=max_lambda)
+        offer(ctx, best_point, probe, owner, g1)
+        fin = torch.isfinite(g1)
+        coef = torch.where(fin, (g1 - g[owner]) / b[owner], torch.zeros_like(g1))
+        grad[sel] = (per_sample(coef, u) * u).view(sel.numel(), q, *u.shape[1:]).sum(1) / q
+        # the best probe of each sample (first of equals), and whether it already lies within reach
+        rows = torch.arange(sel.numel(), device=g.device) * q + g1.view(-1, q).argmin(1)
+        min_g1[sel] = g1[rows]
+        min_probe[sel] = probe[rows]
     near = best_point["dist"].double() <= stop  # a probe landed within reach: no line search
     new_theta, new_g, a, _ = line_search(ctx, theta, g, grad, a, b / LOCAL_TOL, go & ~near, stop, best_point,
                                          dir_norm="l2", max_lambda=max_lambda)
@@ -459,14 +462,17 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
     stop = stop_radius(problem, state)
     idx = go.nonzero().squeeze(1)
     grad = torch.zeros_like(theta)
-    if svm:
-        owner = idx.repeat_interleave(svm_k)
-        u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), norm)
-        sgn = sign_directions(ctx, theta, g, u, owner, b, norm)
-        X = (per_sample(sgn, u) * u).view(idx.numel(), svm_k, theta[0].numel()).double()
-        answered = (sgn != 0).view(idx.numel(), svm_k).double()  # a refused row (zero in X) gets no weight
-        coef = nonneg_qp(X @ X.transpose(1, 2), -answered)
-        grad[idx] = (coef[:, None, :] @ X).squeeze(1).view(-1, *theta.shape[1:]).to(theta.dtype)
+    if svm:  # whole samples per draw, at most PROBE_VALUES directions' values (one draw on CIFAR-10)
+        group = max(1, decision.PROBE_VALUES // max(1, svm_k * theta[0].numel()))
+        for first in range(0, idx.numel(), group):
+            sel = idx[first:first + group]
+            owner = sel.repeat_interleave(svm_k)
+            u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), norm)
+            sgn = sign_directions(ctx, theta, g, u, owner, b, norm)
+            X = (per_sample(sgn, u) * u).view(sel.numel(), svm_k, theta[0].numel()).double()
+            answered = (sgn != 0).view(sel.numel(), svm_k).double()  # a refused row (zero in X) gets no weight
+            coef = nonneg_qp(X @ X.transpose(1, 2), -answered)
+            grad[sel] = (coef[:, None, :] @ X).squeeze(1).view(-1, *theta.shape[1:]).to(theta.dtype)
     else:
         grad[idx] = signed_sum(ctx, theta, g, idx, k, b, norm) / k
     best_point = _best_point(state)
