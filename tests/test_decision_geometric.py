@@ -134,7 +134,7 @@ def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):
     """With room for one sample's round (40 probes) a call, each round's probes come in calls of whole samples
     whose rows start within one such window (the second round: 1 + 40) and give the one-call estimate exactly (a round of 100 samples' 40 probes at 299 x 299 asked for about 30 GB in one
     call before); every sample still counts its probes."""
-    from blackboxbench.query import decision, geoda
+    from blackboxbench.query import common, geoda
 
     g = torch.Generator().manual_seed(0)
     shape = (3, 16, 16)
@@ -144,7 +144,7 @@ def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):
     real = geoda.query_adv
 
     def run(values):
-        monkeypatch.setattr(decision, "PROBE_VALUES", values)
+        monkeypatch.setattr(common, "PROBE_VALUES", values)
         calls = []
         monkeypatch.setattr(geoda, "query_adv", lambda c, images, rows=None: calls.append(len(images))
                             or real(c, images, rows))

@@ -316,7 +316,7 @@ def test_signed_sum_pieces_bound_each_call(monkeypatch):
     8 directions come in pieces of 5 and 3, no call holds more than 5 rows, and every sample still counts 8
     queries."""
     from attack_utils import Linear2
-    from blackboxbench.query import decision, opt
+    from blackboxbench.query import common, opt
     from blackboxbench.query.opt import signed_sum
 
     real = opt.query_adv
@@ -328,7 +328,7 @@ def test_signed_sum_pieces_bound_each_call(monkeypatch):
     g, idx, beta = torch.full((5,), 0.3), torch.arange(5), torch.full((5,), 0.01)
 
     def run(values):
-        monkeypatch.setattr(decision, "PROBE_VALUES", values)
+        monkeypatch.setattr(common, "PROBE_VALUES", values)
         ctx = make_ctx(Linear2(w), x, torch.zeros(5, dtype=torch.long), 1.0, "l2", 10_000, "label",
                        num_classes=2)
         calls = []
@@ -351,14 +351,14 @@ def test_whole_samples_per_search_bound_each_call(toy, monkeypatch, name, blocks
     """OPT's q RGF searches and SVM-OPT's svm_k signs come in groups of whole samples of at most ``PROBE_VALUES``
     values (one sample per group here: each call then holds at most one sample's rows, where the first run's
     calls hold all three samples'); the records are those of the one-group run (float64 toy target)."""
-    from blackboxbench.query import decision, opt
+    from blackboxbench.query import common, opt
 
     model, x, y, dist = toy
     real = opt.query_adv
     d = x[0].numel()
 
     def run(values):
-        monkeypatch.setattr(decision, "PROBE_VALUES", values)
+        monkeypatch.setattr(common, "PROBE_VALUES", values)
         calls = []
         monkeypatch.setattr(opt, "query_adv", lambda c, images, rows=None: calls.append(len(images))
                             or real(c, images, rows))

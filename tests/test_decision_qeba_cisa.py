@@ -124,7 +124,7 @@ def test_probe_pieces_bound_each_call_and_keep_the_estimate(monkeypatch):
     than two pieces' worth (10 images), a sample's probes come in pieces of 5, and the estimate equals the one-call
     estimate on the same directions (a draw stub handing each sample its next rows of a fixed table), to float
     precision: the pieces change the memory, not the arithmetic."""
-    from blackboxbench.query import decision
+    from blackboxbench.query import common
 
     shape = (3, 4, 4)
     w = torch.randn(48, generator=torch.Generator().manual_seed(5))
@@ -133,7 +133,7 @@ def test_probe_pieces_bound_each_call_and_keep_the_estimate(monkeypatch):
     num, delta = torch.tensor([12, 7, 0]), torch.full((3,), 0.05)
 
     def estimate(values):
-        monkeypatch.setattr(decision, "PROBE_VALUES", values)
+        monkeypatch.setattr(common, "PROBE_VALUES", values)
         ctx = make_ctx(Linear2(w), x, torch.zeros(3, dtype=torch.long), 1.0, "l2", 10_000, "label",
                        num_classes=2)
         used, sizes = [0, 0, 0], []

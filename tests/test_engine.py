@@ -99,6 +99,25 @@ def records_by_batch_size(tmp_path, attack, norm, eps, targeted, budget=1000, mo
     return runs
 
 
+
+def records_by_probe_values(tmp_path, monkeypatch, attack, module, values, norm, eps, budget=1000, **kw):
+    """The records of one query run on 16 digits (float64 MLP target, batch 16) for each ``PROBE_VALUES`` of
+    ``values``, with the largest number of images ``module.query_margin`` was asked for in one call of each run:
+    ``[(records, largest call), ...]``. ``kw`` adds experiment keys (e.g. ``surrogates``)."""
+    from blackboxbench.query import common
+
+    real, out = module.query_margin, []
+    for v in values:
+        monkeypatch.setattr(common, "PROBE_VALUES", v)
+        calls = []
+        monkeypatch.setattr(module, "query_margin", lambda c, images, idx=None: calls.append(len(images))
+                            or real(c, images, idx))
+        threat = {"norm": norm, "eps": eps, "max_queries": budget}
+        run_dir, _ = run_experiment(_exp(tmp_path / str(v), attack=attack, model="test_digits_mlp_f64", threat=threat,
+                                         batch_size=16, dataset={"name": "digits", "n": 16}, **kw), progress=False)
+        out.append((_records(run_dir), max(calls)))
+    return out
+
 QUERY_CASES = [("square_linf", "linf", 0.2, False), ("square_l2", "l2", 1.5, False), ("nes", "linf", 0.2, False), ("simba_dct", "linf", 0.2, True),
                ("hsja_linf", "linf", 0.2, False), ("hsja_l2", "l2", 1.5, True), ("rays", "linf", 0.2, False)]
 

@@ -19,7 +19,7 @@ from blackboxbench.registry import ACCEPT, INIT, PERTURB
 from blackboxbench.rng import Streams
 
 from attack_utils import Linear, check_outputs, make_ctx, resnet20_images, run_query
-from test_engine import records_by_batch_size
+from test_engine import records_by_batch_size, records_by_probe_values
 
 SETTINGS = [("bandits_linf", "linf"), ("bandits_l2", "l2"), ("zo_signsgd", "linf"), ("zo_signsgd", "l2"),
             ("signhunter", "linf"), ("signhunter", "l2")]
@@ -316,3 +316,17 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
     runs = records_by_batch_size(tmp_path, attack, norm, eps, targeted)
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 6  # the attack did something worth comparing
+
+
+@pytest.mark.parametrize("attack,rows", [("nes", 30), ("zo_signsgd", 30)])
+def test_probe_calls_hold_whole_samples_within_the_bound(tmp_path, monkeypatch, attack, rows):
+    """With room for one sample's probes (64 values each) a call, every call holds one sample's probes, where the
+    unbounded run's first call holds every sample's; the records are the same (100 samples' 30 probes at
+    299 x 299 asked for tens of GB in one call before)."""
+    from blackboxbench.query import nes, zo_signsgd
+
+    module = {"nes": nes, "zo_signsgd": zo_signsgd}[attack]
+    (whole, largest), (cut, largest_cut) = records_by_probe_values(tmp_path, monkeypatch, attack, module,
+                                                                   (1 << 26, rows * 64), "linf", 0.2)
+    assert largest >= 8 * rows and largest_cut == rows
+    assert whole == cut and sum(r["success"] for r in whole) >= 6

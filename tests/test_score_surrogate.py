@@ -27,7 +27,7 @@ from blackboxbench.runner import run_experiment, run_tensors
 from blackboxbench.threat import Problem
 
 from attack_utils import Linear, build, check_outputs, correctly_classified, make_ctx, to_result
-from test_engine import _exp, records_by_batch_size
+from test_engine import _exp, records_by_batch_size, records_by_probe_values
 
 RECIPES = ("prgf", "subspace", "bases")
 
@@ -315,6 +315,19 @@ def test_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, eps, ta
     assert runs[0] == runs[1] == runs[2]
     assert sum(r["success"] for r in runs[0]) >= 6
 
+
+
+def test_prgf_probe_calls_hold_whole_samples_within_the_bound(tmp_path, monkeypatch):
+    """PRGF's q = 50 prior-guided probes per sample come in calls of whole samples of at most ``PROBE_VALUES``
+    values, as are its norm-estimate calls (10 probes per sample due for one, plus the prior's probe): with room
+    for 50 images a call, a call holds at most 50 plus one sample's 11 - 1 rows, where the unbounded run's largest
+    holds every sample's; the records are the same."""
+    from blackboxbench.query import prgf
+
+    (whole, largest), (cut, largest_cut) = records_by_probe_values(
+        tmp_path, monkeypatch, "prgf", prgf, (1 << 26, 50 * 64), "linf", 0.2, surrogates=["test_digits_cnn_f64"])
+    assert largest >= 100 and largest_cut <= 60
+    assert whole == cut and sum(r["success"] for r in whole) >= 6
 
 # ---------------------------------------------------------------- CIFAR-10 ResNet-56 with ResNet-20/32/44
 

@@ -15,6 +15,22 @@ from ..registry import ACCEPT, INIT
 from ..threat import per_sample, rows_where  # noqa: F401  (re-exported for the query families)
 
 
+# --------------------------------------------------------------------------- bounded calls
+# values per call of the batched estimates (HSJA's, GeoDA's, NES's, ZO-signSGD's and PRGF's probes, OPT's searches,
+# Sign-OPT's signs): 256 MiB of float32 images; a few calls at most on CIFAR-10, pieces at ImageNet size
+PROBE_VALUES = 1 << 26
+
+
+def bounded_calls(rows, values):
+    """Group the samples with ``rows[i] > 0`` rows of ``values`` values each, in order and whole, into calls of
+    about ``PROBE_VALUES`` values: a call holds the samples whose rows start within one window of that size, so
+    at most that plus one sample's rows. Yields each call's sample indices (long tensors)."""
+    piece = max(1, PROBE_VALUES // max(1, values))
+    call = (torch.cumsum(rows, 0) - rows) // piece  # a sample's call: where its rows start
+    for k in torch.unique(call[rows > 0]).tolist():
+        yield torch.nonzero((call == k) & (rows > 0)).flatten()
+
+
 # --------------------------------------------------------------------------- windows
 def window_mask(top, left, height, width, size_hw):
     """Per-sample rectangular windows as a bool mask (n, 1, H, W).

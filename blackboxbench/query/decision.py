@@ -28,21 +28,6 @@ BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary 
 # adversarial, a margin that survives logits moving with the batch they are computed in (TF32, per-shape GPU
 # kernels: about 1e-3 relative; tests/test_numerics.py).
 CLAIM_MARGIN = 0.02
-# values per call of the batched gradient estimates (HSJA's and GeoDA's probes, OPT's searches, Sign-OPT's signs):
-# 256 MiB of float32 images
-PROBE_VALUES = 1 << 26
-
-
-def bounded_calls(rows, values):
-    """Group the samples with ``rows[i] > 0`` rows of ``values`` values each, in order and whole, into calls of
-    about ``PROBE_VALUES`` values: a call holds the samples whose rows start within one window of that size, so
-    at most that plus one sample's rows. Yields each call's sample indices (long tensors)."""
-    piece = max(1, PROBE_VALUES // max(1, values))
-    call = (torch.cumsum(rows, 0) - rows) // piece  # a sample's call: where its rows start
-    for k in torch.unique(call[rows > 0]).tolist():
-        yield torch.nonzero((call == k) & (rows > 0)).flatten()
-
-
 def query_adv(ctx, images, idx=None):
     """Query ``images`` for local samples ``idx`` (default one each) -> ``(adv, ok)``, both (m,) bool.
 

@@ -46,7 +46,7 @@ import torch
 
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
-from . import decision
+from . import common
 from .common import per_sample, rows_where
 from .decision import (bisect, blend, claim_limit, decision_state, find_start, has_budget, known_dist, query_adv,
                        stop_radius)
@@ -130,7 +130,7 @@ def estimate_normal(ctx, x_b, num, alpha, sub_dim, batch):
     over the others, pointing into the adversarial side; refused probes are left out (zero where none answered).
 
     Probes go out in rounds of at most ``batch`` per sample, one oracle call per round for every sample with
-    probes left, split into calls of whole samples of at most ``decision.PROBE_VALUES`` values (one call on
+    probes left, split into calls of whole samples of at most ``common.PROBE_VALUES`` values (one call on
     CIFAR-10; a round of 100 samples' 40 probes at 299 x 299 asked for about 30 GB before). Returns ``(grad, answered)``: (n, C, H, W) and the (n,) number of answered probes.
     """
     n = x_b.shape[0]
@@ -142,7 +142,7 @@ def estimate_normal(ctx, x_b, num, alpha, sub_dim, batch):
         k = torch.where(frozen, 0, (num - r * batch).clamp(0, batch))
         if not bool((k > 0).any()):
             break
-        for members in decision.bounded_calls(k, x_b[0].numel()):  # whole samples, PROBE_VALUES values a call
+        for members in common.bounded_calls(k, x_b[0].numel()):  # whole samples, PROBE_VALUES values a call
             owner = torch.repeat_interleave(members, k[members])
             eta = low_frequency_noise(ctx, owner, x_b.shape[1:], sub_dim).to(x_b.dtype)
             adv, ok = query_adv(ctx, (x_b[owner] + alpha * eta).clamp(0.0, 1.0), owner)

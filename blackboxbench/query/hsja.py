@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..registry import INIT, PERTURB
-from . import decision
+from . import common
 from .common import per_sample, rows_where
 from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, known_dist,
                        query_adv, stop_radius)
@@ -88,13 +88,13 @@ def estimate_direction(ctx, x_bd, num, delta, draw):
     """
     problem = ctx.problem
     n, dev = problem.n, x_bd.device
-    piece = max(1, decision.PROBE_VALUES // max(1, x_bd[0].numel()))
+    piece = max(1, common.PROBE_VALUES // max(1, x_bd[0].numel()))
     f_u, ok_u = torch.zeros_like(x_bd), torch.zeros_like(x_bd)
     count = torch.zeros(n, device=dev)
     f_sum = torch.zeros(n, device=dev)
     for start in range(0, int(num.max()) if n else 0, piece):
         rows = (num - start).clamp(0, piece)
-        for members in decision.bounded_calls(rows, x_bd[0].numel()):
+        for members in common.bounded_calls(rows, x_bd[0].numel()):
             owner = torch.repeat_interleave(members, rows[members])
             rv = draw(owner, x_bd.shape[1:]).to(x_bd.dtype)
             rv = rv / per_sample(rv.flatten(1).norm(dim=1), rv)

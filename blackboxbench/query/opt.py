@@ -44,7 +44,7 @@ import torch
 from ..registry import INIT, PERTURB
 from ..rng import rank_within_group
 from ..threat import flat_norm
-from . import decision
+from . import common
 from .common import per_sample, rows_where
 from .decision import claim_limit, decision_state, known_dist, has_budget, query_adv, stop_radius
 
@@ -354,7 +354,7 @@ def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     grad = torch.zeros_like(theta)
     min_g1 = torch.full_like(g, float("inf"))
     min_probe = theta.clone()
-    group = max(1, decision.PROBE_VALUES // max(1, q * theta[0].numel()))  # whole samples per batched search
+    group = max(1, common.PROBE_VALUES // max(1, q * theta[0].numel()))  # whole samples per batched search
     for first in range(0, idx.numel(), group):
         sel = idx[first:first + group]
         owner = sel.repeat_interleave(q)
@@ -396,7 +396,7 @@ def signed_sum(ctx, theta, g, idx, k, beta, dir_norm):
     most ``PROBE_VALUES / d`` rows, piece ``p`` in its ``p``-th draw, and a call holds as many whole pieces as fit.
     On CIFAR-10 (one piece of 200 rows, 109 samples a call) that is one draw and one call, as before; a 299 x 299
     image at 100 slots asked for about 10 GB in one call."""
-    piece = max(1, decision.PROBE_VALUES // max(1, theta[0].numel()))
+    piece = max(1, common.PROBE_VALUES // max(1, theta[0].numel()))
     total = torch.zeros((idx.numel(), *theta.shape[1:]), dtype=theta.dtype, device=theta.device)
     local = torch.arange(idx.numel(), device=idx.device)
     for start in range(0, k, piece):
@@ -463,7 +463,7 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
     idx = go.nonzero().squeeze(1)
     grad = torch.zeros_like(theta)
     if svm:  # whole samples per draw, at most PROBE_VALUES directions' values (one draw on CIFAR-10)
-        group = max(1, decision.PROBE_VALUES // max(1, svm_k * theta[0].numel()))
+        group = max(1, common.PROBE_VALUES // max(1, svm_k * theta[0].numel()))
         for first in range(0, idx.numel(), group):
             sel = idx[first:first + group]
             owner = sel.repeat_interleave(svm_k)

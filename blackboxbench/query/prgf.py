@@ -51,7 +51,7 @@ from torch import nn
 
 from ..registry import INIT, PERTURB
 from ..threat import margin_loss
-from .common import per_sample, query_margin, start_state
+from .common import bounded_calls, per_sample, query_margin, start_state
 
 PAPER = "Cheng et al., Improving Black-box Adversarial Attacks with a Transfer-based Prior, NeurIPS 2019"
 MAX_RETRIES = 10  # rounds of sigma growth within one iteration (the authors loop until the difference is non-zero)
@@ -210,6 +210,31 @@ def _differences(ctx, images, idx, base):
     return diff.double(), ok
 
 
+def _guided_estimate(ctx, x, v, lam, sel, sigma, scale, base, q):
+    """PRGF's estimate from ``q`` prior-guided directions for the samples ``sel`` (one draw each): the mean of
+    ``(L(x + s u) - L(x)) u`` with ``s = sigma * scale``. A sample whose estimate is zero though its probes were
+    answered asks again along the same directions with its ``scale`` (n,) times 5, updated in place ("estimated
+    grad == 0" in the authors' code; at most ``MAX_RETRIES`` times). Returns (len(sel), C, H, W) float64."""
+    m, shape = sel.numel(), tuple(x.shape[1:])
+    rows = sel.repeat_interleave(q)
+    xi = ctx.rng.normal(shape, rows=rows).to(x).view(m, q, *shape)
+    u = prior_guided_directions(xi, v[sel], lam[sel])
+    est = torch.zeros((m, *shape), dtype=torch.float64, device=x.device)
+    pending = torch.arange(m, device=x.device)  # rows of sel still to estimate
+    for _ in range(MAX_RETRIES):
+        who = rows.view(m, q)[pending].flatten()
+        ui = u[pending]
+        probes = x[sel[pending]][:, None] + per_sample(sigma * scale[sel[pending]], ui) * ui
+        dq, okq = _differences(ctx, probes.flatten(0, 1), who, base[who])
+        est[pending] = (dq.view(-1, q, *([1] * len(shape))) * ui.double()).mean(1)
+        zero = (est[pending].flatten(1).abs().amax(1) == 0) & okq.view(-1, q).any(1)
+        if not bool(zero.any()):
+            break
+        pending = pending[zero]
+        scale[sel[pending]] *= 5
+    return est
+
+
 # --------------------------------------------------------------------------- blocks
 @INIT.register("prgf_init", paper=PAPER, norms=("linf", "l2"))
 def prgf_init(ctx):
@@ -237,7 +262,6 @@ def prgf(ctx, state, *, q=50, sigma=1e-4, lr=0.005, l2_lr=0.12, norm_samples=10,
     d = math.prod(shape)
     base, it = state["margin"], state["it"]
     scale, norm_sq = state["sigma_scale"].clone(), state["norm_sq"].clone()
-    everyone = torch.arange(n, device=dev)
 
     # A raised sigma goes back to its initial value when two random probes there both see a change.
     check = ((it % 2 == 0) & (scale != 1)).nonzero().squeeze(1)
@@ -256,18 +280,23 @@ def prgf(ctx, state, *, q=50, sigma=1e-4, lr=0.005, l2_lr=0.12, norm_samples=10,
 
     v = rms_normalize(surrogate_gradient(ctx.surrogates, x, loss))
 
-    # One oracle call: the norm estimate of the samples due for one, and the prior's finite difference.
+    # One oracle call (calls of whole samples, bounded): the norm estimate of the samples due for one, and the
+    # prior's finite difference.
     s = sigma * scale  # (n,) float64
-    due = ((it % norm_every == 0) | (it == 3)).nonzero().squeeze(1)
-    rows = due.repeat_interleave(norm_samples)
-    pert = rms_normalize(ctx.rng.normal(shape, rows=rows).to(x)) if rows.numel() else x.new_zeros((0, *shape))
-    probes = torch.cat([x[rows] + per_sample(s[rows], pert) * pert, x + per_sample(s, v) * v])
-    diff, ok = _differences(ctx, probes, torch.cat([rows, everyone]), torch.cat([base[rows], base]))
-    if due.numel():
-        dn, okn = diff[:rows.numel()].view(-1, norm_samples), ok[:rows.numel()].view(-1, norm_samples)
-        sq = ((dn / s[due, None]) ** 2 * okn).sum(1) / okn.sum(1).clamp_min(1)
-        norm_sq[due] = torch.where(okn.any(1), sq, norm_sq[due])
-    d_prior, ok_prior = diff[rows.numel():], ok[rows.numel():]
+    due_now = (it % norm_every == 0) | (it == 3)
+    d_prior = torch.zeros(n, dtype=torch.float64, device=dev)
+    ok_prior = torch.zeros(n, dtype=torch.bool, device=dev)
+    for sel in bounded_calls(1 + norm_samples * due_now.long(), d):
+        due = sel[due_now[sel]]
+        rows = due.repeat_interleave(norm_samples)
+        pert = rms_normalize(ctx.rng.normal(shape, rows=rows).to(x)) if rows.numel() else x.new_zeros((0, *shape))
+        probes = torch.cat([x[rows] + per_sample(s[rows], pert) * pert, x[sel] + per_sample(s[sel], v[sel]) * v[sel]])
+        diff, ok = _differences(ctx, probes, torch.cat([rows, sel]), torch.cat([base[rows], base[sel]]))
+        if due.numel():
+            dn, okn = diff[:rows.numel()].view(-1, norm_samples), ok[:rows.numel()].view(-1, norm_samples)
+            sq = ((dn / s[due, None]) ** 2 * okn).sum(1) / okn.sum(1).clamp_min(1)
+            norm_sq[due] = torch.where(okn.any(1), sq, norm_sq[due])
+        d_prior[sel], ok_prior[sel] = diff[rows.numel():], ok[rows.numel():]
     has_prior = v.flatten(1).abs().amax(1) > 0  # a zero prior (flat surrogates) has nothing to scale up
     for _ in range(MAX_RETRIES):  # "avoid the numerical issue in finite difference": double sigma
         zero = (ok_prior & (d_prior == 0) & has_prior).nonzero().squeeze(1)
@@ -282,32 +311,12 @@ def prgf(ctx, state, *, q=50, sigma=1e-4, lr=0.005, l2_lr=0.12, norm_samples=10,
     alpha = alpha.abs()
     lam = lambda_star(alpha * alpha, d, q)
 
-    # Prior-guided random directions for the samples whose prior is not trusted alone.
+    # Prior-guided random directions for the samples whose prior is not trusted alone, whole samples per call.
     g = v.clone()
     rg = (lam < 1).nonzero().squeeze(1)
-    if rg.numel():
-        m = rg.numel()
-        rows = rg.repeat_interleave(q)
-        xi = ctx.rng.normal(shape, rows=rows).to(x).view(m, q, *shape)
-        u = prior_guided_directions(xi, v[rg], lam[rg])
-        s_r = s[rg]
-        est = torch.zeros((m, *shape), dtype=torch.float64, device=dev)
-        pending = torch.arange(m, device=dev)  # local rows (of rg) still to estimate
-        for _ in range(MAX_RETRIES):
-            who = rows.view(m, q)[pending].flatten()
-            ui = u[pending]
-            probes = x[rg[pending]][:, None] + per_sample(s_r[pending], ui) * ui
-            dq, okq = _differences(ctx, probes.flatten(0, 1), who, base[who])
-            dq = dq.view(-1, q)
-            est[pending] = (dq.view(-1, q, *([1] * len(shape))) * ui.double()).mean(1)
-            zero = (est[pending].flatten(1).abs().amax(1) == 0) & okq.view(-1, q).any(1)
-            if not bool(zero.any()):
-                break
-            pending = pending[zero]  # "estimated grad == 0": sigma x 5, the same directions again
-            scale[rg[pending]] *= 5
-            s = sigma * scale
-            s_r = s[rg]
-        g[rg] = est.to(x.dtype)
+    for group in bounded_calls(torch.full_like(rg, q), d):
+        sel = rg[group]
+        g[sel] = _guided_estimate(ctx, x, v, lam, sel, sigma, scale, base, q).to(x.dtype)
 
     if p.norm == "linf":
         step = lr * g.sign()

@@ -8,8 +8,9 @@ projected onto the eps ball and [0, 1]. The step is the sign step in both norms:
 BlackboxBench's code takes ``lp_step(..., 'inf')`` "regardless of the lp-ball constraint" (then projects onto the
 L2 ball); only the projection differs between Linf and L2.
 
-Queries: the ``q`` probes of every active sample go to the oracle in one call (each probe projected onto the eps
-ball and [0, 1], as BlackboxBench's loss projects its queries). ``L(x)`` is not asked again: it is the margin
+Queries: the ``q`` probes of every active sample go to the oracle in one call (calls of whole samples of
+bounded size at ImageNet size; each probe projected onto the eps ball and [0, 1], as BlackboxBench's loss
+projects its queries). ``L(x)`` is not asked again: it is the margin
 of the current point, which the previous step's query (``margin_step``, BlackboxBench's early-stop check) or the
 start already returned. So an iteration costs q + 1 queries (BlackboxBench counts q + 1 plus its early-stop
 query, and re-evaluates ``L(x)`` for every direction).
@@ -22,23 +23,28 @@ unit-sphere normalisation, the paper's estimator, is commented out); with a sign
 import torch
 
 from ..registry import PERTURB
-from .common import query_margin
+from .common import bounded_calls, query_margin
 
 PAPER = "Liu, Chen, Chen and Hong, signSGD via Zeroth-Order Oracle, ICLR 2019"
 
 
 def zo_gradient(ctx, x_cur, base, q, fd_eta):
     """Forward-difference estimate ``1 / (q fd_eta) sum_i [L(x + fd_eta u_i) - L(x)] u_i`` of the margin gradient
-    at ``x_cur`` (n, C, H, W), with ``base`` (n,) the known margins ``L(x_cur)``; q queries per sample in one
-    oracle call. Probes are projected onto the eps ball and [0, 1]; a refused probe contributes nothing."""
-    n = x_cur.shape[0]
-    u = ctx.rng.normal((q, *x_cur.shape[1:])).to(x_cur.dtype)
-    idx = torch.arange(n, device=x_cur.device).repeat_interleave(q)
-    probes = ctx.problem.sub(idx).project((x_cur[:, None] + fd_eta * u).flatten(0, 1))
-    margin, _, ok = query_margin(ctx, probes, idx)
-    diff = margin.view(n, q) - base[:, None]
-    diff = torch.where(ok.view(n, q) & torch.isfinite(diff), diff, torch.zeros_like(diff))
-    return (diff.view(n, q, *([1] * (u.dim() - 2))) * u).sum(1) / (q * fd_eta)
+    at ``x_cur`` (n, C, H, W), with ``base`` (n,) the known margins ``L(x_cur)``; q queries per sample, in calls of
+    whole samples of about ``PROBE_VALUES`` values (one call on CIFAR-10). Probes are projected onto the eps ball
+    and [0, 1]; a refused probe contributes nothing."""
+    n, shape = x_cur.shape[0], x_cur.shape[1:]
+    g = torch.zeros_like(x_cur)
+    for sel in bounded_calls(torch.full((n,), q, device=x_cur.device), x_cur[0].numel()):
+        m = sel.numel()
+        u = ctx.rng.normal((q, *shape), rows=sel).to(x_cur.dtype)
+        idx = sel.repeat_interleave(q)
+        probes = ctx.problem.sub(idx).project((x_cur[sel, None] + fd_eta * u).flatten(0, 1))
+        margin, _, ok = query_margin(ctx, probes, idx)
+        diff = margin.view(m, q) - base[sel, None]
+        diff = torch.where(ok.view(m, q) & torch.isfinite(diff), diff, torch.zeros_like(diff))
+        g[sel] = (diff.view(m, q, *([1] * len(shape))) * u).sum(1) / (q * fd_eta)
+    return g
 
 
 @PERTURB.register("zo_signsgd", paper=PAPER, norms=("linf", "l2"),
