@@ -65,7 +65,9 @@ VARIANTS = {"rd (BN update)": _with("rd", 0, data="train"), "lgv (BN kept)": _wi
             "swa (BN kept)": _with("swa", 0, bn_stats="keep"), "bayesian (BN kept)": _with("bayesian", 0,
                                                                                            bn_stats="keep"),
             # DRA's regulariser off (the same fine-tuning on cross-entropy alone), and with momentum
-            "dra (lam 0)": _with("dra", 0, lam=0.0), "dra (momentum 0.9)": _with("dra", 0, momentum=0.9)}
+            "dra (lam 0)": _with("dra", 0, lam=0.0), "dra (momentum 0.9)": _with("dra", 0, momentum=0.9),
+            # full SWAG (Maddox et al.'s K = 20 deviations; not the paper's diagonal sampler)
+            "bayesian (rank 20)": _with("bayesian", 0, rank=20)}
 
 
 def run_attack(atk, surrogates, x, y, eps, assets, seed=0):

@@ -97,15 +97,22 @@ def _load(model, state):
     return _frozen(net)
 
 
-def _noisy_copy(model, ctx, scales):
+def _noisy_copy(model, ctx, scales, dev=None, dev_scale=0.0):
     """A copy of ``model`` with ``scales[i] * z_i`` added to its parameter i (a number or a tensor of its shape),
-    ``z`` standard normal from the run's refine stream (one draw for all the parameters)."""
+    ``z`` standard normal from the run's refine stream (one draw for all the parameters). ``dev`` (per parameter,
+    (K, *shape)): also ``dev_scale * sum_k u_k dev[i][k]``, ``u`` K more standard normals of the same draw (SWAG's
+    low-rank part)."""
     net = copy.deepcopy(model)
     params = _params(net)
-    z = ctx.rng.normal((sum(p.numel() for p in params),))[0].split([p.numel() for p in params])
+    sizes = [p.numel() for p in params]
+    k = 0 if dev is None else dev[0].shape[0]
+    z = ctx.rng.normal((sum(sizes) + k,))[0]
+    u = z[sum(sizes):]
     with torch.no_grad():
-        for p, s, zi in zip(params, scales, z):
+        for i, (p, s, zi) in enumerate(zip(params, scales, z[:sum(sizes)].split(sizes))):
             p.add_(s * zi.view_as(p).to(p))
+            if k:
+                p.add_(torch.tensordot(u.to(p), dev[i].to(p), dims=1), alpha=float(dev_scale))
     return net
 
 
@@ -201,19 +208,22 @@ SWA_PAPER = ("Li et al., Making Substitute Models More Bayesian Can Enhance Tran
 def _swag_moments(ctx, model, train, hp):
     """``{"state": the mean's state dict, "sq": the parameters' mean of squares}`` along the fine-tuning, the
     mean's BatchNorm buffers re-estimated on the images (``bn_stats: train``, the authors') or the checkpoint's
-    (``keep``); cached."""
+    (``keep``), and with ``rank`` > 0 ``"dev"``: per parameter, the deviations from the running mean of the last
+    ``rank`` snapshots (K, *shape); cached."""
     seed = _seed(ctx)
     key = cache_key("swag_moments", hp, model, train, seed, ctx.rng.device)
     return cached("refine", key, lambda: _finetune(model, train, seed, **hp))
 
 
 def _finetune(model, data, seed, *, lr, wd, lam, gamma, sigma, momentum, epochs, batch, snapshots, min_steps,
-              bn_stats):
+              bn_stats, rank=0):
     """Li et al.'s flat-posterior fine-tuning (the authors' ``finetune_cifar10``): each step takes the gradient g
     of the cross-entropy at weights with Gaussian noise ``sigma`` (the paper's expectation over N(0, sigma^2 I)),
     then g' at the weights moved by ``gamma g / ||g||`` (the worst case of a ball), and steps along ``g + (lam /
     0.1) (g' - g)``; ``snapshots`` times along the run (the code's ``swa_n`` 300, at most every step) the weights
-    update a running mean and mean of squares (SWAG's diagonal moments)."""
+    update a running mean and mean of squares (SWAG's diagonal moments) and, with ``rank`` > 0, the deviation of
+    the weights from the updated mean is kept for the last ``rank`` snapshots (SWAG's low-rank part, Maddox et al.
+    2019, ``collect_model``)."""
     net = _trainable(model, bn_stats).train()
     params = _params(net)
     opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd)
@@ -222,6 +232,7 @@ def _finetune(model, data, seed, *, lr, wd, lam, gamma, sigma, momentum, epochs,
     gen, count = torch.Generator().manual_seed(seed), 0
     mean = [torch.zeros_like(p) for p in params]
     sq = [torch.zeros_like(p) for p in params]
+    dev = [[] for _ in params]
     for step, (xb, yb) in enumerate(_batches(data, gen, batch, total)):
         noise = [torch.randn(p.shape, generator=gen).to(p) * sigma for p in params] if sigma > 0 else None
         _shift(params, noise, 1.0)
@@ -237,15 +248,21 @@ def _finetune(model, data, seed, *, lr, wd, lam, gamma, sigma, momentum, epochs,
         if step % every == 0:
             count += 1
             with torch.no_grad():
-                for p, m, s in zip(params, mean, sq):
+                for p, m, s, d in zip(params, mean, sq, dev):
                     m.mul_((count - 1) / count).add_(p / count)
                     s.mul_((count - 1) / count).add_(p * p / count)
+                    if rank:
+                        d.append(p - m)
+                        del d[:-rank]
     with torch.no_grad():
         for p, m in zip(params, mean):
             p.copy_(m)
     if bn_stats == "train":
         bn_update(net, data.x)
-    return {"state": _cpu_state(net), "sq": [s.cpu() for s in sq]}
+    out = {"state": _cpu_state(net), "sq": [s.cpu() for s in sq]}
+    if rank:
+        out["dev"] = [torch.stack(d).cpu() for d in dev]
+    return out
 
 
 def _shift(params, deltas, scale):
@@ -264,10 +281,11 @@ def _fine_tuned(ctx, block, models, data, *hp):
     return [(model, _swag_moments(ctx, model, train, _swa_hp(model, *hp))) for model in models]
 
 
-def _swa_hp(model, lr, wd, lam, gamma, sigma, momentum, epochs, batch, snapshots, min_steps, bn_stats):
-    return {"lr": per_arch(lr, model), "wd": per_arch(wd, model), "lam": per_arch(lam, model),
-            "gamma": per_arch(gamma, model), "sigma": sigma, "momentum": momentum, "epochs": epochs, "batch": batch,
-            "snapshots": snapshots, "min_steps": min_steps, "bn_stats": bn_stats}
+def _swa_hp(model, lr, wd, lam, gamma, sigma, momentum, epochs, batch, snapshots, min_steps, bn_stats, rank=0):
+    hp = {"lr": per_arch(lr, model), "wd": per_arch(wd, model), "lam": per_arch(lam, model),
+          "gamma": per_arch(gamma, model), "sigma": sigma, "momentum": momentum, "epochs": epochs, "batch": batch,
+          "snapshots": snapshots, "min_steps": min_steps, "bn_stats": bn_stats}
+    return {**hp, "rank": rank} if rank else hp  # rank 0: the cache key of the diagonal moments stays as it was
 
 
 @REFINE.register("swa", paper=SWA_PAPER + " (SWA mean)", norms=("linf", "l2"), ranges=SWA_RANGES,
@@ -286,22 +304,35 @@ def swa(ctx, models, *, lr=0.05, wd=1e-4, lam=0.2, gamma=0.1, sigma=0.002, momen
 
 
 @REFINE.register("swag", paper=SWA_PAPER + " (the Bayesian attack: SWAG samples)", norms=("linf", "l2"),
-                 ranges={**SWA_RANGES, "n_models": "int [1, inf)", "scale": "[0, inf)", "beta": "[0, inf)"},
+                 ranges={**SWA_RANGES, "n_models": "int [1, inf)", "scale": "[0, inf)", "beta": "[0, inf)",
+                         "rank": "int [0, inf)"},
                  asset_params={"data": "train_images"})
-def swag(ctx, models, *, n_models=50, scale=1.5, beta=0.0, lr=0.05, wd=1e-4, lam=0.2, gamma=0.1, sigma=0.002,
-         momentum=0.9, epochs=10, batch=512, snapshots=300, min_steps=4, data="train", bn_stats="train"):
+def swag(ctx, models, *, n_models=50, scale=1.5, beta=0.0, rank=0, lr=0.05, wd=1e-4, lam=0.2, gamma=0.1,
+         sigma=0.002, momentum=0.9, epochs=10, batch=512, snapshots=300, min_steps=4, data="train", bn_stats="train"):
     """Bayesian attack: ``n_models`` samples ``theta = mean + scale * sqrt(var + beta) * z`` per surrogate from the
     diagonal SWAG posterior of the same fine-tuning as ``swa`` (``var`` = mean of squares - mean^2, clamped at
     1e-30), ``z`` from the run's refine stream, BatchNorm statistics the mean's (BlackboxBench's
-    ``sample_from_swag``: n_models 50, scale 1.5, beta 0). The fine-tuning defaults are ``swa``'s (Table VII).
-    Fuse the samples with ``longitudinal``."""
+    ``sample_from_swag``: n_models 50, scale 1.5, beta 0, no low-rank part). The fine-tuning defaults are
+    ``swa``'s (Table VII). Fuse the samples with ``longitudinal``.
+
+    ``rank`` K >= 2 (not the paper's): full SWAG (Maddox et al., NeurIPS 2019), covariance half diagonal, half
+    low rank from the deviations ``D`` of the last K snapshots: ``theta = mean + scale / sqrt(2) * (sqrt(var +
+    beta) * z + D' u / sqrt(K - 1))``, ``u`` K more normals of the same draw (Maddox et al. use K = 20)."""
     out = []
     for model, moments in _fine_tuned(ctx, "swag", models, data, lr, wd, lam, gamma, sigma, momentum, epochs, batch,
-                                      snapshots, min_steps, bn_stats):
+                                      snapshots, min_steps, bn_stats, rank):
         mean_model = _load(model, moments["state"])
-        scales = [scale * ((sq.to(m) - m * m).clamp_min(1e-30) + beta).sqrt()
+        dev = moments.get("dev")
+        k = 0 if dev is None else dev[0].shape[0]
+        if rank == 1 or (rank and k < 2):
+            raise BenchError(f"refine 'swag': rank {rank} needs rank >= 2 and at least 2 snapshots (the fine-tuning "
+                             f"took {k}); rank 0 is the diagonal posterior")
+        diag = scale / math.sqrt(2) if rank else scale
+        scales = [diag * ((sq.to(m) - m * m).clamp_min(1e-30) + beta).sqrt()
                   for m, sq in zip(_params(mean_model), moments["sq"])]
-        out += [_frozen(_noisy_copy(mean_model, ctx, scales)) for _ in range(int(n_models))]
+        dev_scale = scale / math.sqrt(2 * (k - 1)) if rank else 0.0
+        out += [_frozen(_noisy_copy(mean_model, ctx, scales, dev if rank else None, dev_scale))
+                for _ in range(int(n_models))]
     return out
 
 
