@@ -20,7 +20,7 @@ import torch
 
 from ..registry import ACCEPT
 from ..threat import grid_levels, quantize_outward
-from .common import per_sample, rows_where
+from .common import per_sample
 
 BLEND_TOL = 1e-3  # HSJA's initialization: blend factor tolerance of the binary search toward x (reference code)
 # A claim needs the adversarial point 2 % inside the claim radius (and 2 % closer than an earlier failed claim):
@@ -195,10 +195,13 @@ def claim(problem, state):
     state = dict(state)
     dist, radius = state["dist"], claim_radius(problem)
     success = dist.double() <= claim_limit(problem, state["claimed"])
-    out = push_to_eps(problem, state["x_bd"], dist, radius)
-    if problem.norm == "linf":
-        out = quantize_outward(out, problem.x, radius)
-    state["x_adv"] = rows_where(success, out, state["x_bd"])
+    x_adv = state["x_bd"].clone()
+    idx = success.nonzero().squeeze(1)
+    if idx.numel():  # only the claiming rows are pushed out and rounded (a step's few, not the whole batch)
+        sub = problem.sub(idx)
+        out = push_to_eps(sub, state["x_bd"][idx], dist[idx], radius)
+        x_adv[idx] = quantize_outward(out, sub.x, radius) if problem.norm == "linf" else out
+    state["x_adv"] = x_adv
     state["claimed"] = torch.where(success, dist, state["claimed"])
     state["success"] = success
     return state
