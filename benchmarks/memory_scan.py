@@ -62,7 +62,8 @@ def peak_mb():
 def one(args):
     """Run one recipe in this process and print its row as JSON."""
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
+    if args.malloc == "keep":
+        keep_freed_memory()
     root = resolve_data_root(args.data_root)
     recipe, source = load_recipe(args.one, "memory_scan")
     t = finish_threat({"max_queries": args.budget}, recipe, recipe_family(recipe, source), source)
@@ -96,6 +97,8 @@ def main():
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--budget", type=int, default=400)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                    help="keep: glibc keeps freed memory, as blackboxbench run does; default: glibc's own")
     ap.add_argument("--recipes", default=None, help="comma-separated; default: every score and decision recipe")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -104,7 +107,7 @@ def main():
     names = args.recipes.split(",") if args.recipes else [
         k for k, p in entries().items() if p.parent.name in ("score", "decision")]
     print(f"{args.n} NIPS-2017 images at {args.size} x {args.size}, {args.slots} slots, budget {args.budget}, "
-          f"{args.threads} thread(s); target: ResNet-20 behind a pool to 32 x 32\n")
+          f"{args.threads} thread(s), malloc {args.malloc}; target: ResNet-20 behind a pool to 32 x 32\n")
     print("| recipe | norm | peak MB | rise MB | wall s | ASR | max queries |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for name in names:
