@@ -111,8 +111,8 @@ def main():
     print("| recipe | norm | peak MB | rise MB | wall s | ASR | max queries |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for name in names:
-        cmd = [sys.executable, __file__, "--one", name] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if v is not None and k not in ("one", "recipes")]
+        passed = {k: v for k, v in vars(args).items() if v is not None and k not in ("one", "recipes")}
+        cmd = [sys.executable, __file__, "--one", name] + [f"--{k.replace('_', '-')}={v}" for k, v in passed.items()]
         out = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
         if out.returncode or not lines:

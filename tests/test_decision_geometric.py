@@ -132,8 +132,9 @@ def test_geoda_estimate_leaves_out_refused_probes():
 
 def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):
     """With room for one sample's round (40 probes) a call, each round's probes come in calls of whole samples
-    whose rows start within one such window (the second round: 1 + 40) and give the one-call estimate exactly (a round of 100 samples' 40 probes at 299 x 299 asked for about 30 GB in one
-    call before); every sample still counts its probes."""
+    whose rows start within one such window (the second round: 1 + 40) and give the one-call estimate exactly (a
+    round of 100 samples' 40 probes at 299 x 299 asked for about 30 GB in one call before); every sample still
+    counts its probes."""
     from blackboxbench.query import common, geoda
 
     g = torch.Generator().manual_seed(0)

@@ -130,8 +130,9 @@ def estimate_normal(ctx, x_b, num, alpha, sub_dim, batch):
     over the others, pointing into the adversarial side; refused probes are left out (zero where none answered).
 
     Probes go out in rounds of at most ``batch`` per sample, one oracle call per round for every sample with
-    probes left, split into calls of whole samples of at most ``common.PROBE_VALUES`` values (one call on
-    CIFAR-10; a round of 100 samples' 40 probes at 299 x 299 asked for about 30 GB before). Returns ``(grad, answered)``: (n, C, H, W) and the (n,) number of answered probes.
+    probes left, split into calls of whole samples of about ``common.PROBE_VALUES`` values (one call on CIFAR-10;
+    a round of 100 samples' 40 probes at 299 x 299 asked for about 30 GB before). Returns ``(grad, answered)``:
+    (n, C, H, W) and the (n,) number of answered probes.
     """
     n = x_b.shape[0]
     dev = x_b.device

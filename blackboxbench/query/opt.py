@@ -339,7 +339,7 @@ def opt_init(ctx, *, num_directions=100, init_tol=1e-5):
 def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     """One OPT iteration for every sample with a direction: the RGF estimate of the gradient of ``g`` from ``q``
     directions ``u`` (unit Gaussian; ``(g(theta + beta u) - g(theta)) / beta * u`` averaged, each ``g`` a local
-    search to ``beta / 500``, the ``q`` rows of whole samples in batched searches of at most ``PROBE_VALUES`` values:
+    search to ``beta / 500``, the ``q`` rows of whole samples in batched searches of about ``PROBE_VALUES`` values:
     one on CIFAR-10, pieces at ImageNet size), the line search with initial step ``alpha`` (Table V: alpha 0.2, beta
     0.001), then the best of the line search and the best probe direction.
     """
@@ -354,9 +354,8 @@ def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     grad = torch.zeros_like(theta)
     min_g1 = torch.full_like(g, float("inf"))
     min_probe = theta.clone()
-    group = max(1, common.PROBE_VALUES // max(1, q * theta[0].numel()))  # whole samples per batched search
-    for first in range(0, idx.numel(), group):
-        sel = idx[first:first + group]
+    for group in common.bounded_calls(torch.full_like(idx, q), theta[0].numel()):  # whole samples per search
+        sel = idx[group]
         owner = sel.repeat_interleave(q)
         u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), "l2")
         probe, _ = unit(theta[owner] + per_sample(b[owner], u) * u, "l2")
@@ -462,10 +461,9 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
     stop = stop_radius(problem, state)
     idx = go.nonzero().squeeze(1)
     grad = torch.zeros_like(theta)
-    if svm:  # whole samples per draw, at most PROBE_VALUES directions' values (one draw on CIFAR-10)
-        group = max(1, common.PROBE_VALUES // max(1, svm_k * theta[0].numel()))
-        for first in range(0, idx.numel(), group):
-            sel = idx[first:first + group]
+    if svm:  # whole samples per draw, about PROBE_VALUES directions' values (one draw on CIFAR-10)
+        for group in common.bounded_calls(torch.full_like(idx, svm_k), theta[0].numel()):
+            sel = idx[group]
             owner = sel.repeat_interleave(svm_k)
             u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), norm)
             sgn = sign_directions(ctx, theta, g, u, owner, b, norm)
