@@ -98,6 +98,21 @@ def test_model_set_policies_take_the_right_losses():
     assert members(longi)[0] == nets and members(nets[0]) == ([nets[0]], [1.0])
 
 
+
+def test_longitudinal_shuffle_is_one_order_drawn_from_the_run_stream():
+    """``shuffle``: every member once per cycle, in one order drawn from the run's refine stream (the same order
+    for the same seed; another seed gives another); without it, the list's order."""
+    nets = [small_net(s) for s in range(6)]
+    data = digits_like(n=8, size=16)
+    order = lambda s: [nets.index(m) for m in members(s)[0]]  # noqa: E731
+    first = order(REFINE.get("longitudinal")(run_ctx(data), nets, shuffle=True)[0])
+    assert sorted(first) == list(range(6)) and first != list(range(6))
+    assert order(REFINE.get("longitudinal")(run_ctx(data), nets, shuffle=True)[0]) == first
+    others = {tuple(order(REFINE.get("longitudinal")(run_ctx(data, seed=s), nets, shuffle=True)[0]))
+              for s in range(1, 4)}
+    assert others - {tuple(first)}
+    assert order(REFINE.get("longitudinal")(run_ctx(data), nets)[0]) == list(range(6))
+
 def test_fusion_errors_are_one_line():
     nets = [small_net(0), small_net(1)]
     for bad in ([1], [-1, 2], [0, 0]):

@@ -93,9 +93,13 @@ def loss_ensemble(ctx, models, *, weights=None):
 
 
 @REFINE.register("longitudinal", paper="Li et al., Learning Transferable Adversarial Examples via Ghost Networks, "
-                                       "AAAI 2020 (longitudinal ensemble)", norms=("linf", "l2"), fuses=True)
-def longitudinal(ctx, models):
+                                       "AAAI 2020 (longitudinal ensemble)", norms=("linf", "l2"), fuses=True,
+                 ranges={"shuffle": (False, True)})
+def longitudinal(ctx, models, *, shuffle=False):
     """Fuse the surrogates longitudinally: iteration ``t`` attacks member ``t mod K`` alone, in the order of the
-    list (as BlackboxBench's ``cycle`` over its source models). The clean check uses their logit average.
-    Returns a one-element list."""
+    list (as BlackboxBench's ``cycle`` over its source models). ``shuffle``: in one random order instead, drawn
+    once from the run's refine stream (BlackboxBench's ``--shuffle``, one ``random.shuffle`` of the model list
+    before the attack). The clean check uses their logit average. Returns a one-element list."""
+    if shuffle and models:
+        models = [models[i] for i in ctx.rng.permutations(len(models))[0].tolist()]
     return _fuse("longitudinal", models, None, "longitudinal")
