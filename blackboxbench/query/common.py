@@ -24,7 +24,9 @@ PROBE_VALUES = 1 << 26
 def bounded_calls(rows, values):
     """Group the samples with ``rows[i] > 0`` rows of ``values`` values each, in order and whole, into calls of
     about ``PROBE_VALUES`` values: a call holds the samples whose rows start within one window of that size, so
-    at most that plus one sample's rows. Yields each call's sample indices (long tensors)."""
+    at most that plus one sample's rows. Samples of equal size pass ``rows`` of ones and ``values`` a sample's
+    values: every call then holds at most ``PROBE_VALUES`` values (or one sample). Yields each call's sample
+    indices (long tensors)."""
     piece = max(1, PROBE_VALUES // max(1, values))
     call = (torch.cumsum(rows, 0) - rows) // piece  # a sample's call: where its rows start
     for k in torch.unique(call[rows > 0]).tolist():

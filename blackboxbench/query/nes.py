@@ -28,7 +28,7 @@ def nes_gradient(ctx, x_cur, q, fd_eta):
     with a refused probe contribute nothing."""
     n, shape = x_cur.shape[0], x_cur.shape[1:]
     g = torch.zeros_like(x_cur)
-    for sel in bounded_calls(torch.full((n,), 2 * q, device=x_cur.device), x_cur[0].numel()):
+    for sel in bounded_calls(torch.ones(n, dtype=torch.long, device=x_cur.device), 2 * q * x_cur[0].numel()):
         m = sel.numel()
         u = ctx.rng.normal((q, *shape), rows=sel).to(x_cur.dtype)
         probes = torch.cat([x_cur[sel, None] + fd_eta * u, x_cur[sel, None] - fd_eta * u], 1).flatten(0, 1)

@@ -354,7 +354,7 @@ def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     grad = torch.zeros_like(theta)
     min_g1 = torch.full_like(g, float("inf"))
     min_probe = theta.clone()
-    for group in common.bounded_calls(torch.full_like(idx, q), theta[0].numel()):  # whole samples per search
+    for group in common.bounded_calls(torch.ones_like(idx), q * theta[0].numel()):  # whole samples per search
         sel = idx[group]
         owner = sel.repeat_interleave(q)
         u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), "l2")
@@ -397,12 +397,9 @@ def signed_sum(ctx, theta, g, idx, k, beta, dir_norm):
     image at 100 slots asked for about 10 GB in one call."""
     piece = max(1, common.PROBE_VALUES // max(1, theta[0].numel()))
     total = torch.zeros((idx.numel(), *theta.shape[1:]), dtype=theta.dtype, device=theta.device)
-    local = torch.arange(idx.numel(), device=idx.device)
     for start in range(0, k, piece):
         rows = min(piece, k - start)
-        per_call = max(1, piece // rows)
-        for first in range(0, idx.numel(), per_call):
-            sel = local[first:first + per_call]
+        for sel in common.bounded_calls(torch.ones_like(idx), rows * theta[0].numel()):  # whole pieces a call
             owner = idx[sel].repeat_interleave(rows)
             u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), dir_norm)
             sgn = sign_directions(ctx, theta, g, u, owner, beta, dir_norm)
@@ -462,7 +459,7 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
     idx = go.nonzero().squeeze(1)
     grad = torch.zeros_like(theta)
     if svm:  # whole samples per draw, about PROBE_VALUES directions' values (one draw on CIFAR-10)
-        for group in common.bounded_calls(torch.full_like(idx, svm_k), theta[0].numel()):
+        for group in common.bounded_calls(torch.ones_like(idx), svm_k * theta[0].numel()):
             sel = idx[group]
             owner = sel.repeat_interleave(svm_k)
             u, _ = unit(ctx.rng.normal(theta.shape[1:], rows=owner).to(theta.dtype), norm)

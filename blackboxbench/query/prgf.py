@@ -314,7 +314,7 @@ def prgf(ctx, state, *, q=50, sigma=1e-4, lr=0.005, l2_lr=0.12, norm_samples=10,
     # Prior-guided random directions for the samples whose prior is not trusted alone, whole samples per call.
     g = v.clone()
     rg = (lam < 1).nonzero().squeeze(1)
-    for group in bounded_calls(torch.full_like(rg, q), d):
+    for group in bounded_calls(torch.ones_like(rg), q * d):
         sel = rg[group]
         g[sel] = _guided_estimate(ctx, x, v, lam, sel, sigma, scale, base, q).to(x.dtype)
 

@@ -35,7 +35,7 @@ def zo_gradient(ctx, x_cur, base, q, fd_eta):
     and [0, 1]; a refused probe contributes nothing."""
     n, shape = x_cur.shape[0], x_cur.shape[1:]
     g = torch.zeros_like(x_cur)
-    for sel in bounded_calls(torch.full((n,), q, device=x_cur.device), x_cur[0].numel()):
+    for sel in bounded_calls(torch.ones(n, dtype=torch.long, device=x_cur.device), q * x_cur[0].numel()):
         m = sel.numel()
         u = ctx.rng.normal((q, *shape), rows=sel).to(x_cur.dtype)
         idx = sel.repeat_interleave(q)

@@ -318,15 +318,18 @@ def swag(ctx, models, *, n_models=50, scale=1.5, beta=0.0, rank=0, lr=0.05, wd=1
     ``rank`` K >= 2 (not the paper's): full SWAG (Maddox et al., NeurIPS 2019), covariance half diagonal, half
     low rank from the deviations ``D`` of the last K snapshots: ``theta = mean + scale / sqrt(2) * (sqrt(var +
     beta) * z + D' u / sqrt(K - 1))``, ``u`` K more normals of the same draw (Maddox et al. use K = 20)."""
+    if rank == 1:
+        raise BenchError("refine 'swag': rank 1 has no spread (K - 1 = 0); use rank >= 2, or 0 for the diagonal "
+                         "posterior")
     out = []
     for model, moments in _fine_tuned(ctx, "swag", models, data, lr, wd, lam, gamma, sigma, momentum, epochs, batch,
                                       snapshots, min_steps, bn_stats, rank):
         mean_model = _load(model, moments["state"])
         dev = moments.get("dev")
         k = 0 if dev is None else dev[0].shape[0]
-        if rank == 1 or (rank and k < 2):
-            raise BenchError(f"refine 'swag': rank {rank} needs rank >= 2 and at least 2 snapshots (the fine-tuning "
-                             f"took {k}); rank 0 is the diagonal posterior")
+        if rank and k < 2:
+            raise BenchError(f"refine 'swag': rank {rank} needs at least 2 snapshots; the fine-tuning took {k} "
+                             "(raise epochs or snapshots)")
         diag = scale / math.sqrt(2) if rank else scale
         scales = [diag * ((sq.to(m) - m * m).clamp_min(1e-30) + beta).sqrt()
                   for m, sq in zip(_params(mean_model), moments["sq"])]
