@@ -113,6 +113,33 @@ def test_longitudinal_shuffle_is_one_order_drawn_from_the_run_stream():
     assert others - {tuple(first)}
     assert order(REFINE.get("longitudinal")(run_ctx(data), nets)[0]) == list(range(6))
 
+def test_longitudinal_n_ensemble_attacks_one_group_logit_average_per_iteration():
+    """``n_ensemble`` (BlackboxBench's ``--n-ensemble``): consecutive groups of that many members, the last keeping
+    what is left; iteration t attacks the logit average of group t mod G. 1 is the plain longitudinal ensemble."""
+    nets = [small_net(s) for s in range(5)]
+    x, y = images()
+    atk = build_recipe("ens_longitudinal", "linf", False, 0.1, 3)[0]
+    longi = REFINE.get("longitudinal")(None, nets, n_ensemble=2)[0]
+    groups = [nets[0:2], nets[2:4], nets[4:5]]
+    for t in range(7):
+        group = groups[t % 3]
+        fused = lambda z, g=group: sum(m(z) for m in g) / len(g)  # noqa: E731
+        got = atk.loss_grad(ctx_for(longi, x, y, t=t), ())(x)
+        assert torch.allclose(got, ce_grad(fused, x, y), atol=1e-6)
+    assert members(longi)[0] == nets  # every surrogate once, for the clean check and the per-member blocks
+    assert torch.allclose(longi(x), sum(m(x) for m in nets) / 5, atol=1e-6)
+    whole = REFINE.get("longitudinal")(None, nets, n_ensemble=5)[0]  # one group: the logit ensemble each step
+    assert torch.allclose(atk.loss_grad(ctx_for(whole, x, y, t=3), ())(x),
+                          ce_grad(lambda z: sum(m(z) for m in nets) / 5, x, y), atol=1e-6)
+    data = digits_like(n=8, size=16)  # shuffle, then group the shuffled order
+    mixed = REFINE.get("longitudinal")(run_ctx(data), nets, shuffle=True, n_ensemble=2)[0]
+    order = members(mixed)[0]
+    assert [members(g)[0] for g in mixed.groups] == [order[0:2], order[2:4], order[4:5]]
+    with pytest.raises(BenchError, match="n_ensemble 6 exceeds the 5 surrogates") as e:
+        REFINE.get("longitudinal")(None, nets, n_ensemble=6)
+    assert "\n" not in str(e.value)
+
+
 def test_fusion_errors_are_one_line():
     nets = [small_net(0), small_net(1)]
     for bad in ([1], [-1, 2], [0, 0]):

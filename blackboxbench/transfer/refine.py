@@ -8,7 +8,8 @@ A fusion block ends the refine list with one :class:`ModelSet`:
 
 * ``logit_ensemble``: the loss of the weighted logit average (Liu et al.; Dong et al. Eq. 7);
 * ``loss_ensemble``: the weighted average of the members' losses (Dong et al.'s ensemble in loss);
-* ``longitudinal``: member ``t mod K`` at iteration ``t`` (Li et al., GhostNet; RD, LGV and the Bayesian attack).
+* ``longitudinal``: member ``t mod K`` at iteration ``t`` (Li et al., GhostNet; RD, LGV and the Bayesian attack),
+  or with groups of ``n`` members, the logit average of group ``t mod G`` (BlackboxBench's ``--n-ensemble``).
 
 Its forward is always the weighted logit average (the clean check and the target labels of the surrogate);
 :meth:`ModelSet.active` says which members, with which weights, the loss is taken over at iteration ``t``.
@@ -23,7 +24,7 @@ from ..registry import REFINE
 POLICIES = {
     "logit": lambda s, t: [(1.0, s)],  # the loss of the fused logits (its forward)
     "loss": lambda s, t: list(zip(s.weights, s.members)),
-    "longitudinal": lambda s, t: [(1.0, s.members[t % len(s.members)])],
+    "longitudinal": lambda s, t: [(1.0, s.groups[t % len(s.groups)])],
 }
 
 
@@ -31,13 +32,18 @@ class ModelSet(nn.Module):
     """Surrogates attacked together under a fusion ``policy``; ``forward`` is the weighted logit sum (weights sum
     to 1)."""
 
-    def __init__(self, models, weights, policy):
+    def __init__(self, models, weights, policy, group=1):
         super().__init__()
         if policy not in POLICIES:
             raise BenchError(f"model set: unknown policy {policy!r} (one of {', '.join(POLICIES)})")
         self.members = nn.ModuleList(models)
         self.weights = [float(w) for w in weights]
         self.policy = policy
+        # the longitudinal policy's units: consecutive groups of `group` members (the last may be smaller), a
+        # group of one is the member itself, a larger one its members' logit average (plain list: the members
+        # are registered once, above)
+        self.groups = [ms[0] if len(ms) == 1 else ModelSet(ms, [1.0 / len(ms)] * len(ms), "logit")
+                       for ms in (models[i:i + group] for i in range(0, len(models), group))]
 
     def forward(self, x):
         return sum(w * m(x) for w, m in zip(self.weights, self.members))
@@ -59,7 +65,7 @@ def members(model):
     return [model], [1.0]
 
 
-def _fuse(block, models, weights, policy):
+def _fuse(block, models, weights, policy, group=1):
     if not models:
         raise BenchError(f"refine '{block}': no surrogate models")
     weights = [1.0] * len(models) if weights is None else [float(w) for w in weights]
@@ -67,7 +73,7 @@ def _fuse(block, models, weights, policy):
         raise BenchError(f"refine '{block}': need {len(models)} non-negative weights with a positive sum, "
                          f"got {weights}")
     total = sum(weights)
-    return [ModelSet(models, [w / total for w in weights], policy)]
+    return [ModelSet(models, [w / total for w in weights], policy, group)]
 
 
 @REFINE.register("logit_ensemble", paper="Liu et al., Delving into Transferable Adversarial Examples and "
@@ -94,12 +100,18 @@ def loss_ensemble(ctx, models, *, weights=None):
 
 @REFINE.register("longitudinal", paper="Li et al., Learning Transferable Adversarial Examples via Ghost Networks, "
                                        "AAAI 2020 (longitudinal ensemble)", norms=("linf", "l2"), fuses=True,
-                 ranges={"shuffle": (False, True)})
-def longitudinal(ctx, models, *, shuffle=False):
+                 ranges={"shuffle": (False, True), "n_ensemble": "int [1, inf)"})
+def longitudinal(ctx, models, *, shuffle=False, n_ensemble=1):
     """Fuse the surrogates longitudinally: iteration ``t`` attacks member ``t mod K`` alone, in the order of the
     list (as BlackboxBench's ``cycle`` over its source models). ``shuffle``: in one random order instead, drawn
     once from the run's refine stream (BlackboxBench's ``--shuffle``, one ``random.shuffle`` of the model list
-    before the attack). The clean check uses their logit average. Returns a one-element list."""
+    before the attack). ``n_ensemble``: iteration ``t`` attacks the logit average of group ``t mod G`` of the
+    consecutive groups of ``n_ensemble`` members (the last group keeps what is left), as BlackboxBench's
+    ``--n-ensemble`` (its ``build_model`` groups the, possibly shuffled, model list so and its losses ensemble
+    on logits by default); 1, the default, is the plain longitudinal ensemble. The clean check uses every
+    member's logit average. Returns a one-element list."""
+    if n_ensemble > len(models) and models:
+        raise BenchError(f"refine 'longitudinal': n_ensemble {n_ensemble} exceeds the {len(models)} surrogates")
     if shuffle and models:
         models = [models[i] for i in ctx.rng.permutations(len(models))[0].tolist()]
-    return _fuse("longitudinal", models, None, "longitudinal")
+    return _fuse("longitudinal", models, None, "longitudinal", n_ensemble)
