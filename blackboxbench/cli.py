@@ -93,7 +93,11 @@ def _robustness(results, out):
     from .robustness import export
     png = str(Path(out).with_suffix(".png"))
     rows, skipped = export(results, out, png)
-    print(f"robustness leaderboard: {out} and {png} ({len(rows)} query runs)")
+    if rows:
+        print(f"robustness leaderboard: {out} and {png} ({len(rows)} query runs)")
+    else:
+        print(f"robustness leaderboard: {out} (0 query runs)")
+        print(f"note: no finished query run; {out} holds only the header and no chart was drawn", file=sys.stderr)
     for s in skipped:
         print(str(s), file=sys.stderr)
 

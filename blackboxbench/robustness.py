@@ -46,8 +46,8 @@ def robustness_rows(results_dirs):
 
 
 def export(results_dirs, out_csv, png=None):
-    """Write the robustness leaderboard CSV (and, when ``png`` is given, its bar chart); returns
-    ``(rows, skipped)``."""
+    """Write the robustness leaderboard CSV (and, when ``png`` is given and a query run was found, its bar chart);
+    returns ``(rows, skipped)``."""
     rows, skipped = robustness_rows(results_dirs)
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -57,7 +57,7 @@ def export(results_dirs, out_csv, png=None):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(buf.getvalue(), encoding="utf-8")
-        if png is not None:
+        if png is not None and rows:
             chart(rows, png)
     except OSError as e:
         raise BenchError(f"cannot write the robustness leaderboard {out}: {e.strerror or e}") from None

@@ -208,6 +208,19 @@ def test_cli_empty_and_missing_results(tmp_path, capsys):
     assert err == f"error: results directory not found: {tmp_path / 'nope'}\n"
 
 
+def test_cli_robustness_of_results_without_a_query_run(tmp_path, capsys):
+    """No query run below the directory: the CSV's header, a note, no chart
+    and exit 0, as the leaderboard (the chart once failed inside matplotlib's legend with no bar to label)."""
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "rob.csv"
+    assert main(["robustness", str(tmp_path / "empty"), "-o", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.err == f"note: no finished query run; {out} holds only the header and no chart was drawn\n"
+    assert len(out.read_text().splitlines()) == 1 and not out.with_suffix(".png").exists()
+    assert main(["robustness", str(tmp_path / "nope"), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: results directory not found: {tmp_path / 'nope'}\n"
+
+
 def test_cli_unwritable_output(results, tmp_path, capsys):
     (tmp_path / "dir.csv").mkdir()
     assert main(["leaderboard", str(results), "-o", str(tmp_path / "dir.csv")]) == 2
