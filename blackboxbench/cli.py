@@ -153,11 +153,18 @@ def _yaml_arg(text, flag):
 
 def cmd_analyze(args):
     from .analysis.recipes import analyze
+    from .config import DEVICES
     from .runner import resolve_device
+    if args.device not in DEVICES:
+        raise BenchError(f"--device must be one of {', '.join(DEVICES)}, got {args.device!r}")
     try:
         indices = None if args.indices is None else [int(i) for i in args.indices.split(",")]
     except ValueError:
         raise BenchError(f"--indices expects comma-separated integers, got {args.indices!r}") from None
+    if args.n is not None and args.n < 1:
+        raise BenchError(f"--n must be >= 1 (the first n images), got {args.n}")
+    if not 0 <= args.seed < 1 << 63:
+        raise BenchError(f"--seed must be in [0, 2**63), got {args.seed}")
     png, table, npz, n = analyze(args.recipe, args.output, _assignments(args.param, "--param"),
                                  resolve_device(args.device), run=args.run, model=_yaml_arg(args.model, "--model"),
                                  dataset=_yaml_arg(args.dataset, "--dataset"), data_root=args.data_root, n=args.n,
@@ -233,7 +240,7 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=None, help="the first n images (of the run's saved ones)")
     p.add_argument("--indices", default=None, help="comma-separated dataset indices")
     p.add_argument("--seed", type=int, default=0, help="seed of random directions (a run's own seed wins)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a tool parameter")
     p.add_argument("-o", "--output", default="analysis.png", help="the figure; .csv and .npz go next to it")
     p.set_defaults(fn=cmd_analyze)

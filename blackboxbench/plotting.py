@@ -86,7 +86,13 @@ def read_csv(path):
     """The rows of a CSV (a leaderboard or a report) as dicts, values parsed by :func:`_value`."""
     try:
         with open(path, newline="", encoding="utf-8") as f:
-            return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+            reader, rows = csv.DictReader(f), []
+            for r in reader:
+                if None in r:  # cells past the header's: not a table (e.g. a YAML config given as the results)
+                    raise BenchError(f"{path}: line {reader.line_num} has more cells than the header's "
+                                     f"{len(reader.fieldnames)}: not a leaderboard or report CSV")
+                rows.append({k: _value(v) for k, v in r.items()})
+            return rows
     except OSError as e:
         raise BenchError(f"cannot read {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, csv.Error) as e:

@@ -182,6 +182,11 @@ def test_cli_missing_results_and_bad_recipe_file(tmp_path, capsys):
     bad.write_text("name: mine\ntool: aev_line\npaper: p\nparams: {x: eps, y: asr}\ncolour: red\n")
     assert main(["plot", str(tmp_path), "-r", str(bad)]) == 2
     assert "mine.yaml:colour: unknown key" in capsys.readouterr().err
+    config = tmp_path / "config.yaml"  # a config given where the results go: its lines are not a CSV's rows
+    config.write_text("# a comment line as the header\nruns:\n  - {attack: rays, model: m}\n")
+    assert main(["plot", str(config), "-r", "aev_line"]) == 2
+    assert capsys.readouterr().err == (f"error: {config}: line 3 has more cells than the header's 1: not a "
+                                       "leaderboard or report CSV\n")
     bad.write_text("name: mine\ntool: aev_lines\npaper: p\n")
     assert main(["plot", str(tmp_path), "-r", str(bad)]) == 2
     assert "mine.yaml:tool: unknown analysis 'aev_lines' (did you mean: aev_line" in capsys.readouterr().err

@@ -275,11 +275,16 @@ def test_model_analysis_errors_are_one_line(saved_run, tmp_path, capsys):
         (["-r", "fsm", "--run", str(run_dir), "--param", "score=logit"], "params.score: must be one of label"),
         (["-r", "fullgrad_path", "--model", "digits_cnn", "--dataset", "digits"],
          "fullgrad_path needs the run's attack paths"),
+        (["-r", "fsm", "--run", str(run_dir), "--n", "0"], "--n must be >= 1 (the first n images), got 0"),
+        (["-r", "fsm", "--run", str(run_dir), "--n", "-3"], "--n must be >= 1"),  # once the last 3 dropped
+        (["-r", "fsm", "--run", str(run_dir), "--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
     ]
     for args, message in cases:
         assert main(["analyze", *args, "--device", "cpu", "-o", str(tmp_path / "e.png")]) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, (args, err)
+    assert main(["analyze", "-r", "fsm", "--run", str(run_dir), "--device", "tpu", "-o", str(tmp_path / "e.png")]) == 2
+    assert capsys.readouterr().err == "error: --device must be one of auto, cpu, cuda, got 'tpu'\n"
     assert main(["plot", str(tmp_path), "-r", "fullgrad"]) == 2
     assert "tool 'fullgrad' reads model, not results: run it with blackboxbench analyze" in capsys.readouterr().err
 
