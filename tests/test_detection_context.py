@@ -179,6 +179,46 @@ def test_sequential_plans_follow_the_authors_order(n_det, steps):
             assert 0 <= x0 < x1 <= 64 and 0 <= y0 < y1 <= 64
 
 
+@pytest.mark.parametrize("n_det", [1, 3, 7])
+def test_vanish_plans_keep_the_first_k_plus_one_objects(n_det):
+    """The authors' ``-vanish``: plan ap_k is the full plan's first k + 1 rows (the victim, the k objects relabelled
+    or added so far), so detections not yet relabelled leave the annotation and are attacked towards background."""
+    gen = torch.Generator().manual_seed(n_det)
+    xy = torch.rand(n_det, 2, generator=gen) * 40
+    boxes = torch.cat([xy, xy + 12], 1)
+    labels = torch.randint(0, 3, (n_det,), generator=gen)
+    t = _tables([[4, 0, 6, 1], [0, 1, 1, 1], [6, 1, 2, 1], [1, 1, 1, 1]])
+    u = torch.rand(5, U_STEP, generator=gen)
+    full = sequential_plans(boxes, labels, n_det - 1, 3, t, 64, 64, 5, u)
+    hide = sequential_plans(boxes, labels, n_det - 1, 3, t, 64, 64, 5, u, vanish=True)
+    assert [len(lab) for _, lab in hide] == [1, 2, 3, 4, 5, 6]
+    for k, ((fb, fl), (hb, hl)) in enumerate(zip(full, hide)):
+        assert torch.equal(hb, fb[:k + 1]) and torch.equal(hl, fl[:k + 1])
+        if k + 1 >= n_det:  # every detection relabelled: the same plan as without vanish
+            assert torch.equal(hl, fl)
+
+
+def test_caa_vanish_descends_towards_the_shortened_plans(monkeypatch):
+    """``vanish: true`` reaches the plans the craft descends towards: ap0 holds the victim alone."""
+    import blackboxbench.detection.attacks as attacks
+
+    seen = []
+    monkeypatch.setattr(attacks, "descend", lambda ctx, models, w, targets, x0, it, a: (
+        seen.append([len(t["labels"]) for t in targets]), x0)[1])
+    dets = {"boxes": torch.tensor([[2., 2, 20, 20], [30, 30, 50, 50], [5, 40, 25, 60]]),
+            "labels": torch.tensor([0, 1, 2]), "scores": torch.tensor([0.9, 0.8, 0.7])}
+    monkeypatch.setattr(attacks, "pick_victims", lambda ctx, thr, u: [(dets, 1, 2)])
+    monkeypatch.setattr(attacks, "hit", lambda *a: torch.zeros(1, dtype=torch.bool))
+    t = _tables([[4, 0, 6, 1], [0, 1, 1, 1], [6, 1, 2, 1], [1, 1, 1, 1]])
+    rng = SimpleNamespace(uniform=lambda shape: torch.rand(1, *shape, generator=torch.Generator().manual_seed(0)))
+    ctx = SimpleNamespace(assets={"context": t}, problem=SimpleNamespace(x=torch.zeros(1, 3, 64, 64), n=1),
+                          surrogates=[object()], model=None, rng=rng)
+    for vanish, want in ((False, [3, 3, 3, 4, 5, 6]), (True, [1, 2, 3, 4, 5, 6])):
+        seen.clear()
+        caa(ctx, None, steps=5, context="context", vanish=vanish)
+        assert [s[0] for s in seen] == want
+
+
 def test_random_helpers_reach_classes_the_context_excludes():
     """The authors' ``-random`` control: helper labels drawn uniformly, so a class without co-occurrence with the
     target (class 1 for target 0 here) becomes a helper too; the context draw never picks it."""

@@ -400,9 +400,10 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
                     asset_params={"context": "detection_context"},
                     ranges={"iterations": "int [1, inf)", "alpha": "(0, 1]", "weights": "list [0, inf)",
                             "conf_thr": "[0, 1]", "iou_thr": "[0, 1]", "steps": "int [0, inf)",
-                            "select": ("last", "first_hit"), "helpers": ("context", "random")})
+                            "select": ("last", "first_hit"), "helpers": ("context", "random"),
+                            "vanish": (False, True)})
 def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=0.3, iou_thr=0.3, steps=5,
-        context=None, select="last", helpers="context"):
+        context=None, select="last", helpers="context", vanish=False):
     """Context-aware attack, the authors' sequential plans ap0..ap``steps`` (:func:`~blackboxbench.detection.
     context.sequential_plans`): ap0 relabels a random victim to a class absent from the image; each later plan
     also relabels the next other object, then adds a helper object, with helper labels from the co-occurrence
@@ -413,7 +414,8 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     ``last`` returns every image's last plan (all plans run, as the authors' script); ``first_hit`` the first
     plan after which the first surrogate (the authors' indicator model) detects the target label on the victim at
     IoU > iou_thr (else the last), stopping there. ``helpers: random`` draws helper labels uniformly (the authors'
-    ``-random`` control)."""
+    ``-random`` control). ``vanish: true``: plan ap``k`` keeps only its first k + 1 objects, so the attack also
+    hides the detections it has not relabelled yet (the authors' ``-vanish``)."""
     tables = ctx.assets.get(context) if steps and context is not None else None
     if steps and not isinstance(tables, ContextTables):
         raise BenchError(f"caa: plans after ap0 need CAA's context tables, a detection_context asset named by "
@@ -430,7 +432,7 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
             vboxes.append(p.x.new_zeros(4))
         else:
             seq = sequential_plans(d["boxes"], d["labels"], v, target, tables, h, wd, steps, ui.view(steps, U_STEP),
-                                   random_helpers=helpers == "random")
+                                   random_helpers=helpers == "random", vanish=vanish)
             plans.append([{"boxes": b, "labels": lab} for b, lab in seq])
             vboxes.append(d["boxes"][v])
         vlabels.append(target)

@@ -134,13 +134,17 @@ def _clip(box, height, width):
             float(min(max(y1, 0), height))]
 
 
-def sequential_plans(boxes, labels, victim, target, tables, height, width, steps, u, random_helpers=False):
+def sequential_plans(boxes, labels, victim, target, tables, height, width, steps, u, random_helpers=False,
+                     vanish=False):
     """CAA's plans ap0..ap``steps`` for one image, each a (boxes, labels) pair extending the one before: ap0 is
     the detections with object ``victim`` relabelled to ``target``; each later plan relabels the next other
     detection (in detection order) to a helper label drawn from :func:`helper_distribution`, and once every
     detection is relabelled, adds a helper object (:func:`helper_box`). ``u``: (steps, 8) uniforms, one row per
     step (label 1, box 7). ``boxes`` (n, 4), ``labels`` (n,) long, n >= 1. ``random_helpers``: every class alike
-    as a helper label (the authors' ``-random`` control, which shows what the context adds)."""
+    as a helper label (the authors' ``-random`` control, which shows what the context adds). ``vanish``: plan
+    ap``k`` keeps only its first k + 1 objects (the authors' ``-vanish``: the detections not yet relabelled leave
+    the target annotation, so the attack hides them; from the plan that has relabelled every detection on, nothing
+    changes)."""
     order = [victim] + [i for i in range(len(labels)) if i != victim]
     bx, lab = boxes[order].clone(), labels[order].clone()
     lab[0] = target
@@ -157,7 +161,7 @@ def sequential_plans(boxes, labels, victim, target, tables, height, width, steps
             bx = torch.cat([bx, torch.tensor([box], dtype=bx.dtype, device=bx.device)])
             lab = torch.cat([lab, torch.tensor([helper], dtype=lab.dtype, device=lab.device)])
         plans.append((bx.clone(), lab.clone()))
-    return plans
+    return [(b[:k + 1], lab[:k + 1]) for k, (b, lab) in enumerate(plans)] if vanish else plans
 
 
 @ASSET.register("detection_context", source="CAA's context tables from a detection dataset's boxes (default: "
