@@ -31,6 +31,12 @@ def _where(obj):
         return getattr(obj, "__module__", "?")
 
 
+def block_label(block):
+    """``'name' (file:line)`` of a block, or of a built one (a ``partial`` of a registered function), for errors."""
+    fn = getattr(block, "func", block)
+    return f"'{getattr(fn, 'registry_meta', {}).get('name', getattr(fn, '__name__', '?'))}' ({_where(fn)})"
+
+
 def close_matches(name, choices):
     hits = difflib.get_close_matches(str(name), [str(c) for c in choices], n=3, cutoff=0.5)
     return f" (did you mean: {', '.join(hits)}?)" if hits else ""

@@ -150,3 +150,24 @@ def test_plugin_block_from_config(tmp_path):
     resolved = (Path(run_dir) / "config.yaml").read_text()
     assert "gaussian_noise" in resolved and summary["attack"] == "i_fgsm_noise"
     assert summary["per_target"]["digits_mlp"]["n"] > 0
+
+
+@pytest.mark.parametrize("name,body,returned", [
+    ("no_tensor", "return None", "NoneType"),
+    ("half_height", "return x[:, :, ::2]", "a tensor of shape (8, 1, 4, 8)"),
+    ("three_rows", "return x[:3]", "a tensor of shape (3, 1, 8, 8)")])
+def test_plugin_transform_breaking_its_contract_is_one_line(tmp_path, capsys, name, body, returned):
+    """A plugin transform that returns no tensor, another image shape or a row count that is no multiple of its
+    input's stops the run with one line naming the block and its file, not a traceback from deep in the loss."""
+    (tmp_path / "plug.py").write_text(
+        "from blackboxbench.registry import TRANSFORM\n\n\n"
+        f"@TRANSFORM.register('{name}', paper='test')\ndef {name}(ctx, x):\n    {body}\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plugins: [plug.py]\ndataset: {{name: digits, n: 8}}\nattack: {{recipe: i_fgsm, blocks: "
+                   f"{{transform: [{{name: {name}}}]}}}}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
+                   f"threat: {{norm: linf, eps: 0.2}}\noutput_dir: {tmp_path / 'res'}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: transform '{name}' ({tmp_path / 'plug.py'}:4) returned {returned} for an input of "
+                   "shape (8, 1, 8, 8): a transform returns K stacked copies of its input's rows, shaped "
+                   "(K x 8, 1, 8, 8)"), err

@@ -48,7 +48,7 @@ from ..errors import BenchError, ConfigError
 from ..evaluation import sample_metrics, summarize_transfer
 from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, base_records, check_outputs, forward_logits,
                       pick_targets, to_uint8)
-from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE
+from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE, block_label
 from ..rng import run_stream
 from ..threat import Problem
 from .compat import check_compatible
@@ -59,8 +59,18 @@ REFINE_SALT = 1  # run-level stream of the refine blocks
 
 def _chain_transforms(ctx, transforms, x):
     for t in transforms:
-        x = t(ctx, x)
+        out = t(ctx, x)
+        if not (isinstance(out, torch.Tensor) and out.shape[1:] == x.shape[1:] and out.shape[0] and
+                out.shape[0] % x.shape[0] == 0):
+            raise BenchError(f"transform {block_label(t)} returned {describe(out)} for an input of shape "
+                             f"{tuple(x.shape)}: a transform returns K stacked copies of its input's rows, shaped "
+                             f"(K x {x.shape[0]}, {', '.join(map(str, x.shape[1:]))})")
+        x = out
     return x
+
+
+def describe(value):
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 @dataclass
