@@ -171,3 +171,58 @@ def test_plugin_transform_breaking_its_contract_is_one_line(tmp_path, capsys, na
     assert err == (f"error: transform '{name}' ({tmp_path / 'plug.py'}:4) returned {returned} for an input of "
                    "shape (8, 1, 8, 8): a transform returns K stacked copies of its input's rows, shaped "
                    "(K x 8, 1, 8, 8)"), err
+
+
+QUERY_PLUGIN = '''import torch
+from blackboxbench.registry import ACCEPT, INIT
+
+
+@INIT.register("no_success", paper="test")
+def no_success(ctx):
+    return {"x_adv": ctx.problem.x.clone()}
+
+
+@INIT.register("float_success", paper="test")
+def float_success(ctx):
+    return {"x_adv": ctx.problem.x.clone(), "success": torch.zeros(ctx.problem.n)}
+
+
+@INIT.register("one_row", paper="test")
+def one_row(ctx):
+    return {"x_adv": ctx.problem.x.clone(), "success": torch.zeros(ctx.problem.n, dtype=torch.bool),
+            "m": torch.zeros(1)}
+
+
+@ACCEPT.register("no_state", paper="test")
+def no_state(ctx, state, proposal):
+    return None
+'''
+
+
+@pytest.fixture(scope="module")
+def query_plugin(tmp_path_factory):
+    """One plugin file for the cases (a plugin imported again from the same path registers nothing twice)."""
+    path = tmp_path_factory.mktemp("qplug") / "qplug.py"
+    path.write_text(QUERY_PLUGIN)
+    return path
+
+
+@pytest.mark.parametrize("block,line,message", [
+    ("init: {name: no_success}", 5, "must return state['success']"),
+    ("init: {name: float_success}", 10, "returned state['success'] of dtype torch.float32 and shape (7,): it is an "
+                                        "(n,) bool tensor"),
+    ("init: {name: one_row}", 15, "returned state['m'] that is not a tensor with one row per sample (7)"),
+    ("accept: {name: no_state}", 21, "returned NoneType: it returns the state dict, with the keys init gave it (it, "
+                                     "margin, success, x_adv, x_hi, x_lo)")])
+def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, query_plugin, block, line,
+                                                              message):
+    """Query blocks: an init without the state the loop needs, or an accept that does not return the state, stops
+    the run with one line naming the block and its file (7 of the 8 digits are classified correctly)."""
+    cfg = tmp_path / "q.yaml"
+    cfg.write_text(f"plugins: [{query_plugin}]\ndataset: {{name: digits, n: 8}}\nattack: {{recipe: square_linf, "
+                   f"blocks: {{{block}}}}}\nmodel: digits_mlp\nthreat: {{norm: linf, eps: 0.2, max_queries: 50}}\n"
+                   f"output_dir: {tmp_path / 'res'}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    kind, name = block.split(":")[0], block.split("name: ")[1].rstrip("}")
+    assert err == f"error: {kind} block '{name}' ({query_plugin}:{line}) {message}", err

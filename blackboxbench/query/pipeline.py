@@ -51,7 +51,7 @@ from ..evaluation import sample_metrics, summarize_query
 from ..family import (BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets,
                       to_uint8)
 from ..oracle import Oracle
-from ..registry import ACCEPT, FAMILY, INIT, PERTURB
+from ..registry import ACCEPT, FAMILY, INIT, PERTURB, block_label
 from ..threat import Problem
 
 # Tables V-VI: 10,000 queries untargeted, 100,000 targeted.
@@ -71,6 +71,27 @@ class QueryAttack:
     accept: Callable
     meta: dict = field(default_factory=dict)
     eot: int = 1  # queries per logical evaluation (EOT), each charged
+
+
+def check_state(state, x, block):
+    """The init contract: a dict of per-sample tensors (dim 0: the n samples) with ``x_adv`` shaped like the
+    images and ``success`` an (n,) bool tensor; a violation is one line naming the block."""
+    n, bad = x.shape[0], None
+    if not isinstance(state, dict):
+        bad = f"returned {type(state).__name__}, not a dict of per-sample tensors"
+    elif missing := [k for k in ("x_adv", "success") if k not in state]:
+        bad = f"must return state['{missing[0]}']"
+    else:
+        wrong = [k for k, v in state.items() if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n]
+        if wrong:
+            bad = f"returned state['{wrong[0]}'] that is not a tensor with one row per sample ({n})"
+        elif state["x_adv"].shape != x.shape:
+            bad = f"returned state['x_adv'] of shape {tuple(state['x_adv'].shape)}, the images' is {tuple(x.shape)}"
+        elif state["success"].dtype != torch.bool or state["success"].dim() != 1:
+            bad = f"returned state['success'] of dtype {state['success'].dtype} and shape " \
+                  f"{tuple(state['success'].shape)}: it is an (n,) bool tensor"
+    if bad:
+        raise BenchError(f"init block {block_label(block)} {bad}")
 
 
 def _gather(state, idx):
@@ -203,9 +224,7 @@ class QueryWorker:
         target = None if not self.threat["targeted"] else torch.tensor([t for _, t in ready], device=self.device)
         ctx = self._context(gids, x, y, target)
         state = self.attack.init(ctx)
-        for key in ("x_adv", "success"):
-            if key not in state:
-                raise BenchError(f"init block of '{self.attack.name}' must return state['{key}']")
+        check_state(state, x, self.attack.init)
         state = {k: v.clone() for k, v in state.items()}  # the worker's own copy
         for r, _ in ready:
             self.started[r["index"]] = (now, r)
@@ -248,6 +267,10 @@ class QueryWorker:
         before = ctx.oracle.counts
         proposal = self.attack.perturb(ctx, state)
         state = self.attack.accept(ctx, state, proposal)
+        if not isinstance(state, dict) or state.keys() != self.state.keys():
+            raise BenchError(f"accept block {block_label(self.attack.accept)} returned "
+                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}: it returns "
+                             f"the state dict, with the keys init gave it ({', '.join(sorted(self.state))})")
         self.ws = (slots, ctx, state)
         if self.path_every:
             self._snapshot(slots, ctx, state)
