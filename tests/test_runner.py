@@ -152,6 +152,16 @@ def test_plugin_block_from_config(tmp_path):
     assert summary["per_target"]["digits_mlp"]["n"] > 0
 
 
+def plugin_run_error(tmp_path, capsys, plugin, attack):
+    """Run a digits config that imports ``plugin`` with ``attack`` (the YAML after ``attack:``, then more keys);
+    it must stop with exit code 2: returns the last line it printed to stderr."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plugins: [{plugin}]\ndataset: {{name: digits, n: 8}}\nthreat: {{norm: linf, eps: 0.2}}\n"
+                   f"output_dir: {tmp_path / 'res'}\nattack: {attack}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("name,body,returned", [
     ("no_tensor", "return None", "NoneType"),
     ("half_height", "return x[:, :, ::2]", "a tensor of shape (8, 1, 4, 8)"),
@@ -162,12 +172,8 @@ def test_plugin_transform_breaking_its_contract_is_one_line(tmp_path, capsys, na
     (tmp_path / "plug.py").write_text(
         "from blackboxbench.registry import TRANSFORM\n\n\n"
         f"@TRANSFORM.register('{name}', paper='test')\ndef {name}(ctx, x):\n    {body}\n")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"plugins: [plug.py]\ndataset: {{name: digits, n: 8}}\nattack: {{recipe: i_fgsm, blocks: "
-                   f"{{transform: [{{name: {name}}}]}}}}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
-                   f"threat: {{norm: linf, eps: 0.2}}\noutput_dir: {tmp_path / 'res'}\n")
-    assert main(["run", str(cfg), "--quiet"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = plugin_run_error(tmp_path, capsys, tmp_path / "plug.py", f"{{recipe: i_fgsm, blocks: {{transform: "
+                           f"[{{name: {name}}}]}}}}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]")
     assert err == (f"error: transform '{name}' ({tmp_path / 'plug.py'}:4) returned {returned} for an input of "
                    "shape (8, 1, 8, 8): a transform returns K stacked copies of its input's rows, shaped "
                    "(K x 8, 1, 8, 8)"), err
@@ -218,11 +224,7 @@ def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, 
                                                               message):
     """Query blocks: an init without the state the loop needs, or an accept that does not return the state, stops
     the run with one line naming the block and its file (7 of the 8 digits are classified correctly)."""
-    cfg = tmp_path / "q.yaml"
-    cfg.write_text(f"plugins: [{query_plugin}]\ndataset: {{name: digits, n: 8}}\nattack: {{recipe: square_linf, "
-                   f"blocks: {{{block}}}}}\nmodel: digits_mlp\nthreat: {{norm: linf, eps: 0.2, max_queries: 50}}\n"
-                   f"output_dir: {tmp_path / 'res'}\n")
-    assert main(["run", str(cfg), "--quiet"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = plugin_run_error(tmp_path, capsys, query_plugin, f"{{recipe: square_linf, blocks: {{{block}}}}}\n"
+                           "model: digits_mlp\nruns: [{threat: {max_queries: 50}}]")
     kind, name = block.split(":")[0], block.split("name: ")[1].rstrip("}")
     assert err == f"error: {kind} block '{name}' ({query_plugin}:{line}) {message}", err
