@@ -12,3 +12,10 @@ class ConfigError(BenchError):
         self.source, self.key = source, key
         where = ":".join(str(p) for p in (source, key) if p)
         super().__init__(f"{where}: {message}" if where else message)
+
+
+def describe(value):
+    """What a block returned, for a contract error: ``a tensor of shape (8, 3)`` or the type's name (no import
+    of torch here: anything with a ``shape`` reads as a tensor)."""
+    shape = getattr(value, "shape", None)
+    return f"a tensor of shape {tuple(shape)}" if shape is not None else type(value).__name__

@@ -259,3 +259,19 @@ def test_asset_default_and_config_errors(tmp_path):
     assert summary["n"] == 2
     with pytest.raises(BenchError, match="plans after ap0 need CAA's context tables"):
         caa(SimpleNamespace(assets={}, steps=1), None, steps=1, context=None)
+
+
+def test_objective_not_per_image_is_one_line():
+    """A detection objective returns one value per image; a batch mean stops the craft with one line naming it."""
+    from blackboxbench.detection.attacks import objective_grad
+
+    def batch_mean(ctx, x):
+        return x.mean()
+
+    x = torch.rand(3, 3, 8, 8)
+    with pytest.raises(BenchError) as e:
+        objective_grad(None, batch_mean, x)
+    assert str(e.value).startswith("objective 'batch_mean' (") and str(e.value).endswith(
+        ") returned a tensor of shape () for 3 images: an objective returns one value per image, shaped (3,)")
+    g = objective_grad(None, lambda ctx, z: z.flatten(1).sum(1), x)  # per image: the gradient of the sum
+    assert torch.equal(g, torch.ones_like(x))

@@ -205,6 +205,36 @@ def no_state(ctx, state, proposal):
 '''
 
 
+def test_plugin_loss_not_per_row_is_one_line(tmp_path, capsys):
+    """A plugin loss that returns a batch mean (or anything but one value per row) stops the run in one line;
+    summed as it is, a mean would silently scale every sample's gradient by 1/n."""
+    (tmp_path / "lplug.py").write_text("from blackboxbench.registry import LOSS\n\n\n@LOSS.register('mean_ce', "
+                                       "paper='test')\ndef mean_ce(ctx, logits, label):\n"
+                                       "    return logits.log_softmax(1).gather(1, label[:, None]).mean().neg()\n")
+    err = plugin_run_error(tmp_path, capsys, tmp_path / "lplug.py", "{recipe: i_fgsm, blocks: {loss: {name: "
+                           "mean_ce}}}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]")
+    assert err == (f"error: loss 'mean_ce' ({tmp_path / 'lplug.py'}:4) returned a tensor of shape () for 8 rows: a "
+                   "loss returns one value per row, shaped (8,)"), err
+
+
+@pytest.mark.parametrize("kind,body,returned", [
+    ("gradient", "return grad_fn(x)[:1]", "a tensor of shape (1, 1, 8, 8)"),
+    ("direction", "return grad.sum()", "a tensor of shape ()"),
+    ("update", "return None", "NoneType")])
+def test_plugin_step_block_returning_another_shape_is_one_line(tmp_path, capsys, kind, body, returned):
+    """Gradient, direction and update blocks return a tensor shaped like the images; anything else stops the run
+    in one line naming the block (a wrong shape could otherwise broadcast silently into the iterate)."""
+    args = {"gradient": "ctx, grad_fn, x, state", "direction": "ctx, grad, state", "update": "ctx, x_adv, direction"}
+    (tmp_path / "splug.py").write_text(f"from blackboxbench.registry import {kind.upper()}\n\n\n"
+                                       f"@{kind.upper()}.register('bad_{kind}', paper='test')\n"
+                                       f"def bad_{kind}({args[kind]}):\n    {body}\n")
+    listed = f"[{{name: bad_{kind}}}]" if kind != "update" else f"{{name: bad_{kind}}}"
+    err = plugin_run_error(tmp_path, capsys, tmp_path / "splug.py", f"{{recipe: i_fgsm, blocks: {{{kind}: {listed}}}}}"
+                           "\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]")
+    assert err == (f"error: {kind} 'bad_{kind}' ({tmp_path / 'splug.py'}:4) returned {returned}: it returns a tensor "
+                   "shaped like the images, (8, 1, 8, 8)"), err
+
+
 @pytest.fixture(scope="module")
 def query_plugin(tmp_path_factory):
     """One plugin file for the cases (a plugin imported again from the same path registers nothing twice)."""

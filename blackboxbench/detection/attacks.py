@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import BenchError
-from ..registry import DET_CRAFT, DET_OBJECTIVE
+from ..errors import BenchError, describe
+from ..registry import DET_CRAFT, DET_OBJECTIVE, block_label
 from ..threat import flat_norm, per_sample
 from .context import U_STEP, ContextTables, sequential_plans
 from .models import TWO_STAGE
@@ -37,8 +37,11 @@ def objective_grad(ctx, objective, x):
     """Gradient of the summed objective at ``x``."""
     x = x.detach().requires_grad_(True)
     with torch.enable_grad():
-        loss = objective(ctx, x).sum()
-        return torch.autograd.grad(loss, x)[0]
+        loss = objective(ctx, x)
+        if not isinstance(loss, torch.Tensor) or loss.shape != x.shape[:1]:
+            raise BenchError(f"objective {block_label(objective)} returned {describe(loss)} for {x.shape[0]} "
+                             f"images: an objective returns one value per image, shaped ({x.shape[0]},)")
+        return torch.autograd.grad(loss.sum(), x)[0]
 
 
 def random_start(ctx, x):

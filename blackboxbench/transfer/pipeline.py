@@ -44,7 +44,7 @@ import torch
 
 from ..context import BlockContext, Pool
 from ..defense import EVAL_SALT, DefendedTarget, defense_streams, label
-from ..errors import BenchError, ConfigError
+from ..errors import BenchError, ConfigError, describe
 from ..evaluation import sample_metrics, summarize_transfer
 from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, base_records, check_outputs, forward_logits,
                       pick_targets, to_uint8)
@@ -69,8 +69,15 @@ def _chain_transforms(ctx, transforms, x):
     return x
 
 
-def describe(value):
-    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+def _expect_like(out, ref, kind, block):
+    """``out`` if it is a tensor shaped like ``ref`` (a gradient, direction or update block's contract), else a
+    one-line error naming the block."""
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        raise BenchError(f"{kind} {block_label(block)} returned {describe(out)}: it returns a tensor shaped like the "
+                         f"images, {tuple(ref.shape)}")
+    return out
+
+
 
 
 @dataclass
@@ -126,7 +133,14 @@ class TransferAttack:
     def _loss(self, ctx, xt, label):
         """The summed attack loss of ``xt`` at iteration ``ctx.t``: over the members a model set makes active
         (:func:`~blackboxbench.transfer.refine.active`), weighted."""
-        return sum(w * self.loss(ctx, m(xt), label).sum() for w, m in active(ctx.model, ctx.t))
+        return sum(w * self._checked_loss(ctx, m(xt), label).sum() for w, m in active(ctx.model, ctx.t))
+
+    def _checked_loss(self, ctx, logits, label):
+        out = self.loss(ctx, logits, label)
+        if not isinstance(out, torch.Tensor) or out.shape != label.shape:
+            raise BenchError(f"loss {block_label(self.loss)} returned {describe(out)} for {label.shape[0]} rows: a "
+                             f"loss returns one value per row, shaped ({label.shape[0]},)")
+        return out
 
     def grad_fn(self, ctx, state):
         """The gradient function at ``ctx`` (its model and loop position), wrapped by the gradient blocks; they
@@ -161,9 +175,11 @@ class TransferAttack:
         for t in range(self.iterations):
             c = ctx.at(t=t)
             d = self.grad_fn(c, state)(x_adv)
+            if self.gradients:
+                _expect_like(d, x_adv, "gradient", self.gradients[-1])
             for direction in self.directions:
-                d = direction(c, d, state)
-            x_adv = problem.project(self.update(c, x_adv, d))
+                d = _expect_like(direction(c, d, state), x_adv, "direction", direction)
+            x_adv = problem.project(_expect_like(self.update(c, x_adv, d), x_adv, "update", self.update))
             if on_iterate is not None:
                 on_iterate(t, x_adv)
         return problem.quantize(x_adv)
