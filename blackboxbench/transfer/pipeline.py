@@ -78,8 +78,6 @@ def _expect_like(out, ref, kind, block):
     return out
 
 
-
-
 @dataclass
 class TransferAttack:
     """A built transfer attack. Built by :func:`blackboxbench.builder.build_attack`."""
