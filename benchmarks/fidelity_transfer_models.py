@@ -67,7 +67,9 @@ VARIANTS = {"rd (BN update)": _with("rd", 0, data="train"), "lgv (BN kept)": _wi
             # DRA's regulariser off (the same fine-tuning on cross-entropy alone), and with momentum
             "dra (lam 0)": _with("dra", 0, lam=0.0), "dra (momentum 0.9)": _with("dra", 0, momentum=0.9),
             # full SWAG (Maddox et al.'s K = 20 deviations; not the paper's diagonal sampler)
-            "bayesian (rank 20)": _with("bayesian", 0, rank=20)}
+            "bayesian (rank 20)": _with("bayesian", 0, rank=20),
+            # BlackboxBench's --n-ensemble 2: the logit average of two surrogates per iteration, groups in turn
+            "ens_longitudinal (n_ensemble 2)": _with("ens_longitudinal", 0, n_ensemble=2)}
 
 
 def run_attack(atk, surrogates, x, y, eps, assets, seed=0):
