@@ -94,6 +94,38 @@ def test_pseudo_gaussian_window():
             assert peak // s == (s - s // 2) // 2 and peak % s == s // 2
 
 
+def _authors_bump(x, y):
+    """The authors' rectangle bump (square_attack ``meta_pseudo_gaussian_pert``), written out pixel by pixel."""
+    out = torch.zeros(x, y, dtype=torch.float64)
+    for i in range(x):
+        for j in range(y):
+            d = max(abs(i - x // 2), abs(j - y // 2))
+            out[i, j] = sum(1.0 / (k + 1) ** 2 for k in range(d, y // 2 + 1))
+    return out
+
+
+def test_pseudo_gaussian_window_against_the_authors_pattern():
+    """Each window equals the authors' pattern built pixel by pixel (two rectangle bumps, each normalised, the
+    lower negated, the whole normalised; transposed where drawn so), on square and non-square images."""
+    gen = torch.Generator().manual_seed(3)
+    for h, w in ((9, 10), (12, 7), (16, 16)):
+        n = 8
+        size = torch.randint(1, min(h, w) + 1, (n,), generator=gen)
+        top = (torch.rand(n, generator=gen) * (h - size + 1)).long()
+        left = (torch.rand(n, generator=gen) * (w - size + 1)).long()
+        flip = torch.rand(n, generator=gen) > 0.5
+        got = pseudo_gaussian_windows(top, left, size, flip, (h, w))
+        for k in range(n):
+            s, t, l = int(size[k]), int(top[k]), int(left[k])
+            up, lo = _authors_bump(s // 2, s), _authors_bump(s - s // 2, s)
+            up, lo = up / up.norm() if up.numel() else up, lo / lo.norm()
+            win = torch.cat([up, -lo])
+            win = win / win.norm()
+            want = torch.zeros(h, w, dtype=torch.float64)
+            want[t:t + s, l:l + s] = win.T if flip[k] else win
+            assert torch.allclose(got[k, 0].double(), want, atol=1e-6), (h, w, k)
+
+
 def test_p_schedule_follows_the_paper():
     it = torch.tensor([0, 10, 11, 50, 51, 200, 201, 1001, 8000, 8001, 10000, 10001])
     halvings = torch.tensor([0, 0, 1, 1, 2, 2, 3, 5, 8, 9, 9, 0])

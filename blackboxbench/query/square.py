@@ -154,18 +154,25 @@ def pseudo_gaussian_windows(top, left, size, transpose, size_hw):
     """
     h, w = size_hw
     dev = top.device
-    r = torch.arange(h, device=dev)[None, :, None] - top[:, None, None]
-    q = torch.arange(w, device=dev)[None, None, :] - left[:, None, None]
-    r, q = r.expand(-1, h, w), q.expand(-1, h, w)
+    # Every term is a function of one axis, so each is built on (n, H, 1) or (n, 1, W) and broadcast once: the
+    # pattern's row coordinate a is the H axis (the W axis where transposed), its column coordinate b the other.
+    r = torch.arange(h, device=dev)[None, :, None] - top[:, None, None]  # (n, H, 1)
+    q = torch.arange(w, device=dev)[None, None, :] - left[:, None, None]  # (n, 1, W)
     flip = transpose[:, None, None]
-    r, q = torch.where(flip, q, r), torch.where(flip, r, q)
     s = size[:, None, None]
-    inside = (r >= 0) & (r < s) & (q >= 0) & (q < s)
     half = s // 2
-    upper = r < half
-    i = torch.where(upper, r, r - half)
-    rows = torch.where(upper, half, s - half)
-    d = torch.maximum((i - rows // 2).abs(), (q - s // 2).abs())
+
+    def row_term(a):  # distance term of the row coordinate: to the middle row of its half
+        up = a < half
+        return (torch.where(up, a, a - half) - torch.where(up, half, s - half) // 2).abs(), up
+
+    def col_term(b):  # distance term of the column coordinate: to the middle column
+        return (b - s // 2).abs()
+
+    (row_r, up_r), (row_q, up_q) = row_term(r), row_term(q)
+    d = torch.maximum(torch.where(flip, col_term(r), row_r), torch.where(flip, row_q, col_term(q)))
+    upper = torch.where(flip, up_q, up_r)  # (n, H, W)
+    inside = ((r >= 0) & (r < s)) & ((q >= 0) & (q < s))
     tail = _inv_square_cumsum(int(size.max()) + 1, dev)
     k_max = s // 2 + 1
     val = (tail[k_max] - tail[d.clamp(max=tail.numel() - 1)]) * inside  # d is arbitrary outside the window
