@@ -199,6 +199,11 @@ def one_row(ctx):
             "m": torch.zeros(1)}
 
 
+@INIT.register("growing", paper="test")
+def growing(ctx):  # a per-sample tensor whose shape follows the batch that enters: it cannot live in a slot
+    return {**INIT.get("square_init_linf")(ctx), "m": torch.zeros(ctx.problem.n, ctx.problem.n)}
+
+
 @ACCEPT.register("no_state", paper="test")
 def no_state(ctx, state, proposal):
     return None
@@ -245,16 +250,19 @@ def query_plugin(tmp_path_factory):
 
 @pytest.mark.parametrize("block,line,message", [
     ("init: {name: no_success}", 5, "must return state['success']"),
-    ("init: {name: float_success}", 10, "returned state['success'] of dtype torch.float32 and shape (7,): it is an "
+    ("init: {name: float_success}", 10, "returned state['success'] of dtype torch.float32 and shape (4,): it is an "
                                         "(n,) bool tensor"),
-    ("init: {name: one_row}", 15, "returned state['m'] that is not a tensor with one row per sample (7)"),
-    ("accept: {name: no_state}", 21, "returned NoneType: it returns the state dict, with the keys init gave it (it, "
+    ("init: {name: one_row}", 15, "returned state['m'] that is not a tensor with one row per sample (4)"),
+    ("init: {name: growing}", 21, "returned state['m'] of torch.float32 and per-sample shape (1,), earlier "
+                                  "torch.float32 and (4,)"),
+    ("accept: {name: no_state}", 26, "returned NoneType: it returns the state dict, with the keys init gave it (it, "
                                      "margin, success, x_adv, x_hi, x_lo)")])
 def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, query_plugin, block, line,
                                                               message):
-    """Query blocks: an init without the state the loop needs, or an accept that does not return the state, stops
-    the run with one line naming the block and its file (7 of the 8 digits are classified correctly)."""
+    """Query blocks: an init without the state the loop needs or whose per-sample shapes change between the
+    batches that enter the slots, or an accept that does not return the state, stops the run with one line naming
+    the block and its file (4 slots: the first init gets 4 samples, a later one the 1 that takes a freed slot)."""
     err = plugin_run_error(tmp_path, capsys, query_plugin, f"{{recipe: square_linf, blocks: {{{block}}}}}\n"
-                           "model: digits_mlp\nruns: [{threat: {max_queries: 50}}]")
+                           "model: digits_mlp\nbatch_size: 4\nruns: [{threat: {max_queries: 50}}]")
     kind, name = block.split(":")[0], block.split("name: ")[1].rstrip("}")
     assert err == f"error: {kind} block '{name}' ({query_plugin}:{line}) {message}", err

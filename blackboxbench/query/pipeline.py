@@ -73,9 +73,10 @@ class QueryAttack:
     eot: int = 1  # queries per logical evaluation (EOT), each charged
 
 
-def check_state(state, x, block):
+def check_state(state, x, block, slots=None):
     """The init contract: a dict of per-sample tensors (dim 0: the n samples) with ``x_adv`` shaped like the
-    images and ``success`` an (n,) bool tensor; a violation is one line naming the block."""
+    images and ``success`` an (n,) bool tensor, and with ``slots`` (the slot state an earlier init made) the same
+    keys, per-sample shapes and dtypes; a violation is one line naming the block."""
     n, bad = x.shape[0], None
     if not isinstance(state, dict):
         bad = f"returned {type(state).__name__}, not a dict of per-sample tensors"
@@ -90,6 +91,13 @@ def check_state(state, x, block):
         elif state["success"].dtype != torch.bool or state["success"].dim() != 1:
             bad = f"returned state['success'] of dtype {state['success'].dtype} and shape " \
                   f"{tuple(state['success'].shape)}: it is an (n,) bool tensor"
+        elif slots is not None and set(state) != set(slots):
+            bad = f"returned state keys {sorted(state)}, earlier {sorted(slots)}"
+        elif slots is not None and (changed := [k for k, v in state.items() if v.shape[1:] != slots[k].shape[1:]
+                                               or v.dtype != slots[k].dtype]):
+            k = changed[0]
+            bad = (f"returned state['{k}'] of {state[k].dtype} and per-sample shape {tuple(state[k].shape[1:])}, "
+                   f"earlier {slots[k].dtype} and {tuple(slots[k].shape[1:])}")
     if bad:
         raise BenchError(f"init block {block_label(block)} {bad}")
 
@@ -224,7 +232,7 @@ class QueryWorker:
         target = None if not self.threat["targeted"] else torch.tensor([t for _, t in ready], device=self.device)
         ctx = self._context(gids, x, y, target)
         state = self.attack.init(ctx)
-        check_state(state, x, self.attack.init)
+        check_state(state, x, self.attack.init, self.state)
         state = {k: v.clone() for k, v in state.items()}  # the worker's own copy
         for r, _ in ready:
             self.started[r["index"]] = (now, r)
@@ -245,9 +253,6 @@ class QueryWorker:
         if self.state is None:
             self.state = {k: torch.zeros((self.slots, *v.shape[1:]), dtype=v.dtype, device=v.device)
                           for k, v in state.items()}
-        if set(state) != set(self.state):
-            raise BenchError(f"init block of '{self.attack.name}' returned state keys {sorted(state)}, earlier "
-                             f"{sorted(self.state)}")
         for k, v in state.items():
             self.state[k][slots] = v
         self.sx[slots], self.sy[slots], self.gid[slots] = x, y, gids
