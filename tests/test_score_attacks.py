@@ -17,7 +17,8 @@ from blackboxbench.oracle import Oracle
 from blackboxbench.query.common import greedy_update, random_corner, random_window, start_state, window_index, \
     window_mask
 from blackboxbench.query.simba import basis_images, strided_band
-from blackboxbench.query.square import p_schedule, pseudo_gaussian_windows, side_schedule, square_side
+from blackboxbench.query.square import l2_window_step as square_l2_step, p_schedule, pseudo_gaussian_windows, \
+    side_schedule, square_side
 from blackboxbench.registry import INIT
 from blackboxbench.rng import Streams
 
@@ -124,6 +125,47 @@ def test_pseudo_gaussian_window_against_the_authors_pattern():
             want = torch.zeros(h, w, dtype=torch.float64)
             want[t:t + s, l:l + s] = win.T if flip[k] else win
             assert torch.allclose(got[k, 0].double(), want, atol=1e-6), (h, w, k)
+
+
+def _dense_l2_step(x, x_adv, eps, size, corner1, corner2, transpose, signs):
+    """The authors' Square L2 update on whole images (masks, not windows), with their final renormalisation."""
+    n, c, h, w = x.shape
+    win1 = window_mask(*corner1, size, size, (h, w))
+    win2 = window_mask(*corner2, size, size, (h, w))
+    delta = x_adv - x
+    sq = lambda v: v.square().sum((2, 3), keepdim=True)  # noqa: E731
+    norm_image = delta.flatten(1).norm(dim=1).view(n, 1, 1, 1)
+    bump = pseudo_gaussian_windows(*corner1, size, transpose, (h, w))
+    new = bump * signs + delta * win1 / (1e-10 + sq(delta * win1).sqrt())
+    budget = ((eps ** 2 - norm_image.square()).clamp_min(0) / c + sq(delta * (win1 | win2))).sqrt()
+    new = new / sq(new).sqrt() * budget
+    delta = torch.where(win1, new, torch.where(win2, torch.zeros_like(delta), delta))
+    return (x + delta / delta.flatten(1).norm(dim=1).view(n, 1, 1, 1) * eps).clamp(0, 1)
+
+
+@pytest.mark.parametrize("hw", [(16, 16), (12, 9)])
+def test_square_l2_window_step_equals_the_dense_update(hw):
+    """The window-local step equals the authors' whole-image update (within float rounding: theirs renormalises
+    every pixel by a factor of 1), for mixed sides, overlapping windows, both orientations and clipped pixels."""
+    gen = torch.Generator().manual_seed(5)
+    h, w = hw
+    n, c, eps = 24, 3, 1.0
+    x = torch.rand(n, c, h, w, generator=gen)
+    x_adv = x
+    for _ in range(6):  # a chain of steps from the clean image, each on the last one's result
+        size = torch.randint(1, 5, (n,), generator=gen) * 2 + 1
+        corners = [tuple((torch.rand(n, generator=gen) * (m + 1 - size)).long() for m in (h, w)) for _ in range(2)]
+        corners[1] = tuple(torch.where(torch.arange(n) % 4 == 0, a, b) for a, b in zip(corners[0], corners[1]))
+        transpose = torch.rand(n, generator=gen) > 0.5
+        signs = torch.where(torch.rand(n, c, 1, 1, generator=gen) < 0.5, -1.0, 1.0)
+        got = square_l2_step(x, x_adv, eps, size, *corners, transpose, signs)
+        want = _dense_l2_step(x, x_adv, eps, size, *corners, transpose, signs)
+        assert torch.allclose(got, want, atol=1e-6)
+        outside = ~(window_mask(*corners[0], size, size, (h, w)) | window_mask(*corners[1], size, size, (h, w)))
+        assert torch.equal(got.masked_select(outside.expand_as(got)), x_adv.masked_select(outside.expand_as(got)))
+        assert ((got - x).flatten(1).norm(dim=1) <= eps * (1 + 1e-5)).all()
+        x_adv = got
+    assert ((got == 0) | (got == 1)).any()  # some pixels were clipped on the way
 
 
 def test_p_schedule_follows_the_paper():

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
-from .common import per_sample, random_corner, random_window, start_state, window_index
+from .common import per_sample, random_corner, start_state, window_index
 
 PAPER = "Andriushchenko et al., Square Attack, ECCV 2020"
 # Iterations (of 10,000) after which p is halved (the authors' p_selection).
@@ -214,25 +214,57 @@ def square_l2(ctx, state, *, p_init=0.05, n_iters=None):
     """Authors' L2 update: zero a second random window, refill the first with old perturbation plus a fresh
     pseudo-Gaussian pattern (random sign per channel) so that the total stays on the L2 sphere of radius eps.
 
-    ``p_init`` 0.05 (Table VI); the side is at least 3 and odd; ``n_iters`` as in :func:`square_linf`.
+    ``p_init`` 0.05 (Table VI); the side is at least 3 and odd; ``n_iters`` as in :func:`square_linf`. The draws
+    (two corners, an orientation, a sign per channel) are made here and applied by :func:`l2_window_step`.
     """
     x, x_adv, it = ctx.problem.x, state["x_adv"], state["it"]
     n, c, h, w = x.shape
-    eps = ctx.problem.eps
     p = p_schedule(p_init, it, _budget(ctx, n_iters))
     s = square_side(p, h * w, 3, h * w)
     s = (s + (s % 2 == 0).long()).clamp(min=1, max=min(h, w) - 1)
-    win1, top1, left1 = random_window(ctx.rng, s, (h, w))
-    win2 = random_window(ctx.rng, s, (h, w))[0]
-    delta = x_adv - x
+    corner1 = random_corner(ctx.rng, s, (h, w))
+    corner2 = random_corner(ctx.rng, s, (h, w))
+    transpose, signs = _random_transpose(ctx.rng), ctx.rng.signs((c, 1, 1))
+    return {"x_adv": l2_window_step(x, x_adv, ctx.problem.eps, s, corner1, corner2, transpose, signs),
+            "it": it + 1}
+
+
+def l2_window_step(x, x_adv, eps, size, corner1, corner2, transpose, signs):
+    """One Square L2 candidate per sample, computed on its two windows only (gathered, (n, C, S, S), S the largest
+    side): the pixels outside both windows are ``x_adv``'s, bit for bit.
+
+    ``size`` (n,) the windows' side, ``corner1``/``corner2`` their (top, left), ``transpose`` (n,) the pattern's
+    orientation, ``signs`` (n, C, 1, 1). Window 2 (less window 1) returns to ``x``; window 1 gets its old
+    perturbation, normalised, plus the signed pattern, scaled so that the image's squared L2 perturbation is
+    ``eps^2`` (the mass both windows held plus what the image lacked, shared equally by the channels); then
+    [0, 1]. The authors' code renormalises the whole perturbation to ``eps`` after this; that factor is 1 (up to
+    rounding) because the new window's mass already makes the total ``eps`` (the start lies in the ball), so it is
+    left out here: that is what keeps the step local.
+    """
+    n, c, h, w = x.shape
+    side = int(size.max())
+    flat_x, flat_adv = x.reshape(n, -1), x_adv.reshape(n, -1)
+    idx1 = window_index(*corner1, size, (c, h, w)).view(n, -1)
+    idx2 = window_index(*corner2, size, (c, h, w)).view(n, -1)
+    ar = torch.arange(side, device=x.device)
+    rows, cols = ar.view(1, 1, side, 1), ar.view(1, 1, 1, side)
+    s = size.view(n, 1, 1, 1)
+    real = (rows < s) & (cols < s)  # (n, 1, S, S): positions inside a sample's own side
+    (t1, l1), (t2, l2) = ((t.view(n, 1, 1, 1), l.view(n, 1, 1, 1)) for t, l in (corner1, corner2))
+    in1 = (t2 + rows >= t1) & (t2 + rows < t1 + s) & (l2 + cols >= l1) & (l2 + cols < l1 + s)
+    x1 = flat_x.gather(1, idx1).view(n, c, side, side)
+    d1 = (flat_adv.gather(1, idx1).view(n, c, side, side) - x1) * real
+    d2 = (flat_adv.gather(1, idx2) - flat_x.gather(1, idx2)).view(n, c, side, side) * (real & ~in1)
     sq = lambda v: v.square().sum((2, 3), keepdim=True)  # noqa: E731  per sample and channel
-    norm_win1 = sq(delta * win1).sqrt()
-    norm_image = per_sample(delta.flatten(1).norm(dim=1), delta)
-    norm_both = sq(delta * (win1 | win2)).sqrt()
-    bump = pseudo_gaussian_windows(top1, left1, s, _random_transpose(ctx.rng), (h, w))
-    new = bump * ctx.rng.signs((c, 1, 1)) + delta * win1 / (1e-10 + norm_win1)
-    budget = ((eps ** 2 - norm_image.square()).clamp_min(0) / c + norm_both.square()).sqrt()
+    norm_win1 = sq(d1).sqrt()
+    norm_both2 = sq(d1) + sq(d2)  # squared perturbation of both windows (their overlap counted once)
+    norm_image = per_sample((flat_adv - flat_x).norm(dim=1), x)
+    zero = torch.zeros_like(size)
+    bump = pseudo_gaussian_windows(zero, zero, size, transpose, (side, side))
+    new = bump * signs + d1 / (1e-10 + norm_win1)
+    budget = ((eps ** 2 - norm_image.square()).clamp_min(0) / c + norm_both2).sqrt()
     new = new / sq(new).sqrt().clamp_min(1e-12) * budget
-    delta = torch.where(win1, new, torch.where(win2, torch.zeros_like(delta), delta))
-    delta = delta / per_sample(delta.flatten(1).norm(dim=1).clamp_min(1e-12), delta) * eps
-    return {"x_adv": (x + delta).clamp(0, 1), "it": it + 1}
+    vals = (x1 + new).clamp(0, 1)
+    vals = torch.where(real, vals, vals[:, :, :1, :1])  # repeated positions carry the top-left pixel's value
+    cand = flat_adv.scatter(1, idx2, flat_x.gather(1, idx2)).scatter_(1, idx1, vals.view(n, -1))
+    return cand.view_as(x_adv)
