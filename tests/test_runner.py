@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,52 @@ def test_plugin_step_block_returning_another_shape_is_one_line(tmp_path, capsys,
                            "\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]")
     assert err == (f"error: {kind} 'bad_{kind}' ({tmp_path / 'splug.py'}:4) returned {returned}: it returns a tensor "
                    "shaped like the images, (8, 1, 8, 8)"), err
+
+
+@pytest.mark.parametrize("kind,body,returned,rule", [
+    ("refine", "return models[0]", "Normalized", "a refine block returns a non-empty list of models (callables from "
+                                               "images to logits)"),
+    ("refine", "return []", "list", "a refine block returns a non-empty list of models (callables from images to "
+                                    "logits)"),
+    ("auxiliary", "return [1]", "list", "an auxiliary block returns a dict of named values for the loop's blocks "
+                                        "(ctx.aux)")])
+def test_plugin_refine_or_auxiliary_breaking_its_contract_is_one_line(tmp_path, capsys, kind, body, returned, rule):
+    """A refine block returns the list of surrogates it made, an auxiliary block a dict of named values; anything
+    else stops the run with one line naming the block (not a traceback where the loop first uses it)."""
+    args = {"refine": "ctx, models", "auxiliary": "ctx"}[kind]
+    name = f"bad_{kind}_{zlib.crc32(body.encode())}"  # one name per case: a plugin registers its blocks for good
+    (tmp_path / "rplug.py").write_text(f"from blackboxbench.registry import {kind.upper()}\n\n\n"
+                                       f"@{kind.upper()}.register('{name}', paper='test')\n"
+                                       f"def {name}({args}):\n    {body}\n")
+    err = plugin_run_error(tmp_path, capsys, tmp_path / "rplug.py", f"{{recipe: i_fgsm, blocks: {{{kind}: "
+                           f"[{{name: {name}}}]}}}}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]")
+    assert err == f"error: {kind} '{name}' ({tmp_path / 'rplug.py'}:4) returned {returned}: {rule}", err
+
+
+@pytest.mark.parametrize("body,returned", [
+    ("return None", "NoneType"),
+    ("return ctx.problem.x[:, :1]", "a tensor of shape (2, 1, 64, 64)"),
+    ("return (ctx.problem.x * 255).byte()", "a tensor of dtype torch.uint8"),
+    ("return Crafted([], ctx.problem.x[:1], torch.zeros(2), 0.5)", "a Crafted holding list"),
+    ("return Crafted(ctx.problem.x, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), 0.5)",
+     "a Crafted with 1 goal boxes and 1 labels")])
+def test_plugin_detection_craft_breaking_its_contract_is_one_line(tmp_path, capsys, body, returned):
+    """A detection craft block returns the batch's images (float, the batch's shape) or a Crafted holding them with
+    one goal per image; anything else stops the run with one line naming the block."""
+    name = f"bad_craft_{zlib.crc32(body.encode())}"
+    (tmp_path / "dplug.py").write_text("import torch\nfrom blackboxbench.detection.attacks import Crafted\n"
+                                       "from blackboxbench.registry import DET_CRAFT\n\n\n"
+                                       f"@DET_CRAFT.register('{name}', paper='test')\n"
+                                       f"def {name}(ctx, objective):\n    {body}\n")
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text(f"plugins: [{tmp_path / 'dplug.py'}]\ndataset: {{name: shapes, n: 2}}\nsurrogates: [shapes_fcos]"
+                   f"\ntargets: [shapes_fcos]\ndevice: cpu\noutput_dir: {tmp_path / 'res'}\n"
+                   f"attack: {{recipe: tog_vanishing, blocks: {{craft: {{name: {name}}}}}}}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: craft '{name}' ({tmp_path / 'dplug.py'}:6) returned {returned} for 2 images: a craft "
+                   "block returns the adversarial images, a float tensor shaped (2, 3, 64, 64), or a Crafted "
+                   "holding them with one goal per image"), err
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,9 @@ import torch
 
 from ..builder import resolve_setting
 from ..context import BlockContext, Pool
-from ..errors import BenchError, ConfigError
+from ..errors import BenchError, ConfigError, describe
 from ..family import BlockKind, Family, ModelKey, WholeBatchWorker, check_outputs, to_uint8
-from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL
+from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL, block_label
 from ..threat import Problem, flat_norm
 from .attacks import Crafted, goal_met
 from .data import DetectionDataset
@@ -196,6 +196,24 @@ class Perceptual:
         return ssim, lp
 
 
+def _checked_craft(out, x, block):
+    """``out`` if it is images shaped like the batch ``x`` or a :class:`Crafted` holding them with one goal per
+    image (a craft block's contract), else a one-line error naming the block."""
+    images = out.x if isinstance(out, Crafted) else out
+    bad = None
+    if not (isinstance(images, torch.Tensor) and images.shape == x.shape and images.dtype.is_floating_point):
+        wrong_dtype = isinstance(images, torch.Tensor) and images.shape == x.shape
+        bad = f"a tensor of dtype {images.dtype}" if wrong_dtype else describe(images)
+        bad = bad if images is out else f"a Crafted holding {bad}"
+    elif isinstance(out, Crafted) and not (len(out.boxes) == len(out.labels) == x.shape[0]):
+        bad = f"a Crafted with {len(out.boxes)} goal boxes and {len(out.labels)} labels"
+    if bad:
+        raise BenchError(f"craft {block_label(block)} returned {bad} for {x.shape[0]} images: a craft block returns "
+                         f"the adversarial images, a float tensor shaped {tuple(x.shape)}, or a Crafted holding them "
+                         "with one goal per image")
+    return out
+
+
 class DetectionWorker(WholeBatchWorker):
     """One whole batch per step: the surrogate's clean detections, the craft, then every target detector."""
 
@@ -219,9 +237,10 @@ class DetectionWorker(WholeBatchWorker):
         make an image's result depend on its neighbours. The authors run both one image at a time."""
         a = self.attack
         if not a.per_image:
-            return a.craft(ctx, a.objective)
+            return _checked_craft(a.craft(ctx, a.objective), ctx.problem.x, a.craft)
         rows = torch.arange(ctx.problem.n, device=ctx.device)
         parts = [a.craft(ctx.sub(rows[k:k + 1]), a.objective) for k in range(ctx.problem.n)]
+        parts = [_checked_craft(p, ctx.problem.x[k:k + 1], a.craft) for k, p in enumerate(parts)]
         return Crafted.cat(parts) if isinstance(parts[0], Crafted) else torch.cat(parts)
 
     def step(self):

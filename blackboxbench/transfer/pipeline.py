@@ -78,6 +78,23 @@ def _expect_like(out, ref, kind, block):
     return out
 
 
+def _checked_models(out, block):
+    """``out`` as a list if it is a non-empty list or tuple of callables (a refine block's contract: the surrogates
+    it made), else a one-line error naming the block."""
+    if not (isinstance(out, (list, tuple)) and out and all(callable(m) for m in out)):
+        raise BenchError(f"refine {block_label(block)} returned {describe(out)}: a refine block returns a non-empty "
+                         "list of models (callables from images to logits)")
+    return list(out)
+
+
+def _checked_aux(out, block):
+    """``out`` if it is a dict keyed by names (an auxiliary block's contract), else a one-line error."""
+    if not (isinstance(out, dict) and all(isinstance(k, str) for k in out)):
+        raise BenchError(f"auxiliary {block_label(block)} returned {describe(out)}: an auxiliary block returns a "
+                         "dict of named values for the loop's blocks (ctx.aux)")
+    return out
+
+
 @dataclass
 class TransferAttack:
     """A built transfer attack. Built by :func:`blackboxbench.builder.build_attack`."""
@@ -99,7 +116,7 @@ class TransferAttack:
     def refine(self, ctx, models):
         """Apply the refiners to the list of surrogates; returns the single model to attack."""
         for r in self.refiners:
-            models = r(ctx, models)
+            models = _checked_models(r(ctx, models), r)
         if len(models) != 1:
             raise BenchError(f"attack '{self.name}': {len(models)} surrogates but no refine block fuses them "
                              "(add e.g. logit_ensemble)")
@@ -157,7 +174,7 @@ class TransferAttack:
         aux = {}
         try:
             for a in self.auxiliaries:
-                aux.update(a(ctx.at(aux=dict(aux))))
+                aux.update(_checked_aux(a(ctx.at(aux=dict(aux))), a))
             return self._loop(ctx.at(aux=aux), on_iterate)
         finally:
             for value in aux.values():
