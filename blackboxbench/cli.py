@@ -52,6 +52,11 @@ def cmd_run(args):
     from .runner import Runner, Session, run_all
     from .sweep import check_backend, run_sweep
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BenchError(f"--threads must be >= 1 (CPU threads of this process), got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)
     if args.malloc == "keep":
         from .malloc import keep_freed_memory
         keep_freed_memory()
@@ -201,6 +206,10 @@ def main(argv=None):
     p.add_argument("--malloc", choices=("keep", "default"), default="keep",
                    help="keep: glibc keeps freed memory for the next step (about 10x fewer page faults; "
                         "blackboxbench/malloc.py); default: leave glibc's settings")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of this process (default: torch's, one per core). On a machine where other "
+                        "processes keep cores busy, use the free ones: OpenMP's busy-waiting threads then wait for "
+                        "each other (a CIFAR-10 run measured 13x slower with 2 threads beside another process)")
     p.add_argument("--share-forwards", action="store_true",
                    help="runs on the same target model take turns and share its forwards (the config's "
                         "share_forwards; blackboxbench/shared.py)")

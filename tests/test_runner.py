@@ -313,3 +313,22 @@ def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, 
                            "model: digits_mlp\nbatch_size: 4\nruns: [{threat: {max_queries: 50}}]")
     kind, name = block.split(":")[0], block.split("name: ")[1].rstrip("}")
     assert err == f"error: {kind} block '{name}' ({query_plugin}:{line}) {message}", err
+
+
+def test_run_threads_option(tmp_path, capsys):
+    """``--threads N`` runs the config on N CPU threads; below 1 it is a one-line error before anything runs."""
+    import torch
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 4}}\nmodel: digits_mlp\nattack: square_linf\n"
+                   f"threat: {{norm: linf, eps: 0.2, max_queries: 20}}\noutput_dir: {tmp_path / 'res'}\n")
+    before = torch.get_num_threads()
+    try:
+        assert main(["run", str(cfg), "--quiet", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    assert main(["run", str(cfg), "--quiet", "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --threads must be >= 1 (CPU threads of this process), got 0"
+    assert torch.get_num_threads() == before
