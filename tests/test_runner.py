@@ -303,7 +303,7 @@ def query_plugin(tmp_path_factory):
     ("init: {name: growing}", 21, "returned state['m'] of torch.float32 and per-sample shape (1,), earlier "
                                   "torch.float32 and (4,)"),
     ("accept: {name: no_state}", 26, "returned NoneType: it returns the state dict, with the keys init gave it (it, "
-                                     "margin, success, x_adv, x_hi, x_lo)")])
+                                     "margin, success, x_adv)")])
 def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, query_plugin, block, line,
                                                               message):
     """Query blocks: an init without the state the loop needs or whose per-sample shapes change between the

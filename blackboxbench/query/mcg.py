@@ -60,7 +60,7 @@ from torch.func import functional_call, grad, vmap
 from ..errors import BenchError
 from ..registry import INIT
 from .cg_attack import STAGE_ONE_RANGES, adversarial_loss, stage_one, trained_cglow, training_point
-from .square import linf_state, linf_vertices
+from .square import linf_state
 
 PAPER = ("Yin, Zhang, Wu, Feng, Zhang, Fan, Yang, Generalizable Black-Box Adversarial Attack with Meta Learning, "
          "IEEE TPAMI 2023")
@@ -158,5 +158,4 @@ def mcg_init(ctx, *, data="train", x_hidden_channels=64, x_hidden_size=128, y_hi
                               steps=int(finetune_steps), lr=float(finetune_lr), clip=float(finetune_clip),
                               outer=float(finetune_outer), chunk=int(chunk))
     x0 = problem.quantize(training_point(x, torch.nan_to_num(delta), problem.eps, "linf"))
-    x_hi, x_lo = linf_vertices(problem)
-    return linf_state(ctx, x0, x_hi, x_lo, square_start)
+    return linf_state(ctx, x0, square_start)

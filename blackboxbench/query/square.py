@@ -23,6 +23,7 @@ import torch
 
 from ..errors import BenchError
 from ..registry import INIT, PERTURB
+from ..threat import quantize
 from .common import per_sample, random_corner, start_state, window_index
 
 PAPER = "Andriushchenko et al., Square Attack, ECCV 2020"
@@ -77,30 +78,29 @@ def square_init_linf(ctx):
     """Vertical stripes: every column of every channel gets +eps or -eps (the paper's Linf initialisation);
     one query.
 
-    The two vertices of every pixel, ``x +- eps`` clipped to [0, 1], are kept in the state on the uint8 grid
-    (rounded towards ``x``, as the returned image will be), so every candidate is an image the attack can return
-    as is and the pipeline's confirmation of a success needs no extra query. For eps on the grid (e.g. 8/255)
-    this is the paper's attack exactly; otherwise it searches the radius floor(255 eps)/255 the output reaches.
+    The two vertices of every pixel, ``x +- eps`` clipped to [0, 1], are on the uint8 grid (rounded towards
+    ``x``, as the returned image will be), so every candidate is an image the attack can return as is and the
+    pipeline's confirmation of a success needs no extra query. For eps on the grid (e.g. 8/255) this is the
+    paper's attack exactly; otherwise it searches the radius floor(255 eps)/255 the output reaches.
     """
     problem = ctx.problem
     _check_norm(problem, "linf")
     _, c, _, w = problem.x.shape
-    x_hi, x_lo = linf_vertices(problem)
+    x_hi, x_lo = linf_vertices(problem.x, problem.eps)
     stripes = torch.where(ctx.rng.uniform((c, 1, w)) < 0.5, x_hi, x_lo)
-    return linf_state(ctx, stripes, x_hi, x_lo, 0)
+    return linf_state(ctx, stripes, 0)
 
 
-def linf_vertices(problem):
-    """The two vertices ``x +- eps`` of every pixel, clipped to [0, 1] and on the uint8 grid (rounded towards x)."""
-    return tuple(problem.quantize((problem.x + sign * problem.eps).clamp(0, 1)) for sign in (1, -1))
+def linf_vertices(x, eps):
+    """The two vertices ``x +- eps`` of the pixels ``x`` (any shape), clipped to [0, 1] and on the uint8 grid
+    (rounded towards x): computed where they are needed (the whole image at the start, a window per step), so a
+    slot holds no copy of them."""
+    return tuple(quantize((x + sign * eps).clamp(0, 1), x) for sign in (1, -1))
 
 
-def linf_state(ctx, x0, x_hi, x_lo, it):
-    """The Linf Square state at ``x0`` (one query) with the pixels' vertices and the p schedule's iteration ``it``
-    (every sample's first)."""
-    n = len(x0)
-    return start_state(ctx, x0, it=torch.full((n,), int(it), dtype=torch.long, device=x0.device),
-                       x_hi=x_hi.view(n, -1), x_lo=x_lo.view(n, -1))  # flat (n, C*H*W), gathered by index
+def linf_state(ctx, x0, it):
+    """The Linf Square state at ``x0`` (one query) and the p schedule's iteration ``it`` (every sample's first)."""
+    return start_state(ctx, x0, it=torch.full((len(x0),), int(it), dtype=torch.long, device=x0.device))
 
 
 @PERTURB.register("square_linf", paper=PAPER, norms=("linf",), ranges={"p_init": "(0, 1]", "n_iters": "int [1, inf)"})
@@ -116,7 +116,8 @@ def square_linf(ctx, state, *, p_init=0.05, n_iters=None):
     s = side_schedule(p_init, it, _budget(ctx, n_iters), h * w, 1, min(h, w) - 1)
     idx = window_index(*random_corner(ctx.rng, s, (h, w)), s, (c, h, w)).view(n, -1)  # (n, C*S*S), channel-major
     flat = x_adv.reshape(n, -1)
-    cur, hi, lo = (v.gather(1, idx).view(n, c, -1) for v in (flat, state["x_hi"], state["x_lo"]))
+    cur, clean = (v.reshape(n, -1).gather(1, idx).view(n, c, -1) for v in (flat, x))
+    hi, lo = linf_vertices(clean, ctx.problem.eps)
     up = ctx.rng.uniform((c, 1)) < 0.5  # the vertex of each channel: x + eps where up, else x - eps
     new = torch.where(up, hi, lo)
     for _ in range(100):  # a window equal to the current one is redrawn (rare; bounded for eps == 0)
