@@ -62,8 +62,9 @@ def cmd_run(args):
         keep_freed_memory()
     experiments, opts = load_config(args.config, args.set)
     backend = opts["backend"]
-    if args.backend or args.workers:
-        over = {"name": args.backend or backend["name"], **({"workers": args.workers} if args.workers else {})}
+    if args.backend or args.workers or args.threads:
+        over = {"name": args.backend or backend["name"], **({"workers": args.workers} if args.workers else {}),
+                **({"threads": args.threads} if args.threads else {})}
         backend = check_backend({**backend, **over}, "command line")
     runners = [Runner(e, fresh=args.fresh, progress=not args.quiet) for e in experiments]  # validate all first
     share = args.share_forwards or opts.get("share_forwards", False)
@@ -207,7 +208,8 @@ def main(argv=None):
                    help="keep: glibc keeps freed memory for the next step (about 10x fewer page faults; "
                         "blackboxbench/malloc.py); default: leave glibc's settings")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of this process (default: torch's, one per core). On a machine where other "
+                   help="CPU threads of this process and of each worker of a processes or ray backend (default: "
+                        "torch's, one per core; a worker's: the backend's threads, 1). On a machine where other "
                         "processes keep cores busy, use the free ones: OpenMP's busy-waiting threads then wait for "
                         "each other (a CIFAR-10 run measured 13x slower with 2 threads beside another process)")
     p.add_argument("--share-forwards", action="store_true",

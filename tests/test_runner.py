@@ -315,9 +315,12 @@ def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, 
     assert err == f"error: {kind} block '{name}' ({query_plugin}:{line}) {message}", err
 
 
-def test_run_threads_option(tmp_path, capsys):
-    """``--threads N`` runs the config on N CPU threads; below 1 it is a one-line error before anything runs."""
+def test_run_threads_option(tmp_path, capsys, monkeypatch):
+    """``--threads N`` runs the config on N CPU threads, and each worker of a processes backend too; below 1 it is
+    a one-line error before anything runs."""
     import torch
+
+    import blackboxbench.sweep
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"dataset: {{name: digits, n: 4}}\nmodel: digits_mlp\nattack: square_linf\n"
@@ -328,6 +331,13 @@ def test_run_threads_option(tmp_path, capsys):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+    seen = []
+    monkeypatch.setattr(blackboxbench.sweep, "run_sweep", lambda exps, backend, *a: seen.append(backend) or [])
+    try:
+        assert main(["run", str(cfg), "--quiet", "--threads", "2", "--backend", "processes"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen[0]["name"] == "processes" and seen[0]["threads"] == 2
     capsys.readouterr()
     assert main(["run", str(cfg), "--quiet", "--threads", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --threads must be >= 1 (CPU threads of this process), got 0"
