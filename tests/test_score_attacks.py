@@ -17,8 +17,8 @@ from blackboxbench.oracle import Oracle
 from blackboxbench.query.common import greedy_update, random_corner, random_window, start_state, window_index, \
     window_mask
 from blackboxbench.query.simba import basis_images, strided_band
-from blackboxbench.query.square import l2_window_step as square_l2_step, p_schedule, pseudo_gaussian_windows, \
-    side_schedule, square_side
+from blackboxbench.query.square import grid_patterns, l2_window_step as square_l2_step, p_schedule, \
+    pseudo_gaussian_windows, side_schedule, square_side
 from blackboxbench.registry import INIT
 from blackboxbench.rng import Streams
 
@@ -166,6 +166,32 @@ def test_square_l2_window_step_equals_the_dense_update(hw):
         assert ((got - x).flatten(1).norm(dim=1) <= eps * (1 + 1e-5)).all()
         x_adv = got
     assert ((got == 0) | (got == 1)).any()  # some pixels were clipped on the way
+
+
+def _full_image_grid(rng, n, c, size_hw):
+    """The L2 initialisation's patterns built as the authors place them: each cell a whole-image window."""
+    h, w = size_hw
+    s = max(h // 5, 1)
+    start = (h - 5 * s) // 2
+    delta = torch.zeros(n, c, h, w)
+    size = torch.full((n,), s)
+    for top in range(start, start + (h // s) * s, s):
+        for left in range(start, start + (w // s) * s, s):
+            corner = torch.full((n,), top), torch.full((n,), left)
+            bump = pseudo_gaussian_windows(*corner, size, rng.uniform(()) > 0.5, (h, w))
+            delta = delta + bump * rng.signs((c, 1, 1))
+    return delta
+
+
+@pytest.mark.parametrize("hw", [(32, 32), (299, 299), (28, 28), (19, 19), (9, 9), (14, 20), (32, 10)])
+def test_square_l2_init_grid_equals_whole_image_windows(hw):
+    """The initialisation built cell by cell (one pattern per cell and orientation) equals the sum of whole-image
+    windows with the same draws, also where a cell runs past the image's edge (19, 9, 14 x 20) or lies beyond
+    it (9 x 9: cells of side 1 from row 2 to 10)."""
+    n, c = 5, 3
+    got = grid_patterns(streams(n, 4), n, c, hw, "cpu")
+    want = _full_image_grid(streams(n, 4), n, c, hw)
+    assert torch.allclose(got, want, atol=1e-6) and (got != 0).any()
 
 
 def test_p_schedule_follows_the_paper():

@@ -196,18 +196,34 @@ def square_init_l2(ctx):
     _check_norm(problem, "l2")
     x = problem.x
     n, c, h, w = x.shape
-    s = max(h // 5, 1)
-    start = (h - 5 * s) // 2
-    delta = torch.zeros_like(x)
-    size = torch.full((n,), s, dtype=torch.long, device=x.device)
-    for top in range(start, start + (h // s) * s, s):  # loop over grid cells, not samples
-        for left in range(start, start + (w // s) * s, s):
-            corner = torch.full((n,), top, device=x.device), torch.full((n,), left, device=x.device)
-            bump = pseudo_gaussian_windows(*corner, size, _random_transpose(ctx.rng), (h, w))
-            delta = delta + bump * ctx.rng.signs((c, 1, 1))
+    delta = grid_patterns(ctx.rng, n, c, (h, w), x.device)
     delta = delta / per_sample(delta.flatten(1).norm(dim=1).clamp_min(1e-12), delta) * problem.eps
     return start_state(ctx, problem.project(x + delta),
                        it=torch.zeros(n, dtype=torch.long, device=x.device))
+
+
+def grid_patterns(rng, n, c, size_hw, device):
+    """The L2 initialisation's sum of patterns (n, C, H, W): cells of side s = H//5 from (H - 5 s)//2 on both axes
+    (a cell past the image's edge keeps its visible part, normalised over it, as a window clipped by the image).
+    The cells are the same for every sample, so each cell's pattern is built once in both orientations and only
+    the orientation and the channel signs are drawn per sample (in the order of the loops below)."""
+    h, w = size_hw
+    s = max(h // 5, 1)
+    start = (h - 5 * s) // 2
+    delta = torch.zeros(n, c, h, w, device=device)
+    zero = torch.zeros(2, dtype=torch.long, device=device)
+    size = torch.full((2,), s, dtype=torch.long, device=device)
+    orient = torch.tensor([False, True], device=device)
+    for top in range(start, start + (h // s) * s, s):  # loop over grid cells, not samples
+        for left in range(start, start + (w // s) * s, s):
+            hh, ww = min(s, h - top), min(s, w - left)  # the visible part of the cell
+            flip = _random_transpose(rng)
+            signs = rng.signs((c, 1, 1))
+            if hh <= 0 or ww <= 0:
+                continue  # wholly outside: nothing to add (its draws are still made)
+            both = pseudo_gaussian_windows(zero, zero, size, orient, (hh, ww))  # (2, 1, hh, ww)
+            delta[:, :, top:top + hh, left:left + ww] += both[flip.long()] * signs
+    return delta
 
 
 @PERTURB.register("square_l2", paper=PAPER, norms=("l2",), ranges={"p_init": "(0, 1]", "n_iters": "int [1, inf)"})
