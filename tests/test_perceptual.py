@@ -46,6 +46,25 @@ def test_ssim_known_values_and_per_sample():
     assert torch.allclose(ssim(noisy, x)[1:], ssim(noisy[1:], x[1:]))  # a sample's value ignores its batch
 
 
+def test_ssim_in_pieces_equals_one_call(monkeypatch):
+    """A batch is measured in pieces of about ``SSIM_VALUES`` values (its float64 maps would hold ~15 times the
+    batch at once): the values are those of one call, and an empty batch gives an empty result."""
+    import blackboxbench.perceptual as perceptual
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(7, 3, 24, 24, generator=g)
+    adv = (x + 0.05 * torch.randn(x.shape, generator=g)).clamp(0, 1)
+    whole = ssim(adv, x)
+    import pytorch_msssim
+
+    calls = []
+    real = pytorch_msssim.ssim
+    monkeypatch.setattr(pytorch_msssim, "ssim", lambda a, *args, **kw: calls.append(len(a)) or real(a, *args, **kw))
+    monkeypatch.setattr(perceptual, "SSIM_VALUES", 2 * 3 * 24 * 24)  # pieces of 2 images: 2, 2, 2, 1
+    assert torch.equal(ssim(adv, x), whole) and calls == [2, 2, 2, 1]
+    assert ssim(adv[:0], x[:0]).shape == (0,)
+
+
 def test_ssim_small_images_and_bad_shapes():
     assert ssim_window(8, 8) == 7 and ssim_window(32, 32) == 11 and ssim_window(10, 12) == 9
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(2))
