@@ -18,9 +18,15 @@ import torch
 from .errors import BenchError
 
 SSIM_WINDOW, SSIM_SIGMA, SSIM_K = 11, 1.5, (0.01, 0.03)
-# pixel values per SSIM call: its float64 maps hold about 15 times its images (at 299 x 299, 32 MB an image), so a
-# batch is measured in pieces of about 2^22 values (15 images at 299 x 299; a whole CIFAR-10 batch of 1,365)
+# pixel values per SSIM or LPIPS call: SSIM's float64 maps hold about 15 times its images (at 299 x 299, 32 MB an
+# image), so a batch is measured in pieces of about 2^22 values (15 images at 299 x 299; a CIFAR-10 batch of 1,365)
 SSIM_VALUES = 1 << 22
+
+
+def _pieces(x, ref):
+    """``x`` and ``ref`` split alike into pieces of about ``SSIM_VALUES`` values (whole images, at least one)."""
+    per = max(1, SSIM_VALUES // max(1, x[0].numel())) if len(x) else 1
+    return zip(x.split(per), ref.split(per))
 ALEXNET_FILE = "alexnet-owt-7be5be79.pth"  # torchvision AlexNet_Weights.IMAGENET1K_V1
 
 
@@ -38,10 +44,9 @@ def ssim(x, ref):
         raise BenchError(f"ssim: need two (N, C, H, W) tensors of one shape, got {tuple(x.shape)} and "
                          f"{tuple(ref.shape)}")
     win = ssim_window(*x.shape[-2:])
-    per = max(1, SSIM_VALUES // max(1, x[0].numel())) if len(x) else 1
     with torch.no_grad():
         parts = [_ssim(a.double(), b.double(), data_range=1.0, size_average=False, win_size=win,
-                       win_sigma=SSIM_SIGMA, K=SSIM_K).float() for a, b in zip(x.split(per), ref.split(per))]
+                       win_sigma=SSIM_SIGMA, K=SSIM_K).float() for a, b in _pieces(x, ref)]
     return torch.cat(parts) if parts else x.new_zeros(0)
 
 
@@ -79,4 +84,5 @@ def load_lpips(path=None, device="cpu", random_trunk=False):
 def lpips_distance(net, x, ref):
     """(N,) LPIPS distance of each image of ``x`` to ``ref`` ([0, 1] inputs, mapped to [-1, 1] as LPIPS expects)."""
     with torch.no_grad():
-        return net(x.float() * 2 - 1, ref.float() * 2 - 1).flatten().float()
+        parts = [net(a.float() * 2 - 1, b.float() * 2 - 1).flatten().float() for a, b in _pieces(x, ref)]
+    return torch.cat(parts) if parts else x.new_zeros(0)

@@ -86,6 +86,22 @@ def test_lpips_plumbing_with_random_trunk():
     assert torch.allclose(lpips_distance(net, y[:1], x[:1]), d[:1], atol=1e-5)
 
 
+def test_lpips_in_pieces_equals_one_call(monkeypatch):
+    """LPIPS goes through the network in the same pieces as SSIM (AlexNet's activations grow with the batch)."""
+    import blackboxbench.perceptual as perceptual
+
+    net = load_lpips(random_trunk=True)
+    g = torch.Generator().manual_seed(4)
+    x = torch.rand(5, 3, 32, 32, generator=g)
+    y = (x + 0.2 * torch.randn(x.shape, generator=g)).clamp(0, 1)
+    whole = lpips_distance(net, y, x)
+    calls = []
+    monkeypatch.setattr(net, "forward", lambda a, b: calls.append(len(a)) or type(net).forward(net, a, b))
+    monkeypatch.setattr(perceptual, "SSIM_VALUES", 2 * 3 * 32 * 32)
+    assert torch.allclose(lpips_distance(net, y, x), whole, atol=1e-6) and calls == [2, 2, 1]
+    assert lpips_distance(net, y[:0], x[:0]).shape == (0,)
+
+
 def test_lpips_trunk_loading_and_missing_trunk(tmp_path, monkeypatch):
     import torchvision
 
