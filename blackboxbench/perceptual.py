@@ -18,6 +18,7 @@ import torch
 from .errors import BenchError
 
 SSIM_WINDOW, SSIM_SIGMA, SSIM_K = 11, 1.5, (0.01, 0.03)
+ALEXNET_FILE = "alexnet-owt-7be5be79.pth"  # torchvision AlexNet_Weights.IMAGENET1K_V1
 # pixel values per SSIM or LPIPS call: SSIM's float64 maps hold about 15 times its images (at 299 x 299, 32 MB an
 # image), so a batch is measured in pieces of about 2^22 values (15 images at 299 x 299; a CIFAR-10 batch of 1,365)
 SSIM_VALUES = 1 << 22
@@ -27,7 +28,6 @@ def _pieces(x, ref):
     """``x`` and ``ref`` split alike into pieces of about ``SSIM_VALUES`` values (whole images, at least one)."""
     per = max(1, SSIM_VALUES // max(1, x[0].numel())) if len(x) else 1
     return zip(x.split(per), ref.split(per))
-ALEXNET_FILE = "alexnet-owt-7be5be79.pth"  # torchvision AlexNet_Weights.IMAGENET1K_V1
 
 
 def ssim_window(h, w):

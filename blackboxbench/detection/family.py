@@ -200,12 +200,15 @@ def _checked_craft(out, x, block):
     """``out`` if it is images shaped like the batch ``x`` or a :class:`Crafted` holding them with one goal per
     image (a craft block's contract), else a one-line error naming the block."""
     images = out.x if isinstance(out, Crafted) else out
-    bad = None
-    if not (isinstance(images, torch.Tensor) and images.shape == x.shape and images.dtype.is_floating_point):
-        wrong_dtype = isinstance(images, torch.Tensor) and images.shape == x.shape
-        bad = f"a tensor of dtype {images.dtype}" if wrong_dtype else describe(images)
-        bad = bad if images is out else f"a Crafted holding {bad}"
-    elif isinstance(out, Crafted) and not (len(out.boxes) == len(out.labels) == x.shape[0]):
+    if not isinstance(images, torch.Tensor) or images.shape != x.shape:
+        bad = describe(images)
+    elif not images.dtype.is_floating_point:
+        bad = f"a tensor of dtype {images.dtype}"
+    else:
+        bad = None
+    if bad and images is not out:
+        bad = f"a Crafted holding {bad}"
+    elif not bad and isinstance(out, Crafted) and not len(out.boxes) == len(out.labels) == x.shape[0]:
         bad = f"a Crafted with {len(out.boxes)} goal boxes and {len(out.labels)} labels"
     if bad:
         raise BenchError(f"craft {block_label(block)} returned {bad} for {x.shape[0]} images: a craft block returns "

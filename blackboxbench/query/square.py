@@ -269,9 +269,9 @@ def l2_window_step(x, x_adv, eps, size, corner1, corner2, transpose, signs):
     real = (rows < s) & (cols < s)  # (n, 1, S, S): positions inside a sample's own side
     (t1, l1), (t2, l2) = ((t.view(n, 1, 1, 1), l.view(n, 1, 1, 1)) for t, l in (corner1, corner2))
     in1 = (t2 + rows >= t1) & (t2 + rows < t1 + s) & (l2 + cols >= l1) & (l2 + cols < l1 + s)
-    x1 = flat_x.gather(1, idx1).view(n, c, side, side)
-    d1 = (flat_adv.gather(1, idx1).view(n, c, side, side) - x1) * real
-    d2 = (flat_adv.gather(1, idx2) - flat_x.gather(1, idx2)).view(n, c, side, side) * (real & ~in1)
+    x1, x2 = (flat_x.gather(1, i) for i in (idx1, idx2))
+    d1 = (flat_adv.gather(1, idx1) - x1).view(n, c, side, side) * real
+    d2 = (flat_adv.gather(1, idx2) - x2).view(n, c, side, side) * (real & ~in1)
     sq = lambda v: v.square().sum((2, 3), keepdim=True)  # noqa: E731  per sample and channel
     norm_win1 = sq(d1).sqrt()
     norm_both2 = sq(d1) + sq(d2)  # squared perturbation of both windows (their overlap counted once)
@@ -281,7 +281,7 @@ def l2_window_step(x, x_adv, eps, size, corner1, corner2, transpose, signs):
     new = bump * signs + d1 / (1e-10 + norm_win1)
     budget = ((eps ** 2 - norm_image.square()).clamp_min(0) / c + norm_both2).sqrt()
     new = new / sq(new).sqrt().clamp_min(1e-12) * budget
-    vals = (x1 + new).clamp(0, 1)
+    vals = (x1.view_as(new) + new).clamp(0, 1)
     vals = torch.where(real, vals, vals[:, :, :1, :1])  # repeated positions carry the top-left pixel's value
-    cand = flat_adv.scatter(1, idx2, flat_x.gather(1, idx2)).scatter_(1, idx1, vals.view(n, -1))
+    cand = flat_adv.scatter(1, idx2, x2).scatter_(1, idx1, vals.view(n, -1))
     return cand.view_as(x_adv)
