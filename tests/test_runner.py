@@ -208,6 +208,16 @@ def growing(ctx):  # a per-sample tensor whose shape follows the batch that ente
 @ACCEPT.register("no_state", paper="test")
 def no_state(ctx, state, proposal):
     return None
+
+
+@ACCEPT.register("cropped_adv", paper="test")
+def cropped_adv(ctx, state, proposal):  # the state's images lose half their rows: they no longer fit the slots
+    return {**state, "x_adv": state["x_adv"][:, :, :4]}
+
+
+@ACCEPT.register("half_margin", paper="test")
+def half_margin(ctx, state, proposal):  # a per-sample tensor changes dtype between the step and the slots
+    return {**state, "margin": state["margin"].half()}
 '''
 
 
@@ -303,12 +313,15 @@ def query_plugin(tmp_path_factory):
     ("init: {name: growing}", 21, "returned state['m'] of torch.float32 and per-sample shape (1,), earlier "
                                   "torch.float32 and (4,)"),
     ("accept: {name: no_state}", 26, "returned NoneType: it returns the state dict, with the keys init gave it (it, "
-                                     "margin, success, x_adv)")])
+                                     "margin, success, x_adv)"),
+    ("accept: {name: cropped_adv}", 31, "returned state['x_adv'] of shape (4, 1, 4, 8), the images' is (4, 1, 8, 8)"),
+    ("accept: {name: half_margin}", 36, "returned state['margin'] of torch.float16 and per-sample shape (), earlier "
+                                        "torch.float32 and ()")])
 def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, query_plugin, block, line,
                                                               message):
     """Query blocks: an init without the state the loop needs or whose per-sample shapes change between the
-    batches that enter the slots, or an accept that does not return the state, stops the run with one line naming
-    the block and its file (4 slots: the first init gets 4 samples, a later one the 1 that takes a freed slot)."""
+    batches that enter the slots, or an accept that does not return the state or changes a shape or dtype of it,
+    stops the run with one line naming the block and its file (4 slots: the first init gets 4 samples, a later one the 1 that takes a freed slot)."""
     err = plugin_run_error(tmp_path, capsys, query_plugin, f"{{recipe: square_linf, blocks: {{{block}}}}}\n"
                            "model: digits_mlp\nbatch_size: 4\nruns: [{threat: {max_queries: 50}}]")
     kind, name = block.split(":")[0], block.split("name: ")[1].rstrip("}")

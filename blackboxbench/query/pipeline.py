@@ -73,10 +73,11 @@ class QueryAttack:
     eot: int = 1  # queries per logical evaluation (EOT), each charged
 
 
-def check_state(state, x, block, slots=None):
-    """The init contract: a dict of per-sample tensors (dim 0: the n samples) with ``x_adv`` shaped like the
-    images and ``success`` an (n,) bool tensor, and with ``slots`` (the slot state an earlier init made) the same
-    keys, per-sample shapes and dtypes; a violation is one line naming the block."""
+def check_state(state, x, block, slots=None, kind="init"):
+    """The state contract of ``init`` (and of ``accept``, ``kind``): a dict of per-sample tensors (dim 0: the n
+    samples) with ``x_adv`` shaped like the images and ``success`` an (n,) bool tensor, and with ``slots`` (the slot
+    state an earlier init made) the same keys, per-sample shapes and dtypes; a violation is one line naming the
+    block. Metadata only: no tensor is read, so the check costs no device sync."""
     n, bad = x.shape[0], None
     if not isinstance(state, dict):
         bad = f"returned {type(state).__name__}, not a dict of per-sample tensors"
@@ -99,7 +100,7 @@ def check_state(state, x, block, slots=None):
             bad = (f"returned state['{k}'] of {state[k].dtype} and per-sample shape {tuple(state[k].shape[1:])}, "
                    f"earlier {slots[k].dtype} and {tuple(slots[k].shape[1:])}")
     if bad:
-        raise BenchError(f"init block {block_label(block)} {bad}")
+        raise BenchError(f"{kind} block {block_label(block)} {bad}")
 
 
 def _gather(state, idx):
@@ -276,6 +277,7 @@ class QueryWorker:
             raise BenchError(f"accept block {block_label(self.attack.accept)} returned "
                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}: it returns "
                              f"the state dict, with the keys init gave it ({', '.join(sorted(self.state))})")
+        check_state(state, ctx.problem.x, self.attack.accept, self.state, "accept")
         self.ws = (slots, ctx, state)
         if self.path_every:
             self._snapshot(slots, ctx, state)
