@@ -27,7 +27,6 @@ Appends its tables to ``--md`` (default benchmarks/transfer_fidelity.md).
 import argparse
 import copy
 import csv
-import math
 import os
 import sys
 import time
@@ -43,6 +42,7 @@ from blackboxbench.malloc import keep_freed_memory
 from blackboxbench.prep.models import build_model
 from blackboxbench.registry import DATASET
 from blackboxbench.rng import Streams
+from blackboxbench.stats import median_interval
 from blackboxbench.threat import Problem, quantize
 
 HERE = Path(__file__).resolve().parent
@@ -182,19 +182,10 @@ def fidelity(models, surrogate, x, y, pool, md, only=None, seeds=1):
 
 
 def median_ci(values, level=0.95):
-    """The median of ``values`` and a distribution-free confidence interval for it: the order statistics
-    x_(k) and x_(n+1-k) with the largest k such that P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (the sign-test
-    interval; it assumes only that the values are independent draws). (median, low, high); low / high are None
-    when ``values`` are too few for the level (n < 6 at 95 %)."""
+    """The median of ``values`` and its distribution-free (sign-test) interval, :func:`blackboxbench.stats.
+    median_interval`: (median, low, high); low / high are None when the values are too few (n < 6 at 95 %)."""
     v, n = sorted(values), len(values)
-    med = (v[(n - 1) // 2] + v[n // 2]) / 2
-    k, tail = 0, 0.0
-    while True:  # tail = P(Bin(n, 1/2) <= k)
-        tail += math.comb(n, k) / 2 ** n
-        if tail > (1 - level) / 2:
-            break
-        k += 1
-    return (med, v[k - 1], v[n - k]) if k >= 1 else (med, None, None)
+    return ((v[(n - 1) // 2] + v[n // 2]) / 2, *median_interval(values, level))
 
 
 def timing(surrogate, x, y, pool, md, repeats=3, only=None, malloc="default"):

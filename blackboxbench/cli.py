@@ -11,7 +11,7 @@ from .errors import BenchError
 
 SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("defense", "defense"), ("norm", "norm"),
                   ("eps", "eps"), ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
-                  ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"), ("mean_l2", "mean L2"),
+                  ("asr_interval", "ASR 95 %"), ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"), ("mean_l2", "mean L2"),
                   ("wall_time", "time s")]
 
 
@@ -19,6 +19,14 @@ def _cell(v):
     if isinstance(v, float):
         return f"{v:.4g}"
     return "-" if v is None else str(v)
+
+
+def _value(row, key):
+    """``row[key]``; a key ``<name>_interval`` reads ``<name>_low`` and ``<name>_high`` as the text ``low-high``."""
+    if not key.endswith("_interval"):
+        return row.get(key)
+    low, high = (row.get(f"{key[:-len('_interval')]}_{end}") for end in ("low", "high"))
+    return f"{low:.2f}-{high:.2f}" if isinstance(low, (int, float)) and isinstance(high, (int, float)) else None
 
 
 def _fields(family):
@@ -38,7 +46,7 @@ def format_table(rows):
     for family, group in groups.items():
         fields = _fields(family)
         head = [h for _, h in fields]
-        body = [[_cell(r.get(k)) for k, _ in fields] for r in group]
+        body = [[_cell(_value(r, k)) for k, _ in fields] for r in group]
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
         out.append("\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body]))

@@ -5,6 +5,7 @@ import torch
 
 from .perceptual import lpips_distance, ssim
 from .registry import METRIC
+from .stats import averaged_rate_interval, mean_interval, median_interval, wilson
 from .threat import flat_norm
 
 LPIPS_MIN_SIDE = 32  # LPIPS (AlexNet) on smaller images upsamples them to this side first
@@ -63,10 +64,23 @@ def _ratio(a, b):
     return a / b if b else None
 
 
+def _interval(name, bounds):
+    return {f"{name}_low": bounds[0], f"{name}_high": bounds[1]}
+
+
+def _averaged_interval(attacked, names):
+    """The interval of the transfer family's averaged ASR: every attacked sample, per target its success and
+    whether it counts (the target classifies it correctly when clean)."""
+    success = [[r["targets"][t]["success"] for t in names] for r in attacked]
+    valid = [[r["targets"][t]["clean_correct"] for t in names] for r in attacked]
+    return averaged_rate_interval(success, valid) if attacked and names else (None, None)
+
+
 def summarize_query(records):
     """Clean accuracy, ASR over attacked samples (success = the oracle's confirmation), AQN/MQN over successes,
-    distortion over successes; the audit's disagreements (its own forward of the returned image says otherwise)
-    and stalled samples are counted, never folded into the success rate."""
+    each with its 95 % interval (:mod:`blackboxbench.stats`: Wilson, bootstrap, sign test), distortion over
+    successes; the audit's disagreements (its own forward of the returned image says otherwise) and stalled samples
+    are counted, never folded into the success rate."""
     n = len(records)
     attacked = [r for r in records if r["attacked"]]
     wins = [r for r in attacked if r["success"]]
@@ -78,9 +92,11 @@ def summarize_query(records):
     return {
         "n": n, "clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
         "n_attacked": len(attacked), "n_success": len(wins), "asr": _ratio(len(wins), len(attacked)),
+        **_interval("asr", wilson(len(wins), len(attacked))),
         "n_audit_disagree": sum(r["audit_adv"] != r["success"] for r in attacked),
         "n_stalled": sum(r["stalled"] for r in attacked), "success_rule": ", ".join(rules) or None,
-        "aqn": _mean(q), "mqn": _median(q),
+        "aqn": _mean(q), **_interval("aqn", mean_interval(q)),
+        "mqn": _median(q), **_interval("mqn", median_interval(q)),
         "mean_queries_all": _mean([r["queries"] for r in attacked]),
         "mean_l2": _mean([r["l2"] for r in wins]), "median_l2": _median([r["l2"] for r in wins]),
         "mean_linf": _mean([r["linf"] for r in wins]), "median_linf": _median([r["linf"] for r in wins]),
@@ -99,22 +115,25 @@ def summarize_query(records):
 
 
 def summarize_transfer(records):
-    """Per target: clean accuracy and ASR over the samples that target classifies correctly when clean;
-    ``asr`` is their average over targets (the paper's "averaged ASR", Sec. IV-B)."""
+    """Per target: clean accuracy and ASR over the samples that target classifies correctly when clean (with its
+    Wilson interval); ``asr`` is their average over targets (the paper's "averaged ASR", Sec. IV-B), its interval
+    a bootstrap over the images (one resample serves every target: they share the images)."""
     n = len(records)
     names = list(records[0]["targets"]) if records else []
     per_target = {}
     for t in names:
         valid = [r for r in records if r["attacked"] and r["targets"][t]["clean_correct"]]
         per_target[t] = {"clean_acc": _ratio(sum(r["targets"][t]["clean_correct"] for r in records), n),
-                         "asr": _ratio(sum(r["targets"][t]["success"] for r in valid), len(valid)),
+                         "asr": _ratio(wins := sum(r["targets"][t]["success"] for r in valid), len(valid)),
+                         **_interval("asr", wilson(wins, len(valid))),
                          "n": len(valid), "defense": records[0]["targets"][t].get("defense", "none")}
     asrs = [v["asr"] for v in per_target.values() if v["asr"] is not None]
     attacked = [r for r in records if r["attacked"]]
     return {
         "n": n, "clean_acc": _mean([v["clean_acc"] for v in per_target.values() if v["clean_acc"] is not None]),
         "surrogate_clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
-        "n_attacked": len(attacked), "asr": _mean(asrs), "per_target": per_target, "aqn": None, "mqn": None,
+        "n_attacked": len(attacked), "asr": _mean(asrs), **_interval("asr", _averaged_interval(attacked, names)),
+        "per_target": per_target, "aqn": None, "mqn": None,
         "mean_l2": _mean([r["l2"] for r in attacked]), "median_l2": _median([r["l2"] for r in attacked]),
         "mean_linf": _mean([r["linf"] for r in attacked]), "median_linf": _median([r["linf"] for r in attacked]),
         **perceptual_summary(attacked),

@@ -10,7 +10,7 @@ import pytest
 
 import blackboxbench  # noqa: F401  (registers the tools)
 from blackboxbench import catalog
-from blackboxbench.analysis.aev import aggregate, load_rows, select, summary_rows
+from blackboxbench.analysis.aev import _yerr, aggregate, load_rows, select, summary_rows
 from blackboxbench.analysis.recipes import plot as run_recipe
 from blackboxbench.cli import main
 from blackboxbench.config import load_yaml
@@ -73,6 +73,19 @@ def test_aggregate_against_numpy():
     assert [r["x"] for r in text] == ["b", "a"]  # text in order of first appearance
     with pytest.raises(BenchError, match="no row has a number in 'y'"):
         aggregate([{"x": 1, "y": None}], "x", "y")
+
+
+def test_error_bars_are_std_or_one_run_s_interval():
+    """Several runs at a point: mean -+ std; one run whose summary gives the interval of y: that interval (and a
+    run without one, 0 wide); the bars drawn are never negative."""
+    rows = [{"x": 1, "y": 0.6, "y_low": 0.5, "y_high": 0.7}, {"x": 1, "y": 0.8, "y_low": 0.7, "y_high": 0.9},
+            {"x": 2, "y": 0.4, "y_low": 0.3, "y_high": 0.55}, {"x": 3, "y": 0.2, "y_low": None, "y_high": 0.3}]
+    got = aggregate(rows, "x", "y")
+    std = np.std([0.6, 0.8], ddof=1)
+    assert [v for r in got for v in (r["low"], r["high"])] == pytest.approx([0.7 - std, 0.7 + std, 0.3, 0.55, 0.2,
+                                                                             0.2])
+    assert np.allclose(_yerr(got[1:2]), [[0.1], [0.15]])
+    assert _yerr([{"mean": 0.5, "low": 0.6, "high": 0.4}]) == [[0.0], [0.0]]
 
 
 def test_lists_and_mappings_group_by_their_json_text():

@@ -238,3 +238,5 @@ def test_terminal_table_per_family():
     first, second = format_table(rows).split("\n\n")
     assert "ASR" in first.splitlines()[0] and [ln.split()[0] for ln in first.splitlines()[2:]] == ["square_linf", "nes"]
     assert "mAP drop" in second.splitlines()[0] and "ASR" not in second and "0.25" in second.splitlines()[2]
+    with_interval = format_table([{**rows[0], "asr_low": 0.2366, "asr_high": 0.7634}]).splitlines()
+    assert "ASR 95 %" in with_interval[0] and "0.24-0.76" in with_interval[2] and " - " in first.splitlines()[2]

@@ -9,7 +9,9 @@ run's averages. ``where`` keeps the rows whose columns equal the given values (t
 
 A tool is a pure function ``tool(rows, *, x, y, ...) -> (header, table, draw)``: the numbers it plots and
 ``draw(path, title)``, which writes the figure. Line, bar and heatmap aggregate ``y`` over the rows that share
-(``hue``, ``x``): mean, sample standard deviation and count (the paper's mean +- std bars, Figs. 8 and 21).
+(``hue``, ``x``): mean, sample standard deviation and count; the error bars are mean +- std (the paper's, Figs. 8
+and 21), except where one run makes the point and its summary gives ``y``'s 95 % interval (``asr_low`` /
+``asr_high``, ``aqn_low`` / ``aqn_high``, ...; :mod:`blackboxbench.stats`): then the bar is that interval.
 Scatter and bubble plot the rows themselves. :func:`blackboxbench.analysis.recipes.plot` runs a recipe of the
 ``analysis/`` catalog and writes ``<out>.png`` and ``<out>.csv``.
 """
@@ -23,7 +25,7 @@ from ..leaderboard import collect, is_number
 from ..plotting import figure, heatmap, read_csv
 from ..registry import ANALYSIS, close_matches
 
-AGGREGATE_HEADER = ("mean", "std", "n")
+AGGREGATE_HEADER = ("mean", "std", "n", "low", "high")
 
 
 def summary_rows(summaries):
@@ -88,20 +90,31 @@ def order(values):
 
 
 def aggregate(rows, x, y, hue=""):
-    """``[{"hue", "x", "mean", "std", "n"}]``: ``y`` over the rows sharing (``hue``, ``x``), rows without a
-    number in ``y`` or a value in ``x`` left out; sorted by hue, then x (see :func:`order`); ``std`` is the sample
-    standard deviation (0 for one row)."""
+    """``[{"hue", "x", "mean", "std", "n", "low", "high"}]``: ``y`` over the rows sharing (``hue``, ``x``), rows
+    without a number in ``y`` or a value in ``x`` left out; sorted by hue, then x (see :func:`order`); ``std`` is
+    the sample standard deviation (0 for one row); ``low`` / ``high`` the error bar: mean -+ std, or the 95 %
+    interval of a group of one row that has numbers in ``<y>_low`` and ``<y>_high``."""
     need(rows, x, y, hue)
     groups = {}
     for r in rows:
         if is_number(r.get(y)) and r.get(x) is not None:
-            groups.setdefault((key(r.get(hue)) if hue else "", key(r[x])), []).append(float(r[y]))
+            groups.setdefault((key(r.get(hue)) if hue else "", key(r[x])), []).append(r)
     if not groups:
         raise BenchError(f"no row has a number in '{y}' and a value in '{x}'")
     hues, xs = order([h for h, _ in groups]), order([v for _, v in groups])
-    out = [{"hue": h, "x": v, "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-            "n": len(vals)} for (h, v), vals in groups.items()]
+    out = []
+    for (h, v), members in groups.items():
+        vals = [float(r[y]) for r in members]
+        mean, std = statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+        bounds = [members[0].get(f"{y}_{end}") for end in ("low", "high")]
+        low, high = map(float, bounds) if len(vals) == 1 and all(map(is_number, bounds)) else (mean - std, mean + std)
+        out.append({"hue": h, "x": v, "mean": mean, "std": std, "n": len(vals), "low": low, "high": high})
     return sorted(out, key=lambda r: (hues.index(r["hue"]), xs.index(r["x"])))
+
+
+def _yerr(part):
+    """matplotlib's asymmetric error bars of the aggregated points ``part``."""
+    return [[max(0.0, r["mean"] - r["low"]) for r in part], [max(0.0, r["high"] - r["mean"]) for r in part]]
 
 
 def _aggregate_table(table, x, hue):
@@ -131,7 +144,8 @@ def _categorical_axis(ax, xs):
 
 @ANALYSIS.register("aev_line", paper="BlackboxBench Tab. III (AEV, line); Figs. 15, 18-20, 22")
 def aev_line(rows, *, x, y, hue=""):
-    """Mean (+- std) of ``y`` against ``x``, one line per ``hue`` value (e.g. ASR vs eps per attack)."""
+    """Mean (error bars: see :func:`aggregate`) of ``y`` against ``x``, one line per ``hue`` value (e.g. ASR vs
+    eps per attack)."""
     table = aggregate(rows, x, y, hue)
     xs = order([r["x"] for r in table])
     numeric = all(is_number(v) for v in xs)
@@ -140,7 +154,7 @@ def aev_line(rows, *, x, y, hue=""):
         for h in order([r["hue"] for r in table]):
             part = [r for r in table if r["hue"] == h]
             ax.errorbar([r["x"] if numeric else xs.index(r["x"]) for r in part], [r["mean"] for r in part],
-                        yerr=[r["std"] for r in part], marker="o", capsize=3, label=str(h) if hue else None)
+                        yerr=_yerr(part), marker="o", capsize=3, label=str(h) if hue else None)
         if not numeric:
             _categorical_axis(ax, xs)
 
@@ -149,7 +163,8 @@ def aev_line(rows, *, x, y, hue=""):
 
 @ANALYSIS.register("aev_bar", paper="BlackboxBench Tab. III (AEV, bar); Figs. 8, 12, 21, 24")
 def aev_bar(rows, *, x, y, hue=""):
-    """Mean (+- std) of ``y`` per ``x`` value, grouped bars per ``hue`` value (e.g. AQN per target model)."""
+    """Mean (error bars: see :func:`aggregate`) of ``y`` per ``x`` value, grouped bars per ``hue`` value (e.g. AQN
+    per target model)."""
     table = aggregate(rows, x, y, hue)
     xs, hues = order([r["x"] for r in table]), order([r["hue"] for r in table])
     width = 0.8 / len(hues)
@@ -158,7 +173,7 @@ def aev_bar(rows, *, x, y, hue=""):
         for k, h in enumerate(hues):
             part = [r for r in table if r["hue"] == h]
             ax.bar([xs.index(r["x"]) + (k - (len(hues) - 1) / 2) * width for r in part], [r["mean"] for r in part],
-                   width, yerr=[r["std"] for r in part], capsize=2, label=str(h) if hue else None)
+                   width, yerr=_yerr(part), capsize=2, label=str(h) if hue else None)
         _categorical_axis(ax, xs)
 
     return (*_aggregate_table(table, x, hue), _figure(axes, x, y, hue))

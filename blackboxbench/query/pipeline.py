@@ -386,7 +386,8 @@ class QueryFamily(Family):
                      "clean_correct_defended": (bool, type(None)), "reeval_adv": (bool, type(None)),
                      "reeval_votes": (int, type(None))}
     columns = (("budget", None), ("feedback", None), ("success_rule", None), ("eot", None), ("asr", "higher"),
-               ("aqn", "lower"), ("mqn", "lower"), ("mean_l2", "lower"), ("median_l2", "lower"),
+               ("asr_low", None), ("asr_high", None), ("aqn", "lower"), ("aqn_low", None), ("aqn_high", None),
+               ("mqn", "lower"), ("mqn_low", None), ("mqn_high", None), ("mean_l2", "lower"), ("median_l2", "lower"),
                ("mean_linf", "lower"), ("median_linf", "lower"), ("mean_ssim", "higher"), ("median_ssim", "higher"),
                ("mean_lpips", "lower"), ("median_lpips", "lower"), ("clean_acc_defended", None),
                ("asr_reeval_defended", None), ("asr_reeval_undefended", None), ("reeval_gap", None),
