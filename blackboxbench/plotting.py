@@ -1,6 +1,6 @@
-"""Figure helpers shared by the reports (detection) and the analysis tools: a figure written and closed in one
-block, a grid of panels, a labelled heatmap, and the rows of a CSV the library wrote (numbers read back as
-numbers)."""
+"""Figure helpers shared by the reports (detection, robustness) and the analysis tools: a figure written and closed
+in one block, a grid of panels, a labelled heatmap, asymmetric error bars, and the rows of a CSV the library wrote
+(numbers read back as numbers)."""
 import csv
 import json
 import math
@@ -25,6 +25,15 @@ def figure(path, size, rows=1, cols=1):
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
+
+
+def error_bars(values, lows, highs):
+    """matplotlib's asymmetric ``yerr`` of bars at ``values`` spanning ``lows`` .. ``highs``; a missing or
+    non-finite bound, or one on the wrong side of its value, draws no bar on that side."""
+    def side(a, b):
+        ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b))
+        return max(0.0, b - a) if ok else 0.0
+    return [[side(lo, v) for v, lo in zip(values, lows)], [side(v, hi) for v, hi in zip(values, highs)]]
 
 
 def grid_figure(path, title, panels, draw_panel, cols=4):

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from .errors import BenchError
 from .leaderboard import cell, collect
+from .plotting import error_bars
 
-COLUMNS = ("attack", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr", "aqn",
-           "mqn", "mean_queries_all", "clean_acc", "clean_acc_defended", "asr_reeval_defended",
+COLUMNS = ("attack", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr", "asr_low",
+           "asr_high", "aqn", "aqn_low", "aqn_high", "mqn", "mean_queries_all", "clean_acc", "clean_acc_defended", "asr_reeval_defended",
            "asr_reeval_undefended", "reeval_gap", "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time",
            "config_hash", "run")
 QUERY_FAMILIES = ("score", "decision")
@@ -65,7 +66,8 @@ def export(results_dirs, out_csv, png=None):
 
 
 def chart(rows, png):
-    """Grouped bars: ASR (top) and mean queries over successes (bottom) per attack, one bar per defense."""
+    """Grouped bars: ASR (top) and mean queries over successes (bottom) per attack, one bar per defense, with the
+    runs' 95 % intervals as error bars where their summaries have them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,9 +82,11 @@ def chart(rows, png):
     for j, d in enumerate(defenses):
         xs = [i + (j - (len(defenses) - 1) / 2) * width for i in range(len(attacks))]
         for ax, key in zip(axes, ("asr", "aqn")):
-            vals = [value.get((a, d), {}).get(key) for a in attacks]
+            cells = [value.get((a, d), {}) for a in attacks]
+            vals = [r.get(key) for r in cells]
             vals = [v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]
-            ax.bar(xs, vals, width, label=d)
+            yerr = error_bars(vals, [r.get(f"{key}_low") for r in cells], [r.get(f"{key}_high") for r in cells])
+            ax.bar(xs, vals, width, yerr=yerr, capsize=1.5, error_kw={"elinewidth": 0.6}, label=d)
     axes[0].set_ylabel("ASR")
     axes[0].set_ylim(0, 1.05)
     axes[1].set_ylabel("mean queries (successes)")

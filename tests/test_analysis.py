@@ -85,7 +85,8 @@ def test_error_bars_are_std_or_one_run_s_interval():
     assert [v for r in got for v in (r["low"], r["high"])] == pytest.approx([0.7 - std, 0.7 + std, 0.3, 0.55, 0.2,
                                                                              0.2])
     assert np.allclose(_yerr(got[1:2]), [[0.1], [0.15]])
-    assert _yerr([{"mean": 0.5, "low": 0.6, "high": 0.4}]) == [[0.0], [0.0]]
+    bars = _yerr([{"mean": 0.5, "low": 0.6, "high": 0.4}, {"mean": 0.5, "low": None, "high": 0.7}])
+    assert np.allclose(bars, [[0.0, 0.0], [0.0, 0.2]])  # wrong side or missing: no bar on that side
 
 
 def test_lists_and_mappings_group_by_their_json_text():

@@ -267,6 +267,7 @@ def test_at_tag_in_summary_and_leaderboards(tmp_path, data_root):
     rob = list(csv.DictReader((tmp_path / "rob.csv").open()))
     assert [r["defense"] for r in rob] == ["jpeg(quality=75)", "at"]  # adversarially trained targets last
     assert {r["target_model"] for r in rob} == {"cifar_resnet20", "cifar_resnet4b_adv"}
+    assert all(float(r["asr_low"]) <= float(r["asr"]) <= float(r["asr_high"]) for r in rob)  # drawn as error bars
     assert all((tmp_path / "out" / r["run"]).is_dir() and r["run"].endswith(r["config_hash"]) for r in rob)
     assert (tmp_path / "rob.png").stat().st_size > 1000
 

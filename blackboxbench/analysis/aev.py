@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import BenchError
 from ..leaderboard import collect, is_number
-from ..plotting import figure, heatmap, read_csv
+from ..plotting import error_bars, figure, heatmap, read_csv
 from ..registry import ANALYSIS, close_matches
 
 AGGREGATE_HEADER = ("mean", "std", "n", "low", "high")
@@ -114,7 +114,7 @@ def aggregate(rows, x, y, hue=""):
 
 def _yerr(part):
     """matplotlib's asymmetric error bars of the aggregated points ``part``."""
-    return [[max(0.0, r["mean"] - r["low"]) for r in part], [max(0.0, r["high"] - r["mean"]) for r in part]]
+    return error_bars([r["mean"] for r in part], [r["low"] for r in part], [r["high"] for r in part])
 
 
 def _aggregate_table(table, x, hue):
