@@ -1,8 +1,9 @@
 """Command line: ``blackboxbench run CONFIG [--set k=v ...]``, ``blackboxbench leaderboard DIR -o CSV``,
 ``blackboxbench robustness DIR -o CSV``, ``blackboxbench plot RESULTS -r RECIPE -o PNG``,
-``blackboxbench analyze -r RECIPE --run RUN_DIR -o PNG``, ``blackboxbench list``. Errors caused by input print
-one line and exit with status 2."""
+``blackboxbench analyze -r RECIPE --run RUN_DIR -o PNG``, ``blackboxbench compare RUN_A RUN_B``,
+``blackboxbench list``. Errors caused by input print one line and exit with status 2."""
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -11,8 +12,8 @@ from .errors import BenchError
 
 SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("defense", "defense"), ("norm", "norm"),
                   ("eps", "eps"), ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
-                  ("asr_interval", "ASR 95 %"), ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"), ("mean_l2", "mean L2"),
-                  ("wall_time", "time s")]
+                  ("asr_interval", "ASR 95 %"), ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"),
+                  ("mean_l2", "mean L2"), ("wall_time", "time s")]
 
 
 def _cell(v):
@@ -131,6 +132,13 @@ def cmd_leaderboard(args):
     return 0
 
 
+def cmd_compare(args):
+    from .compare import compare_runs, format_comparison
+    result = compare_runs(args.run_a, args.run_b)
+    print(json.dumps(result, indent=2) if args.json else "\n".join(format_comparison(result)))
+    return 0
+
+
 def _assignments(items, flag):
     """``--flag key=value`` items -> {key: value}; a value reads as YAML, then as arithmetic (``8/255``)."""
     from .config import parse_number, parse_yaml
@@ -233,6 +241,12 @@ def main(argv=None):
     p.add_argument("results")
     p.add_argument("-o", "--output", default="leaderboard.csv")
     p.set_defaults(fn=cmd_leaderboard)
+    p = sub.add_parser("compare", help="two runs on the same images, paired: who fooled which samples (McNemar) "
+                                       "and who needed fewer queries on the samples both fooled (sign test)")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("--json", action="store_true", help="the numbers as JSON")
+    p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("robustness", help="ASR and mean queries per attack x defense: a CSV and a PNG chart")
     p.add_argument("results")
     p.add_argument("-o", "--output", default="robustness.csv")

@@ -6,6 +6,7 @@
 * :func:`bootstrap_interval`: anything else (AQN, a mean of heavy-tailed query counts; the transfer family's ASR
   averaged over targets, whose targets share the images). The percentile bootstrap over samples, from a fixed
   seed, so a summary is the same every time it is made from the same records.
+* :func:`sign_test_p`: the exact sign test, for paired comparisons of two runs (:mod:`blackboxbench.compare`).
 
 An interval is ``(low, high)``, or ``(None, None)`` where the data are too few to give one.
 """
@@ -47,6 +48,15 @@ def median_interval(values, level=LEVEL):
             break
         k += 1
     return (float(v[k - 1]), float(v[n - k])) if k >= 1 else (None, None)
+
+
+def sign_test_p(k1, k2):
+    """Two-sided exact sign test of ``k1`` outcomes one way against ``k2`` the other (each way equally likely
+    under the null): ``min(1, 2 P(Bin(k1 + k2, 1/2) <= min(k1, k2)))``. McNemar's exact test is this test on the
+    discordant pairs. No pair (0, 0) gives 1."""
+    from scipy.stats import binom
+
+    return float(min(1.0, 2.0 * binom.cdf(min(k1, k2), k1 + k2, 0.5))) if k1 + k2 else 1.0
 
 
 def bootstrap_interval(stat, columns, level=LEVEL, draws=BOOTSTRAP_DRAWS, seed=BOOTSTRAP_SEED):

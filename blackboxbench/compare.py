@@ -1,0 +1,127 @@
+"""Paired comparison of two runs on the same images: is attack A better than attack B, beyond chance?
+
+Two runs of one dataset attack the same samples (a sample's index names the same image in both), so their
+records pair up. Comparing their ASR and AQN as two independent numbers wastes that pairing and, for AQN, compares
+means over different samples (each attack's own successes). Here:
+
+* **Success**: over the samples both runs attacked, the samples only A fooled and only B fooled, and McNemar's
+  exact test (:func:`blackboxbench.stats.sign_test_p`, on the discordant pairs).
+* **Queries** (query families): over the samples both fooled, each attack's mean and median queries, how often each
+  needed fewer, the sign test on those pairs, and the median ratio B / A.
+
+A transfer run pairs per target (the samples that target classifies correctly when clean, attacked in both). The
+two runs should differ in the attack (or one setting) only: the settings that differ are listed with the result;
+runs of different datasets do not pair and are a one-line error.
+"""
+import statistics
+from pathlib import Path
+
+from .errors import BenchError
+from .leaderboard import read_summary
+from .registry import FAMILY
+from .runner import read_records
+from .stats import sign_test_p
+
+SETTINGS = ("dataset", "target_model", "surrogates", "defense", "norm", "eps", "targeted", "budget", "feedback",
+            "success_rule", "seed", "n")
+PAIRED_FAMILIES = ("score", "decision", "transfer")
+
+
+def paired_success(a, b):
+    """``a``, ``b``: the success (bool) of each paired sample -> counts, rates and McNemar's exact p-value."""
+    n = len(a)
+    a_only = sum(x and not y for x, y in zip(a, b))
+    b_only = sum(y and not x for x, y in zip(a, b))
+    return {"n": n, "asr_a": sum(a) / n if n else None, "asr_b": sum(b) / n if n else None, "a_only": a_only,
+            "b_only": b_only, "p": sign_test_p(a_only, b_only)}
+
+
+def paired_queries(qa, qb):
+    """Query counts of the samples both runs fooled -> means, medians, who needed fewer, the sign test's p-value
+    (ties left out) and the median of the ratios B / A."""
+    n = len(qa)
+    if not n:
+        return {"n": 0}
+    a_fewer = sum(x < y for x, y in zip(qa, qb))
+    b_fewer = sum(y < x for x, y in zip(qa, qb))
+    ratios = [y / x for x, y in zip(qa, qb) if x > 0]
+    return {"n": n, "mean_a": statistics.fmean(qa), "mean_b": statistics.fmean(qb),
+            "median_a": statistics.median(qa), "median_b": statistics.median(qb), "a_fewer": a_fewer,
+            "b_fewer": b_fewer, "ties": n - a_fewer - b_fewer, "p": sign_test_p(a_fewer, b_fewer),
+            "median_ratio": statistics.median(ratios) if ratios else None}
+
+
+def load_run(run_dir):
+    """``(summary, records)`` of a finished run directory, records keyed by sample index; one-line errors."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise BenchError(f"not a run directory: {d}")
+    summary, reason = read_summary(d)
+    if reason:
+        raise BenchError(f"{d}: {reason}")
+    family = summary.get("family")
+    if family not in PAIRED_FAMILIES or family not in FAMILY:
+        raise BenchError(f"{d}: a {family} run; compare pairs the runs of the families {', '.join(PAIRED_FAMILIES)}")
+    records = read_records(d / "records.jsonl", FAMILY.get(family).schema(), summary.get("config_hash"))
+    return summary, records
+
+
+def compare_runs(run_a, run_b):
+    """The paired comparison of two run directories: ``{"a", "b", "same", "differs", "rows"}``; one row per
+    target of a transfer run, one row for a query run (``target`` None)."""
+    (sa, ra), (sb, rb) = load_run(run_a), load_run(run_b)
+    if sa["dataset"] != sb["dataset"]:
+        raise BenchError(f"the runs attack different datasets ({sa['dataset']}, {sb['dataset']}): their samples "
+                         "do not pair")
+    query = sa["family"] != "transfer"
+    if query != (sb["family"] != "transfer"):
+        raise BenchError(f"a {sa['family']} run and a {sb['family']} run: compare runs of the query families, or "
+                         "two transfer runs")
+    both = sorted(i for i in ra.keys() & rb.keys() if ra[i]["attacked"] and rb[i]["attacked"])
+    rows = []
+    if query:
+        rows.append(_row(None, [(ra[i], rb[i]) for i in both], lambda r: r["success"], lambda r: r["queries"]))
+    else:
+        for t in [t for t in ra[both[0]]["targets"] if t in rb[both[0]]["targets"]] if both else []:
+            pairs = [(ra[i], rb[i]) for i in both if ra[i]["targets"][t]["clean_correct"]]
+            rows.append(_row(t, pairs, lambda r, t=t: r["targets"][t]["success"], None))
+    if not rows or not rows[0]["success"]["n"]:
+        raise BenchError("the runs share no attacked sample (or no target): nothing to pair")
+    same = {k: sa.get(k) for k in SETTINGS if sa.get(k) == sb.get(k)}
+    differs = {k: (sa.get(k), sb.get(k)) for k in SETTINGS if sa.get(k) != sb.get(k)}
+    return {"a": _name(sa, run_a), "b": _name(sb, run_b), "same": same, "differs": differs, "rows": rows}
+
+
+def _row(target, pairs, success, queries):
+    row = {"target": target, "success": paired_success([success(x) for x, _ in pairs], [success(y) for _, y in pairs])}
+    if queries is not None:
+        fooled = [(queries(x), queries(y)) for x, y in pairs if success(x) and success(y)]
+        row["queries"] = paired_queries([q for q, _ in fooled], [q for _, q in fooled])
+    return row
+
+
+def _name(summary, run_dir):
+    return f"{summary.get('attack')} ({Path(run_dir).name})"
+
+
+def format_comparison(result):
+    """The comparison as text lines (``blackboxbench compare``)."""
+    lines = [f"A: {result['a']}", f"B: {result['b']}",
+             "same: " + (", ".join(f"{k} {v}" for k, v in result["same"].items()) or "-")]
+    if result["differs"]:
+        lines.append("differs: " + ", ".join(f"{k} {a} / {b}" for k, (a, b) in result["differs"].items()))
+    for row in result["rows"]:
+        s = row["success"]
+        head = f"target {row['target']}: " if row["target"] is not None else ""
+        lines.append(f"{head}success on the {s['n']} samples both attacked: ASR A {s['asr_a']:.3f}, B "
+                     f"{s['asr_b']:.3f}; only A fooled {s['a_only']}, only B {s['b_only']}; McNemar exact p = "
+                     f"{s['p']:.3g}")
+        q = row.get("queries")
+        if q and q["n"]:
+            ratio = "-" if q["median_ratio"] is None else f"{q['median_ratio']:.3g}"
+            lines.append(f"queries on the {q['n']} samples both fooled: mean A {q['mean_a']:.1f}, B {q['mean_b']:.1f}; "
+                         f"median A {q['median_a']:g}, B {q['median_b']:g}; A fewer on {q['a_fewer']}, B fewer on "
+                         f"{q['b_fewer']}, ties {q['ties']}; sign test p = {q['p']:.3g}; median ratio B / A {ratio}")
+        elif q is not None:
+            lines.append("queries: no sample fooled by both")
+    return lines

@@ -1,0 +1,105 @@
+"""Paired comparison of two runs (blackboxbench/compare.py, ``blackboxbench compare``): the exact sign test against
+a reference from binomial coefficients, the paired counts against the records, query and transfer runs end to end,
+and one-line errors for runs that do not pair."""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from blackboxbench.cli import main
+from blackboxbench.compare import compare_runs, paired_queries, paired_success
+from blackboxbench.stats import sign_test_p
+
+
+def _reference_p(k1, k2):
+    n, k = k1 + k2, min(k1, k2)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
+@pytest.mark.parametrize("k1,k2", [(0, 0), (0, 1), (0, 5), (3, 3), (1, 9), (9, 1), (12, 30), (56, 0), (400, 460)])
+def test_sign_test_matches_binomial_coefficients(k1, k2):
+    assert sign_test_p(k1, k2) == pytest.approx(_reference_p(k1, k2), rel=1e-9, abs=1e-300)
+
+
+def test_paired_counts():
+    s = paired_success([True, True, False, False, True], [True, False, True, False, False])
+    assert (s["n"], s["a_only"], s["b_only"], s["asr_a"], s["asr_b"]) == (5, 2, 1, 0.6, 0.4)
+    assert s["p"] == pytest.approx(_reference_p(2, 1))
+    q = paired_queries([10, 20, 30, 40], [20, 20, 15, 400])
+    assert (q["a_fewer"], q["b_fewer"], q["ties"], q["median_a"], q["median_b"]) == (2, 1, 1, 25, 20)
+    assert q["median_ratio"] == 1.5  # ratios B / A: 2, 1, 0.5, 10
+    assert paired_queries([], []) == {"n": 0}
+
+
+def _run(tmp_path, text, name):
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(text + f"output_dir: {tmp_path / name}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 0
+    return sorted((tmp_path / name).iterdir())
+
+
+def _records(run):
+    return {r["index"]: r for r in map(json.loads, (Path(run) / "records.jsonl").read_text().splitlines())}
+
+
+def test_compare_query_runs(tmp_path, capsys):
+    runs = _run(tmp_path, "dataset: {name: digits, n: 30}\nmodel: digits_mlp\nthreat: {norm: linf, eps: 0.15, "
+                "max_queries: 150}\nruns: [{attack: square_linf}, {attack: simba_pixel}]\n", "q")
+    simba, square = runs  # sorted by directory name
+    capsys.readouterr()
+    assert main(["compare", str(square), str(simba), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ra, rb = _records(square), _records(simba)
+    both = [i for i in ra if ra[i]["attacked"] and rb[i]["attacked"]]
+    s = got["rows"][0]["success"]
+    assert s["n"] == len(both) > 0
+    assert s["a_only"] == sum(ra[i]["success"] and not rb[i]["success"] for i in both)
+    assert s["b_only"] == sum(rb[i]["success"] and not ra[i]["success"] for i in both)
+    fooled = [i for i in both if ra[i]["success"] and rb[i]["success"]]
+    q = got["rows"][0]["queries"]
+    assert q["n"] == len(fooled) > 0 and q["a_fewer"] == sum(ra[i]["queries"] < rb[i]["queries"] for i in fooled)
+    assert got["same"]["eps"] == 0.15 and got["differs"] == {}
+    assert main(["compare", str(square), str(simba)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("A: square_linf") and any("McNemar exact p" in ln for ln in text)
+
+
+def test_compare_transfer_runs_pairs_per_target(tmp_path):
+    runs = _run(tmp_path, "dataset: {name: digits, n: 24}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp, "
+                "digits_cnn]\nthreat: {norm: linf, eps: 0.15}\nruns: [{attack: i_fgsm}, {attack: mi_fgsm}]\n", "t")
+    got = compare_runs(*runs)
+    assert [r["target"] for r in got["rows"]] == ["digits_mlp", "digits_cnn"]
+    ra, rb = _records(runs[0]), _records(runs[1])
+    for row in got["rows"]:
+        t = row["target"]
+        valid = [i for i in ra if ra[i]["attacked"] and rb[i]["attacked"] and ra[i]["targets"][t]["clean_correct"]]
+        assert row["success"]["n"] == len(valid)
+        assert row["success"]["a_only"] == sum(ra[i]["targets"][t]["success"] and not rb[i]["targets"][t]["success"]
+                                               for i in valid)
+        assert "queries" not in row
+
+
+def test_runs_that_do_not_pair_are_one_line_errors(tmp_path, capsys):
+    (q,) = _run(tmp_path, "dataset: {name: digits, n: 6}\nmodel: digits_mlp\nattack: square_linf\n"
+                "threat: {norm: linf, eps: 0.1, max_queries: 20}\n", "a")
+    (t,) = _run(tmp_path, "dataset: {name: digits, n: 6}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
+                "attack: i_fgsm\nthreat: {norm: linf, eps: 0.1}\n", "b")
+    other = tmp_path / "c" / q.name  # the same run, said to be of another dataset
+    shutil.copytree(q, other)
+    summary = json.loads((other / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps({**summary, "dataset": "mnist"}))
+    unfinished = tmp_path / "u" / "run"
+    unfinished.mkdir(parents=True)
+    (unfinished / "config.yaml").write_text("{}\n")
+    capsys.readouterr()
+    for a, b, message in [(q, t, "a score run and a transfer run: compare runs of the query families, or two "
+                                 "transfer runs"),
+                          (q, unfinished, f"{unfinished}: unfinished (no summary.json); re-run its config to "
+                                          "finish it"),
+                          (q, tmp_path / "nope", f"not a run directory: {tmp_path / 'nope'}"),
+                          (q, other, "the runs attack different datasets (digits, mnist): their samples do not "
+                                     "pair")]:
+        assert main(["compare", str(a), str(b)]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
