@@ -67,19 +67,28 @@ def bootstrap_interval(stat, columns, level=LEVEL, draws=BOOTSTRAP_DRAWS, seed=B
     resample b (B rows of a multinomial). Resamples whose statistic is NaN (e.g. no success drawn) are left out;
     fewer than 2 samples, or fewer than half the resamples defined, give no interval.
     """
+    return bootstrap_intervals(lambda *a: np.asarray(stat(*a))[:, None], columns, 1, level, draws, seed)[0]
+
+
+def bootstrap_intervals(stat, columns, k, level=LEVEL, draws=BOOTSTRAP_DRAWS, seed=BOOTSTRAP_SEED):
+    """:func:`bootstrap_interval` of ``k`` statistics of the same resamples: ``stat`` returns (B, k); a list of
+    ``k`` intervals."""
     columns = [np.asarray(c, dtype=np.float64) for c in columns]
     n = len(columns[0])
     if n < 2:
-        return None, None
+        return [(None, None)] * k
     rng = np.random.default_rng(seed)
     out, per = [], max(1, _CHUNK // n)
     with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # nanmean of a resample with nothing defined: left out
         for start in range(0, draws, per):
             weights = rng.multinomial(n, np.full(n, 1.0 / n), size=min(per, draws - start)).astype(np.float64)
-            out.append(stat(weights, *columns))
+            out.append(np.asarray(stat(weights, *columns), dtype=np.float64).reshape(len(weights), k))
     values = np.concatenate(out)
-    values = values[~np.isnan(values)]
+    return [_percentiles(v[~np.isnan(v)], level, draws) for v in values.T]
+
+
+def _percentiles(values, level, draws):
     if len(values) < draws / 2:
         return None, None
     low, high = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])

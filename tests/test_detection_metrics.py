@@ -156,3 +156,45 @@ def test_robustness_table_keeps_a_transfer_run_in_one_column():
     rl, cl, m = robustness_table(rows)
     assert rl == ["base", "ft"] and cl == ["clean", "tog (base)", "tog"]
     assert m[0][:2] == [0.9, 0.1] and np.isnan(m[0][2]) and m[1] == [0.8, 0.7, 0.2]
+
+
+@pytest.mark.parametrize("mode", ["11points", "area"])
+def test_weighted_pool_equals_the_images_listed_that_many_times(mode):
+    """The bootstrap's weighted pooling against pool_matches of the resampled images listed one by one (an
+    independent path): mAP, TP and box counts of 40 random resamples of a random scene, including resamples
+    without one class's boxes."""
+    from blackboxbench.detection.metrics import pool_matches, weighted_pool
+
+    rng = np.random.default_rng(4)
+    dets, gts = _random_scene(rng, n_img=12)
+    matches = [match_image(d, g) for d, g in zip(dets, gts)]
+    weights = rng.multinomial(12, np.full(12, 1 / 12), size=40)
+    weights[0] = 0
+    weights[0, 0] = 12  # one image only: some classes have no box
+    got_map, got_tp, got_npos = weighted_pool(matches, weights, mode)
+    for b, w in enumerate(weights):
+        ref = pool_matches([m for m, k in zip(matches, w) for _ in range(k)], mode)
+        assert (got_tp[b], got_npos[b]) == (ref["tp"], ref["npos"])
+        assert got_map[b] == pytest.approx(ref["map"], abs=1e-12)
+
+
+def test_detection_summary_has_drop_intervals():
+    """A run's summary (records as the detection family writes them): each target's drops and their mean over
+    targets come with a bootstrap interval that holds the full-sample value, and the same records give the same
+    intervals."""
+    from blackboxbench.detection.family import match_record, summarize_detection
+
+    rng = np.random.default_rng(5)
+    dets, gts = _random_scene(rng, n_img=40)
+    weak = [det(d["boxes"][::2], d["scores"][::2], d["labels"][::2]) for d in dets]  # the attack removes half
+    records = [{"attacked": True, "time": 0.1, "l2": 1.0, "linf": 0.03, "ssim": 0.9, "lpips": None,
+                "targets": {t: {"clean": match_record(d, g, None, False), "adv": match_record(a, g, None, False),
+                                "score_thr": None, "max_det": None} for t in ("t1", "t2")}}
+               for d, a, g in zip(dets, weak, gts)]
+    s = summarize_detection(records)
+    for k in ("map", "ap_loc", "csr"):
+        p = s["per_target"]["t1"]
+        assert p[f"drop_{k}_low"] < p[f"drop_{k}"] < p[f"drop_{k}_high"]
+        assert s[f"mean_drop_{k}_low"] < s[f"mean_drop_{k}"] < s[f"mean_drop_{k}_high"]
+    assert (s["asr_low"], s["asr_high"]) == (s["mean_drop_map_low"], s["mean_drop_map_high"])
+    assert summarize_detection(records)["mean_drop_csr_low"] == s["mean_drop_csr_low"]

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Callable, List, Optional
 
+import numpy as np
 import torch
 
 from ..builder import resolve_setting
@@ -40,7 +41,8 @@ from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL, block_label
 from ..threat import Problem, flat_norm
 from .attacks import Crafted, goal_met
 from .data import DetectionDataset
-from .metrics import match_image, pool_matches
+from ..stats import bootstrap_intervals
+from .metrics import match_image, pool_matches, weighted_pool
 from .models import Detector
 
 ROUND = 5  # decimals of the scores kept in records
@@ -140,18 +142,52 @@ def _drop(clean, adv):
     return None if clean in (None, 0) or adv is None else (clean - adv) / clean
 
 
+DROPS = ("map", "ap_loc", "csr")
+
+
+def _relative_drop(clean, adv):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(clean > 0, (clean - adv) / clean, np.nan)
+
+
+def drop_intervals(attacked, names):
+    """95 % intervals of each target's relative drops of mAP, AP_loc and CSR (11-point, as the summary's) and of
+    their means over the targets: a percentile bootstrap over the attacked images, one resample serving clean and
+    adversarial detections and every target (they are paired on the images). ``{(target or None, drop): (low,
+    high)}``; None: the mean over targets."""
+    pools = {(t, side, fused): _matches([r["targets"][t][side] for r in attacked], fused)
+             for t in names for side in ("clean", "adv") for fused in (False, True)}
+
+    def stat(w, _):
+        cols = []
+        for t in names:
+            (c_map, c_tp, c_npos), (a_map, a_tp, a_npos) = (weighted_pool(pools[t, s, False], w)
+                                                            for s in ("clean", "adv"))
+            c_loc, a_loc = (weighted_pool(pools[t, s, True], w)[0] for s in ("clean", "adv"))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                cols += [_relative_drop(c_map, a_map), _relative_drop(c_loc, a_loc),
+                         _relative_drop(c_tp / c_npos, a_tp / a_npos)]
+        d = np.stack(cols, 1)
+        return np.concatenate([d, np.stack([np.nanmean(d[:, k::len(DROPS)], 1) for k in range(len(DROPS))], 1)], 1)
+
+    keys = [(t, k) for t in names for k in DROPS] + [(None, k) for k in DROPS]
+    return dict(zip(keys, bootstrap_intervals(stat, [np.arange(len(attacked))], len(keys)))) if names else {}
+
+
 def summarize_detection(records):
     """Per target detector: clean and adversarial mAP, AP_loc, CSR, detections per image and the relative
-    drops; the run's perceptual cost (means over attacked images) and time per image. ``asr`` is the mean
-    relative mAP drop over the targets (the leaderboard's sort key)."""
+    drops with their 95 % intervals (:func:`drop_intervals`); the run's perceptual cost (means over attacked
+    images) and time per image. ``asr`` is the mean relative mAP drop over the targets (the leaderboard's sort
+    key), ``asr_low`` / ``asr_high`` its interval."""
     attacked = [r for r in records if r["attacked"]]
     names = list(records[0]["targets"]) if records else []
-    per = {}
+    per, intervals = {}, drop_intervals(attacked, names)
     for t in names:
         clean = metrics_of([r["targets"][t]["clean"] for r in attacked])
         adv = metrics_of([r["targets"][t]["adv"] for r in attacked])
         per[t] = {**{f"clean_{k}": v for k, v in clean.items()}, **{f"adv_{k}": v for k, v in adv.items()},
-                  **{f"drop_{k}": _drop(clean[k], adv[k]) for k in ("map", "ap_loc", "csr")},
+                  **{f"drop_{k}": _drop(clean[k], adv[k]) for k in DROPS},
+                  **{f"drop_{k}_{end}": intervals[t, k][i] for k in DROPS for i, end in enumerate(("low", "high"))},
                   "det_ratio": None if not clean["n_det"] else adv["n_det"] / clean["n_det"],
                   **{f"goal_rate{sfx}": _mean([float(g) for g in (r["targets"][t].get(f"goal{sfx}")
                                                                    for r in attacked) if g is not None])
@@ -163,8 +199,10 @@ def summarize_detection(records):
            "asr": _mean([p["drop_map"] for p in per.values()]), "aqn": None, "mqn": None,
            "attack_time": sum(r["time"] for r in records),
            "time_per_image": _mean([r["time"] for r in attacked])}
-    for k in ("map", "ap_loc", "csr"):
+    for k in DROPS:
         out[f"mean_drop_{k}"] = _mean([p[f"drop_{k}"] for p in per.values()])
+        out[f"mean_drop_{k}_low"], out[f"mean_drop_{k}_high"] = intervals.get((None, k), (None, None))
+    out["asr_low"], out["asr_high"] = out["mean_drop_map_low"], out["mean_drop_map_high"]
     out["mean_goal_rate"] = _mean([p["goal_rate"] for p in per.values()])
     for k in ("l2", "linf", "ssim", "lpips"):
         out[f"mean_{k}"] = _mean([r[k] for r in attacked])
@@ -308,11 +346,14 @@ class DetectionFamily(Family):
                      "n_gt": (int,), "goal": (dict, type(None))}
     surrogate_may_be_target = True  # a target equal to the surrogate is the white-box result
     classifier_models = False
-    columns = (("mean_drop_map", "higher"), ("mean_drop_ap_loc", "higher"), ("mean_drop_csr", "higher"),
+    columns = (("mean_drop_map", "higher"), ("mean_drop_map_low", None), ("mean_drop_map_high", None),
+               ("mean_drop_ap_loc", "higher"), ("mean_drop_ap_loc_low", None), ("mean_drop_ap_loc_high", None),
+               ("mean_drop_csr", "higher"), ("mean_drop_csr_low", None), ("mean_drop_csr_high", None),
                ("mean_goal_rate", "higher"), ("mean_ssim", "higher"), ("mean_lpips", "lower"),
                ("time_per_image", "lower"))
     table = [("attack", "attack"), ("target_model", "targets"), ("norm", "norm"), ("eps", "eps"), ("n", "n"),
-             ("clean_acc", "clean mAP"), ("mean_drop_map", "mAP drop"), ("mean_drop_ap_loc", "AP_loc drop"),
+             ("clean_acc", "clean mAP"), ("mean_drop_map", "mAP drop"), ("mean_drop_map_interval", "mAP drop 95 %"),
+             ("mean_drop_ap_loc", "AP_loc drop"),
              ("mean_drop_csr", "CSR drop"), ("mean_linf", "mean Linf"), ("mean_ssim", "mean SSIM"),
              ("time_per_image", "s / image")]
 

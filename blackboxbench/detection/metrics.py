@@ -140,6 +140,59 @@ def pool_matches(matches, mode="11points"):
             "n_det": n_det}
 
 
+WEIGHTED_VALUES = 1 << 22  # (resamples x detections of a class) values held at once by weighted_pool
+
+
+def weighted_pool(matches, weights, mode="11points"):
+    """:func:`pool_matches` of many weighted copies of the same images at once (the bootstrap's resamples):
+    ``weights`` (B, n) counts image i ``weights[b, i]`` times in set b. Returns ``(map, tp, npos)``, each (B,):
+    mAP over the classes with a box in the set (NaN where none has), and the pooled TP and box counts (CSR =
+    tp / npos). A set equals its images listed that many times in :func:`pool_matches` (a detection counted w
+    times adds its w TPs or FPs in one step; the intermediate points a listing adds are dominated, so neither AP
+    changes)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    weights = np.asarray(weights, np.float64)
+    b = weights.shape[0]
+    img = np.concatenate([np.full(len(m[0]), i) for i, m in enumerate(matches)] + [np.zeros(0, int)])
+    scores = np.concatenate([np.asarray(m[0], np.float64) for m in matches] + [np.zeros(0)])
+    labels = np.concatenate([np.asarray(m[1], np.int64) for m in matches] + [np.zeros(0, np.int64)])
+    flags = np.concatenate([np.asarray(m[2], np.int64) for m in matches] + [np.zeros(0, np.int64)])
+    classes = sorted({int(c) for m in matches for c in m[3]})
+    npos = np.array([[m[3].get(c, 0) for c in classes] for m in matches], np.float64).reshape(len(matches), -1)
+    npos_b = weights @ npos  # (B, classes)
+    ap = np.full((b, len(classes)), np.nan)
+    for j, c in enumerate(classes):
+        keep = np.flatnonzero((labels == c) & (flags != IGNORED))
+        keep = keep[np.argsort(-scores[keep], kind="stable")]
+        tp_row, fp_row = (flags[keep] == TP).astype(np.float64), (flags[keep] == FP).astype(np.float64)
+        per = max(1, WEIGHTED_VALUES // max(1, len(keep)))
+        for lo in range(0, b, per):
+            w = weights[lo:lo + per][:, img[keep]]
+            ap[lo:lo + per, j] = _weighted_ap(np.cumsum(w * tp_row, 1), np.cumsum(w * fp_row, 1),
+                                              npos_b[lo:lo + per, j], mode)
+    with np.errstate(invalid="ignore"):
+        defined = npos_b > 0
+        mean = np.where(defined, ap, 0.0).sum(1) / defined.sum(1)
+    tp = weights @ np.array([int((np.asarray(m[2]) == TP).sum()) for m in matches], np.float64).reshape(-1)
+    return mean, tp, npos_b.sum(1)
+
+
+def _weighted_ap(tp, fp, npos, mode):
+    """AP of (B, D) cumulative weighted TP / FP counts in score order and (B,) boxes (NaN where npos is 0); a
+    position whose detection is not in the set repeats the previous point and changes nothing."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rec = tp / npos[:, None]
+        prec = tp / np.maximum(tp + fp, np.finfo(np.float64).eps)
+        if mode == "11points":
+            best = [np.where(rec >= t, prec, -np.inf).max(1, initial=-np.inf) for t in np.linspace(0, 1, 11)]
+            ap = np.mean([np.where(np.isfinite(v), v, 0.0) for v in best], 0)
+        else:
+            envelope = np.maximum.accumulate(prec[:, ::-1], 1)[:, ::-1]
+            ap = (np.diff(rec, axis=1, prepend=0.0) * envelope).sum(1)
+    return np.where(npos > 0, ap, np.nan)
+
+
 def eval_map(dets, gts, *, iou_thr=0.5, mode="11points", fuse=False, legacy=False, score_thr=0.0):
     """mAP@``iou_thr`` of detections ``dets`` against ground truth ``gts`` (lists, one entry per image)."""
     return pool_matches([match_image(d, g, iou_thr=iou_thr, fuse=fuse, legacy=legacy, score_thr=score_thr)
