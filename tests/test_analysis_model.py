@@ -279,6 +279,10 @@ def test_model_analysis_errors_are_one_line(saved_run, tmp_path, capsys):
         (["-r", "fsm", "--run", str(run_dir), "--n", "-3"], "--n must be >= 1"),  # once the last 3 dropped
         (["-r", "fsm", "--run", str(run_dir), "--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
     ]
+    det = tmp_path / "det_run"  # a detection run's resolved config: no classifier to analyse
+    det.mkdir()
+    (det / "config.yaml").write_text("dataset: {name: shapes}\nattack: {name: tog_vanishing, family: detection}\n")
+    cases.append((["-r", "fsm", "--run", str(det)], f"{det} is a detection run: the model-level analyses"))
     for args, message in cases:
         assert main(["analyze", *args, "--device", "cpu", "-o", str(tmp_path / "e.png")]) == 2, args
         err = capsys.readouterr().err

@@ -50,6 +50,10 @@ def _run_config(run):
     cfg = load_yaml(path)
     if not isinstance(cfg.get("dataset"), dict):
         raise BenchError(f"{path} is not a resolved run config (no dataset mapping)")
+    family = (cfg.get("attack") or {}).get("family") if isinstance(cfg.get("attack"), dict) else None
+    if family == "detection":
+        raise BenchError(f"{run} is a detection run: the model-level analyses (decision surface, dbViz, FSM, "
+                         "FullGrad, ADM) take classification runs")
     return cfg
 
 
