@@ -85,7 +85,7 @@ def compare_runs(run_a, run_b):
         for t in [t for t in ra[both[0]]["targets"] if t in rb[both[0]]["targets"]] if both else []:
             pairs = [(ra[i], rb[i]) for i in both if ra[i]["targets"][t]["clean_correct"]]
             rows.append(_row(t, pairs, lambda r, t=t: r["targets"][t]["success"], None))
-    if not rows or not rows[0]["success"]["n"]:
+    if not any(row["success"]["n"] for row in rows):
         raise BenchError("the runs share no attacked sample (or no target): nothing to pair")
     same = {k: sa.get(k) for k in SETTINGS if sa.get(k) == sb.get(k)}
     differs = {k: (sa.get(k), sb.get(k)) for k in SETTINGS if sa.get(k) != sb.get(k)}
@@ -113,6 +113,9 @@ def format_comparison(result):
     for row in result["rows"]:
         s = row["success"]
         head = f"target {row['target']}: " if row["target"] is not None else ""
+        if not s["n"]:
+            lines.append(f"{head}no sample that both runs attacked counts (the target misclassifies them clean)")
+            continue
         lines.append(f"{head}success on the {s['n']} samples both attacked: ASR A {s['asr_a']:.3f}, B "
                      f"{s['asr_b']:.3f}; only A fooled {s['a_only']}, only B {s['b_only']}; McNemar exact p = "
                      f"{s['p']:.3g}")

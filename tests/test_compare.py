@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from blackboxbench.cli import main
-from blackboxbench.compare import compare_runs, paired_queries, paired_success
+from blackboxbench.compare import compare_runs, format_comparison, paired_queries, paired_success
 from blackboxbench.stats import sign_test_p
 
 
@@ -31,6 +31,16 @@ def test_paired_counts():
     assert (q["a_fewer"], q["b_fewer"], q["ties"], q["median_a"], q["median_b"]) == (2, 1, 1, 25, 20)
     assert q["median_ratio"] == 1.5  # ratios B / A: 2, 1, 0.5, 10
     assert paired_queries([], []) == {"n": 0}
+
+
+def test_a_target_without_paired_samples_is_said_not_formatted():
+    """A transfer target that misclassifies every paired sample when clean has no rates: its line says so, the
+    other target's line carries the test."""
+    rows = [{"target": "t1", "success": paired_success([], [])},
+            {"target": "t2", "success": paired_success([True, False], [False, False])}]
+    lines = format_comparison({"a": "x", "b": "y", "same": {}, "differs": {}, "rows": rows})
+    assert lines[3] == "target t1: no sample that both runs attacked counts (the target misclassifies them clean)"
+    assert lines[4].startswith("target t2: success on the 2 samples both attacked: ASR A 0.500, B 0.000")
 
 
 def _run(tmp_path, text, name):

@@ -297,9 +297,11 @@ def test_plugin_detection_craft_breaking_its_contract_is_one_line(tmp_path, caps
                    "holding them with one goal per image"), err
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def query_plugin(tmp_path_factory):
-    """One plugin file for the cases (a plugin imported again from the same path registers nothing twice)."""
+    """One plugin file for the cases (a plugin imported again from the same path registers nothing twice). Per
+    session, not per module: pytest-xdist may run this module's cases apart, and a module fixture made again would
+    register the same block names from a second path."""
     path = tmp_path_factory.mktemp("qplug") / "qplug.py"
     path.write_text(QUERY_PLUGIN)
     return path
@@ -320,8 +322,9 @@ def query_plugin(tmp_path_factory):
 def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, query_plugin, block, line,
                                                               message):
     """Query blocks: an init without the state the loop needs or whose per-sample shapes change between the
-    batches that enter the slots, or an accept that does not return the state or changes a shape or dtype of it,
-    stops the run with one line naming the block and its file (4 slots: the first init gets 4 samples, a later one the 1 that takes a freed slot)."""
+    batches that enter the slots, or an accept that does not return the state or changes a shape or dtype of
+    it, stops the run with one line naming the block and its file (4 slots: the first init gets 4 samples, a
+    later one the 1 that takes a freed slot)."""
     err = plugin_run_error(tmp_path, capsys, query_plugin, f"{{recipe: square_linf, blocks: {{{block}}}}}\n"
                            "model: digits_mlp\nbatch_size: 4\nruns: [{threat: {max_queries: 50}}]")
     kind, name = block.split(":")[0], block.split("name: ")[1].rstrip("}")

@@ -38,10 +38,10 @@ from ..context import BlockContext, Pool
 from ..errors import BenchError, ConfigError, describe
 from ..family import BlockKind, Family, ModelKey, WholeBatchWorker, check_outputs, to_uint8
 from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL, block_label
+from ..stats import bootstrap_intervals
 from ..threat import Problem, flat_norm
 from .attacks import Crafted, goal_met
 from .data import DetectionDataset
-from ..stats import bootstrap_intervals
 from .metrics import match_image, pool_matches, weighted_pool
 from .models import Detector
 

@@ -282,8 +282,8 @@ class TransferFamily(Family):
     record_fields = {"targets": (dict,)}
     run_keys = {"save_path_every": (int,)}  # the attack path of every sample, every k iterations (runner.save_path)
     surrogate_may_be_target = True  # a target equal to the surrogate reports the white-box success rate
-    columns = (("asr", "higher"), ("asr_low", None), ("asr_high", None), ("mean_l2", "lower"), ("median_l2", "lower"), ("mean_linf", "lower"),
-               ("median_linf", "lower"), ("mean_ssim", "higher"), ("median_ssim", "higher"), ("mean_lpips", "lower"),
+    columns = (("asr", "higher"), ("asr_low", None), ("asr_high", None), ("mean_l2", "lower"), ("median_l2", "lower"),
+               ("mean_linf", "lower"), ("median_linf", "lower"), ("mean_ssim", "higher"), ("median_ssim", "higher"), ("mean_lpips", "lower"),
                ("median_lpips", "lower"))
 
     def build(self, name, blocks, hyper, meta):
