@@ -161,18 +161,70 @@ def deep_merge(base, over):
     return out
 
 
+def parse_assignment(item, source):
+    """``a.b=value`` -> ("a.b", value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}", source=source)
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not all(key.split(".")):
+        raise ConfigError(f"--set {item!r}: empty key name", source=source)
+    return key, parse_yaml(raw, source, key, what="--set value is not valid YAML")
+
+
 def apply_set(cfg, assignments, source):
     """Apply ``--set a.b=value`` overrides (value parsed as YAML)."""
     for item in assignments:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got {item!r}", source=source)
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        parts = key.split(".")
-        if not all(parts):
-            raise ConfigError(f"--set {item!r}: empty key name", source=source)
-        set_dotted(cfg, key, parse_yaml(raw, source, key, what="--set value is not valid YAML"), source, key)
+        key, value = parse_assignment(item, source)
+        set_dotted(cfg, key, value, source, key)
     return cfg
+
+
+def apply_file_set(raw, assignments, source):
+    """Apply the ``--set`` overrides of whole-file keys (:data:`FILE_KEYS`) to the raw file mapping.
+
+    ``grid.threat.eps=[...]`` sets the grid key ``threat.eps``; ``backend.workers=4`` one backend field; every other
+    file key takes a whole value. Returns the file keys set."""
+    done = set()
+    for item in assignments:
+        key, value = parse_assignment(item, source)
+        head, _, rest = key.partition(".")
+        done.add(head)
+        if not rest:
+            raw[head] = value
+        elif head == "grid":
+            grid = raw.setdefault("grid", {})
+            if not isinstance(grid, dict):
+                raise ConfigError("cannot set inside a non-mapping", source=source, key=key)
+            grid[rest] = value
+        elif head == "backend":
+            if isinstance(raw.get("backend", "serial"), str):
+                raw["backend"] = {"name": raw.get("backend", "serial")}
+            set_dotted(raw, key, value, source, key)
+        else:
+            raise ConfigError(f"'{head}' takes a whole value: --set {head}=...", source=source, key=key)
+    return done
+
+
+def rebase_outputs(file_opts, old, new, given):
+    """Move the file's leaderboard, robustness and plot paths from output_dir ``old`` to ``new`` (a ``--set
+    output_dir``), unless ``--set`` gave them too: a path inside ``old`` keeps its place under ``new``; any other
+    path moves into ``new`` under its own file name. So a redirected run never overwrites the earlier board."""
+    old = Path(os.path.normpath(old))
+
+    def move(path):
+        p = Path(os.path.normpath(path))
+        try:
+            return str(Path(new) / p.relative_to(old))
+        except ValueError:
+            return str(Path(new) / p.name)
+
+    for key in ("leaderboard", "robustness"):
+        if file_opts.get(key) and key not in given:
+            file_opts[key] = move(file_opts[key])
+    if "plots" not in given:
+        for p in file_opts.get("plots") or []:
+            p["output"] = move(p["output"])
 
 
 def set_dotted(cfg, dotted, value, source, where):
@@ -474,12 +526,23 @@ def load_config(path, overrides=()):
     """
     source = str(path)
     raw = load_yaml(path)
+    file_set = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] in FILE_KEYS]
+    run_set = [o for o in overrides if o not in file_set]
+    given = apply_file_set(raw, file_set, source)
+    check_keys(raw, {**top_keys(), **FILE_KEYS}, source, "")
+    for item in run_set:
+        check_keys([parse_assignment(item, source)[0].split(".")[0]], {**top_keys(), **FILE_KEYS}, source, "")
     file_opts = {k: raw.pop(k) for k in list(raw) if k in FILE_KEYS}
     for k, v in file_opts.items():
         _check_type(v, FILE_KEYS[k], source, k)
     if "plots" in file_opts:
         from .analysis.recipes import check_plot
         file_opts["plots"] = [check_plot(p, source, f"plots[{i}]") for i, p in enumerate(file_opts["plots"])]
+    new_dir = [parse_assignment(o, source)[1] for o in run_set if o.partition("=")[0].strip() == "output_dir"]
+    if new_dir:
+        check_output_dir(_check_type(new_dir[-1], (str,), source, "output_dir"), source)
+        old_dir = raw.get("output_dir")
+        rebase_outputs(file_opts, old_dir if isinstance(old_dir, str) else "results", new_dir[-1], given)
     from .sweep import check_backend, expand_grid
 
     file_opts["backend"] = check_backend(file_opts.get("backend"), source)
@@ -490,8 +553,12 @@ def load_config(path, overrides=()):
     for i, run in enumerate(runs):
         if not isinstance(run, dict):
             raise ConfigError("each run must be a mapping", source, f"runs[{i}]")
+        for k in run:
+            if k in FILE_KEYS:
+                raise ConfigError("applies to the whole file: set it at the top level, not in a run", source,
+                                  f"runs[{i}].{k}")
         check_keys(run, top_keys(), source, f"runs[{i}].")
-        merged = apply_set(deep_merge(raw, run), overrides, source)
+        merged = apply_set(deep_merge(raw, run), run_set, source)
         exp = validate_experiment(merged, source)
         exp["_source"] = source
         exp["_base_dir"] = str(Path(path).resolve().parent)

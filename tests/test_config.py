@@ -648,6 +648,61 @@ def test_set_overrides_parse_values(tmp_path):
     assert exp["dataset"] == {"name": "digits"}
 
 
+def test_set_reaches_file_keys(tmp_path):
+    """--set sets whole-file keys too: the board, the plots, the grid (a dotted grid key), one backend field."""
+    from blackboxbench.config import load_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out")) + "backend: serial\n")
+    exps, opts = load_config(path, ["leaderboard=b.csv", "grid.threat.eps=[1/255, 2/255]", "share_forwards=true",
+                                    "backend.threads=1", "plots=[{recipe: aev_scatter, output: p.png}]"])
+    assert opts["leaderboard"] == "b.csv" and opts["share_forwards"] is True and opts["backend"]["threads"] == 1
+    assert [e["threat"]["eps"] for e in exps] == ["1/255", "2/255"] and opts["plots"][0]["output"] == "p.png"
+    for e in exps:
+        assert not {"leaderboard", "grid", "plots", "backend", "share_forwards"} & set(e)
+
+
+def test_set_output_dir_moves_the_board_and_plots(tmp_path):
+    """A redirected output_dir takes the file's board, robustness CSV and plots with it (inside the old folder: same
+    place under the new one; elsewhere: the new folder, same name), unless --set names them too."""
+    from blackboxbench.config import load_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", "res/a") + "leaderboard: res/a/sub/board.csv\nrobustness: elsewhere/r.csv\n"
+                    "plots:\n  - {recipe: aev_scatter, output: res/a/plot.png}\n")
+    new = str(tmp_path / "b")
+    (exp,), opts = load_config(path, [f"output_dir={new}"])
+    assert exp["output_dir"] == new and opts["leaderboard"] == f"{new}/sub/board.csv"
+    assert opts["robustness"] == f"{new}/r.csv" and opts["plots"][0]["output"] == f"{new}/plot.png"
+    _, opts = load_config(path, [f"output_dir={new}", "leaderboard=keep.csv"])
+    assert opts["leaderboard"] == "keep.csv" and opts["robustness"] == f"{new}/r.csv"
+    _, opts = load_config(path, [])
+    assert opts["leaderboard"] == "res/a/sub/board.csv" and opts["plots"][0]["output"] == "res/a/plot.png"
+
+
+@pytest.mark.parametrize("sets,key,expect", [
+    (["leaderbord=x.csv"], "leaderbord", "did you mean: leaderboard"),
+    (["run=[]"], ":run:", "did you mean: runs"),
+    (["plots.x=1"], "plots.x", "takes a whole value"),
+    (["output_dir=5"], "output_dir", "expected str"),
+    (["grid.threat.eps=3"], "grid.threat.eps", "non-empty list"),
+])
+def test_bad_file_key_sets_are_one_line(tmp_path, capsys, sets, key, expect):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out")))
+    assert main(["run", str(path), "--quiet", *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and key in err and expect in err, err
+
+
+def test_file_key_inside_a_run_says_where_it_belongs(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out")) + "runs:\n  - {leaderboard: x.csv}\n")
+    assert main(["run", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "runs[0].leaderboard" in err and "top level" in err, err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is available")
 def test_cuda_without_device_is_a_config_error(tmp_path, capsys):
     path = tmp_path / "cfg.yaml"
