@@ -6,14 +6,19 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from .errors import BenchError
 
-SUMMARY_FIELDS = [("attack", "attack"), ("target_model", "target"), ("defense", "defense"), ("norm", "norm"),
+SUMMARY_FIELDS = [("label", "attack"), ("target_model", "target"), ("defense", "defense"), ("norm", "norm"),
                   ("eps", "eps"), ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
                   ("asr_interval", "ASR 95 %"), ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"),
                   ("mean_l2", "mean L2"), ("wall_time", "time s")]
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 def _cell(v):
@@ -23,7 +28,11 @@ def _cell(v):
 
 
 def _value(row, key):
-    """``row[key]``; a key ``<name>_interval`` reads ``<name>_low`` and ``<name>_high`` as the text ``low-high``."""
+    """``row[key]``; ``label`` the run's label (:func:`~blackboxbench.leaderboard.label`); a key ``<name>_interval``
+    reads ``<name>_low`` and ``<name>_high`` as the text ``low-high``."""
+    if key == "label":
+        from .leaderboard import label
+        return label(row)
     if not key.endswith("_interval"):
         return row.get(key)
     low, high = (row.get(f"{key[:-len('_interval')]}_{end}") for end in ("low", "high"))
@@ -187,11 +196,14 @@ def cmd_analyze(args):
         raise BenchError(f"--n must be >= 1 (the first n images), got {args.n}")
     if not 0 <= args.seed < 1 << 63:
         raise BenchError(f"--seed must be in [0, 2**63), got {args.seed}")
-    png, table, npz, n = analyze(args.recipe, args.output, _assignments(args.param, "--param"),
+    png, table, npz, n, loaded = analyze(args.recipe, args.output, _assignments(args.param, "--param"),
                                  resolve_device(args.device), run=args.run, model=_yaml_arg(args.model, "--model"),
                                  dataset=_yaml_arg(args.dataset, "--dataset"), data_root=args.data_root, n=args.n,
                                  indices=indices, seed=args.seed)
     print(f"{args.recipe}: {png}, {table} and {npz} ({n} images)")
+    if n < loaded:
+        print(f"note: {args.recipe} draws its first max_images={n} of the {loaded} images loaded; --param "
+              f"max_images={loaded} draws them all", file=sys.stderr)
     return 0
 
 
@@ -251,8 +263,9 @@ def main(argv=None):
     p.add_argument("results")
     p.add_argument("-o", "--output", default="robustness.csv")
     p.set_defaults(fn=cmd_robustness)
-    p = sub.add_parser("plot", help="an analysis figure (AEV line, scatter, bar, bubble, heatmap) of a leaderboard "
-                                    "CSV or a results directory: a PNG and its numbers as CSV")
+    text = ("an analysis figure (aev_line, aev_scatter, aev_bar, aev_bubble, aev_heatmap) of a leaderboard CSV or a "
+            "results directory: a PNG and its numbers as CSV")
+    p = sub.add_parser("plot", help=text, description=text)
     p.add_argument("results", help="a leaderboard CSV or a results directory")
     p.add_argument("-r", "--recipe", required=True, help="an analysis recipe (blackboxbench list analysis) or .yaml")
     p.add_argument("-o", "--output", default="plot.png", help="the figure; its numbers go next to it as .csv")
@@ -262,8 +275,9 @@ def main(argv=None):
     p.add_argument("--where", action="append", default=[], metavar="COLUMN=VALUE",
                    help="keep the rows with this value (the fixed components; e.g. norm=linf, eps=8/255)")
     p.set_defaults(fn=cmd_plot)
-    p = sub.add_parser("analyze", help="a model-level analysis (decision surface, dbViz, FSM, FullGrad) of a run's "
-                                       "images or of a model and a dataset: a PNG, its numbers as CSV, arrays as NPZ")
+    text = ("a model-level analysis (decision_surface, dbviz, fsm, fullgrad, fullgrad_path, path_tsne, adm) of a "
+            "run's images or of a model and a dataset: a PNG, its numbers as CSV, arrays as NPZ")
+    p = sub.add_parser("analyze", help=text, description=text)
     p.add_argument("-r", "--recipe", required=True, help="an analysis recipe (blackboxbench list analysis) or .yaml")
     p.add_argument("--run", default=None, help="a run directory (its config names the dataset and model; with "
                                                  "save_adv: true its adversarial images are read too)")
@@ -283,7 +297,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         import blackboxbench  # noqa: F401  (registers every block)
-        return args.fn(args)
+        with warnings.catch_warnings():  # a library warning: one line too, as the errors
+            warnings.showwarning = _one_line_warning
+            return args.fn(args)
     except BenchError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, whatever the message holds
         return 2

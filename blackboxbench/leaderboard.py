@@ -108,6 +108,11 @@ def collect(results_dirs):
     return rows, skipped
 
 
+def label(row):
+    """A run's label in tables and figures: the config's ``name`` when it gave one, else the attack."""
+    return row.get("name") or row.get("attack")
+
+
 def is_number(v):
     """A finite int or float, not a boolean."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -4,6 +4,7 @@ in one block, a grid of panels, a labelled heatmap, asymmetric error bars, and t
 import csv
 import json
 import math
+import textwrap
 from contextlib import contextmanager
 
 from .errors import BenchError
@@ -52,7 +53,9 @@ def grid_figure(path, title, panels, draw_panel, cols=4):
 def heatmap(path, rlabels, clabels, m, title, fmt="{:.2f}", cmap="viridis"):
     """A heatmap of the matrix ``m`` (rows ``rlabels``, columns ``clabels``) with each finite value written in its
     cell; NaN cells (missing or incompatible) are light gray. Returns ``path``."""
-    with figure(path, (1.6 + 1.1 * len(clabels), 1.2 + 0.45 * len(rlabels))) as (fig, axes):
+    label_w = 0.3 + 0.07 * max([len(str(r)) for r in rlabels] + [0])  # inches of the row labels at 8 pt
+    label_h = 0.2 + 0.045 * max([len(str(c)) for c in clabels] + [0])  # the column labels, slanted 35 degrees
+    with figure(path, (label_w + 1.1 * len(clabels) + 1.0, label_h + 0.8 + 0.45 * len(rlabels))) as (fig, axes):
         matrix_panel(fig, axes[0, 0], rlabels, clabels, m, title, fmt, cmap)
     return path
 
@@ -70,8 +73,10 @@ def matrix_panel(fig, ax, rlabels, clabels, m, title, fmt="{:.2f}", cmap="viridi
     for i in range(a.shape[0]):
         for j in range(a.shape[1]):
             if np.isfinite(a[i, j]):
-                ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="w")
-    ax.set_title(title, fontsize=9)
+                light = im.norm(a[i, j]) > 0.6  # both colour maps used here end light: dark text there
+                ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=7, color="k" if light else "w")
+    # wrapped to what fits above the matrix and its colour bar (about 10 characters an inch at 9 pt)
+    ax.set_title(textwrap.fill(title, max(16, int((1.1 * len(clabels) + 1.4) * 10))), fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.04)
 
 

@@ -504,7 +504,7 @@ class Runner:
         by_role = {}
         for key, _, spec in fam.roles(exp):
             by_role.setdefault(fam.model_keys[key].role, []).append(spec_label(spec))
-        s.update(run=self.run_dir.name, attack=self.recipe["name"], family=fam.name,
+        s.update(run=self.run_dir.name, attack=self.recipe["name"], name=exp["name"], family=fam.name,
                  paper=self.recipe.get("paper"), category=self.recipe.get("category"), year=self.recipe.get("year"),
                  dataset=exp["dataset"]["name"],
                  target_model="+".join(by_role.get("target", [])) or None,

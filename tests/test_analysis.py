@@ -247,3 +247,14 @@ def test_config_plots_are_checked_before_any_run(tmp_path, capsys, entry, messag
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("command,inputs", [("plot", "results"), ("analyze", "model")])
+def test_help_names_every_recipe_of_its_command(capsys, command, inputs):
+    """`blackboxbench plot --help` / `analyze --help` name every catalog recipe whose tool reads their inputs."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    names = [n for n, p in catalog.entries("analysis").items()
+             if ANALYSIS.get(load_yaml(p)["tool"]).registry_meta.get("inputs", "results") == inputs]
+    assert names and all(n in text for n in names), (names, text)

@@ -252,6 +252,11 @@ def test_every_model_recipe_on_a_run(saved_run, tmp_path, capsys, tool):
     args = args.get(tool, ["--param", "max_images=3"])
     assert main(["analyze", "-r", recipe, "--run", str(run_dir), *args, "--device", "cpu", "-o",
                  str(tmp_path / "fig.png")]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    if "max_images=3" in args:  # more images loaded: the count printed is the images drawn, and a note says so
+        loaded = len(load_inputs(run=run_dir).index)
+        assert loaded > 3 and "(3 images)" in out, out
+        assert f"draws its first max_images=3 of the {loaded} images loaded" in err, err
     assert (tmp_path / "fig.png").read_bytes()[:8] == PNG
     assert (tmp_path / "fig.csv").read_text().count("\n") >= 2 and np.load(tmp_path / "fig.npz").files
 

@@ -148,7 +148,7 @@ def test_robustness_table_keeps_a_transfer_run_in_one_column():
     from blackboxbench.detection.report import robustness_table
 
     def row(run, attack, surrogate, target, clean, adv):
-        return {"run": run, "attack": attack, "surrogate": surrogate, "target": target, "clean_map": clean,
+        return {"run": run, "label": attack, "surrogate": surrogate, "target": target, "clean_map": clean,
                 "adv_map": adv}
 
     rows = [row("t", "tog", "base", "base", 0.9, 0.1), row("t", "tog", "base", "ft", 0.8, 0.7),
@@ -156,6 +156,23 @@ def test_robustness_table_keeps_a_transfer_run_in_one_column():
     rl, cl, m = robustness_table(rows)
     assert rl == ["base", "ft"] and cl == ["clean", "tog (base)", "tog"]
     assert m[0][:2] == [0.9, 0.1] and np.isnan(m[0][2]) and m[1] == [0.8, 0.7, 0.2]
+
+
+def test_run_labels_tell_every_run_apart():
+    """A run's heatmap label: its config name, else its attack; two runs of one surrogate sharing a label get their
+    eps, else their config hash; the same label on another surrogate is another heatmap row already."""
+    from blackboxbench.detection.report import run_labels, transfer_matrix, rows_of
+
+    def s(run, attack, eps, name=None, surrogate="base", h="h"):
+        return {"run": run, "attack": attack, "name": name, "eps": eps, "surrogates": surrogate, "config_hash": h,
+                "family": "detection", "per_target": {"base": {"drop_map": eps}, "ft": {"drop_map": 2 * eps}}}
+
+    runs = [s("a", "tog", 8 / 255), s("b", "tog", 4 / 255), s("c", "tog", 4 / 255, name="mine"),
+            s("d", "dag", 2 / 255, h="h1"), s("e", "dag", 2 / 255, h="h2"), s("f", "tog", 8 / 255, surrogate="ft")]
+    assert run_labels(runs) == {"a": "tog eps 8/255", "b": "tog eps 4/255", "c": "mine", "d": "dag h1",
+                                "e": "dag h2", "f": "tog"}
+    rl, cl, m = transfer_matrix(rows_of(runs))
+    assert len(rl) == 6 and cl == ["base", "ft"] and not np.isnan(np.array(m)).any()  # no run hidden
 
 
 @pytest.mark.parametrize("mode", ["11points", "area"])
@@ -198,3 +215,13 @@ def test_detection_summary_has_drop_intervals():
         assert s[f"mean_drop_{k}_low"] < s[f"mean_drop_{k}"] < s[f"mean_drop_{k}_high"]
     assert (s["asr_low"], s["asr_high"]) == (s["mean_drop_map_low"], s["mean_drop_map_high"])
     assert summarize_detection(records)["mean_drop_csr_low"] == s["mean_drop_csr_low"]
+    # each target repeats its own mAP drop and clean mAP under the run-level names, so analysis rows per target
+    # (aev_heatmap: target x run) read that target's values, not the run's mean
+    from blackboxbench.analysis.aev import aev_heatmap, summary_rows
+    s["per_target"]["t2"] = {**s["per_target"]["t2"], "drop_map": 0.5, "asr": 0.5}
+    for t, p in s["per_target"].items():
+        assert (p["asr"], p["asr_low"], p["asr_high"]) == (p["drop_map"], p["drop_map_low"], p["drop_map_high"])
+        assert p["clean_acc"] == p["clean_map"]
+    _, body, _ = aev_heatmap(summary_rows([{**s, "attack": "a"}]), x="target_model", y="asr", hue="attack",
+                             average=False)
+    assert body == [["a", s["per_target"]["t1"]["drop_map"], 0.5]]

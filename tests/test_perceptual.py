@@ -120,3 +120,23 @@ def test_lpips_trunk_loading_and_missing_trunk(tmp_path, monkeypatch):
     torch.save({"x": torch.zeros(1)}, tmp_path / "bad.pth")
     with pytest.raises(BenchError, match="not torchvision's AlexNet"):
         load_lpips(path=tmp_path / "bad.pth")
+
+
+def test_cli_prints_a_library_warning_on_one_line(tmp_path, monkeypatch, capsys):
+    """The missing-trunk warning of a run reaches the terminal as one line, as errors do (not Python's two-line
+    ``file:line: UserWarning`` with the source line under it)."""
+    import warnings
+
+    from blackboxbench.cli import main
+
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 2}}\nmodel: digits_mlp\nattack: square_linf\ndevice: cpu\n"
+                   f"threat: {{norm: linf, eps: 0.1, max_queries: 5}}\noutput_dir: {tmp_path / 'out'}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["run", str(cfg), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "LPIPS" in x]
+    assert lines and all(x.startswith("warning: LPIPS column left empty") for x in lines), err
+    assert "UserWarning" not in err and "warnings.warn" not in err, err

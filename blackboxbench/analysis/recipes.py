@@ -111,10 +111,12 @@ def plot(recipe, source, out, params=None, where=None):
 def analyze(recipe, out, params=None, device="cpu", **source):
     """Run a model recipe on the images of ``source`` (the keyword arguments of
     :func:`~blackboxbench.analysis.inputs.load_inputs`: ``run``, ``model``, ``dataset``, ``data_root``, ``n``,
-    ``indices``, ``seed``). Returns ``(png, csv, npz, images used)``."""
+    ``indices``, ``seed``). Returns ``(png, csv, npz, images used, images loaded)``: a tool with ``max_images``
+    uses at most that many of the images loaded."""
     path, r, tool = load_recipe(recipe, "model")
     p = _params(path, r, tool, params)
     inputs = load_inputs(device=device, many=tool.registry_meta.get("models", False), **source)
     header, body, arrays, draw = tool(inputs, **p)
     png, table = _write(out, header, body, draw, f"{r['name']}: {inputs.model_name}", arrays)
-    return png, table, Path(out).with_suffix(".npz"), len(inputs.index)
+    loaded = len(inputs.index)
+    return png, table, Path(out).with_suffix(".npz"), min(loaded, p.get("max_images", loaded)), loaded

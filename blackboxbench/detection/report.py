@@ -15,29 +15,50 @@
 import csv
 from pathlib import Path
 
-from ..leaderboard import cell, collect
+from ..leaderboard import cell, collect, label
 from ..plotting import heatmap
 
-COLUMNS = ("attack", "surrogate", "target", "n", "clean_map", "adv_map", "drop_map", "clean_ap_loc", "adv_ap_loc",
-           "drop_ap_loc", "clean_csr", "adv_csr", "drop_csr", "clean_map_area", "adv_map_area", "clean_n_det",
-           "adv_n_det", "det_ratio", "goal_rate", "goal_rate_clean", "mean_l2", "mean_linf", "mean_l2_255", "mean_linf_255", "mean_ssim",
-           "mean_lpips", "time_per_image", "score_thr", "max_det", "run")
+COLUMNS = ("attack", "name", "surrogate", "target", "n", "clean_map", "adv_map", "drop_map", "clean_ap_loc",
+           "adv_ap_loc", "drop_ap_loc", "clean_csr", "adv_csr", "drop_csr", "clean_map_area",
+           "adv_map_area", "clean_n_det", "adv_n_det", "det_ratio", "goal_rate", "goal_rate_clean",
+           "mean_l2", "mean_linf", "mean_l2_255", "mean_linf_255", "mean_ssim", "mean_lpips",
+           "time_per_image", "score_thr", "max_det", "run")
 
 
 def rows_of(summaries):
-    """One row per (run, target detector) of the detection summaries."""
+    """One row per (run, target detector) of the detection summaries; ``label`` names the run in the heatmaps
+    (:func:`run_labels`)."""
     rows = []
+    summaries = [s for s in summaries if s.get("family") == "detection"]
+    labels = run_labels(summaries)
     for s in summaries:
-        if s.get("family") != "detection":
-            continue
         for target, p in (s.get("per_target") or {}).items():
-            r = {k: s.get(k) for k in ("attack", "n", "mean_l2", "mean_linf", "mean_ssim", "mean_lpips",
+            r = {k: s.get(k) for k in ("attack", "name", "n", "mean_l2", "mean_linf", "mean_ssim", "mean_lpips",
                                        "time_per_image", "run")}
-            r.update({k: v for k, v in p.items()}, surrogate=s.get("surrogates"), target=target)
+            r.update({k: v for k, v in p.items()}, surrogate=s.get("surrogates"), target=target,
+                     label=labels[s.get("run")])
             r["mean_l2_255"] = None if r["mean_l2"] is None else r["mean_l2"] * 255
             r["mean_linf_255"] = None if r["mean_linf"] is None else r["mean_linf"] * 255
             rows.append(r)
-    return sorted(rows, key=lambda r: (str(r["attack"]), str(r["surrogate"]), str(r["target"])))
+    return sorted(rows, key=lambda r: (str(r["label"]), str(r["surrogate"]), str(r["target"])))
+
+
+def run_labels(summaries):
+    """{run: label}: the config's ``name``, else the attack; runs of one surrogate that would share a label get
+    their eps (in /255) added when it tells them apart, else their config hash, so no heatmap cell hides a run."""
+    base = {s.get("run"): label(s) for s in summaries}
+    groups = {}
+    for s in summaries:
+        groups.setdefault((base[s.get("run")], s.get("surrogates")), []).append(s)
+    out = dict(base)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        eps = [s.get("eps") for s in members]
+        by_eps = all(isinstance(e, (int, float)) for e in eps) and len({round(e * 255, 3) for e in eps}) == len(eps)
+        for s in members:
+            out[s.get("run")] += f" eps {s['eps'] * 255:.3g}/255" if by_eps else f" {s.get('config_hash')}"
+    return out
 
 
 def _matrix(rows, row_key, col_key, value):
@@ -52,18 +73,18 @@ def _matrix(rows, row_key, col_key, value):
 
 
 def transfer_matrix(rows):
-    return _matrix(rows, lambda r: f"{r['attack']} ({r['surrogate']})", lambda r: r["target"], lambda r: r["drop_map"])
+    return _matrix(rows, lambda r: f"{r['label']} ({r['surrogate']})", lambda r: r["target"], lambda r: r["drop_map"])
 
 
 def robustness_table(rows):
     """Rows target detector, columns attack, adversarial mAP; a first column ``clean`` with the clean mAP. A run
     crafted on a surrogate and evaluated on other detectors (the od benchmark's protocol: fixed adversarial test
-    images from the base detector) is one column ``attack (surrogate)``, its surrogate's own row included; a
-    white-box run (surrogate = its only target) is labelled by the attack alone."""
+    images from the base detector) is one column ``label (surrogate)``, its surrogate's own row included; a
+    white-box run (surrogate = its only target) is labelled by its label alone."""
     transfer = {r["run"] for r in rows if r["surrogate"] != r["target"]}
 
     def col(r):
-        return f"{r['attack']} ({r['surrogate']})" if r["run"] in transfer else r["attack"]
+        return f"{r['label']} ({r['surrogate']})" if r["run"] in transfer else r["label"]
 
     rl, cl, m = _matrix(rows, lambda r: r["target"], col, lambda r: r["adv_map"])
     clean = {}
@@ -149,7 +170,7 @@ def examples(summaries, results_dirs, path, per_run=2, max_runs=8):
             _draw(axes[row][2 * k], x[k].permute(1, 2, 0).numpy(), {k2: v[keep_c] for k2, v in dc.items()},
                   f"clean #{idx[k]}")
             _draw(axes[row][2 * k + 1], xa[k].permute(1, 2, 0).numpy(), {k2: v[keep_a] for k2, v in da.items()},
-                  f"{s['attack']} #{idx[k]}")
+                  f"{label(s)} #{idx[k]}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
