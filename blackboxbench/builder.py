@@ -159,7 +159,7 @@ def build_attack(recipe, threat, source):
         except ValueError as e:
             raise ConfigError(str(e), source, f"attack.hyper.{k}") from None
     meta = {k: recipe.get(k) for k in ("name", "family", "paper", "defaults")}
-    meta.update(source=source, needs=block_needs(bound), assets=block_assets(bound))
+    meta.update(source=source, needs=block_needs(bound), assets=block_assets(bound), layers=block_layers(bound))
     return family.build(recipe["name"], bound, hyper, meta)
 
 
@@ -177,6 +177,17 @@ def block_assets(bound):
             name = b.keywords.get(param, block_params(b.func)[param])
             if name is not None:
                 out.setdefault(name, (b.func.registry_meta["name"], kind))
+    return out
+
+
+def block_layers(bound):
+    """{block name: layer name} of the bound blocks registered with ``layer_param="layer"`` (a block that hooks a
+    layer of its model by name), so that a name the model lacks fails before the run starts."""
+    out = {}
+    for b in _blocks(bound):
+        param = b.func.registry_meta.get("layer_param")
+        if param:
+            out[b.func.registry_meta["name"]] = b.keywords.get(param, block_params(b.func)[param])
     return out
 
 

@@ -40,6 +40,7 @@ from .family import RunInputs
 from .oracle import forward_chunk
 from .prep.data import resolve_data_root
 from .prep.inference import inference_copy, is_randomized
+from .prep.layers import get_layer
 from .prep.models import build_model
 from .prep.targets import choose_targets
 from .registry import ASSET, DATASET
@@ -400,6 +401,7 @@ class Runner:
         # what the attack trains on (the train_images assets its blocks read): its leaderboard row says so
         read = {name for name, (_, kind) in self.attack.meta["assets"].items() if kind == "train_images"}
         self.trained_on = "; ".join(f"{assets[k].name} ({len(assets[k].y)} images)" for k in sorted(read)) or None
+        self._check_layers(models)
         self.randomized = []
         if not fam.classifier_models:
             fam.check_inputs(models, data, source)
@@ -414,6 +416,21 @@ class Runner:
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
                          save_path_every=exp.get("save_path_every", 0), defenses=defenses, lpips=self.session.lpips(exp["lpips_path"], self.device, source))
+
+    def _check_layers(self, models):
+        """A block that hooks a layer by name (``layer_param`` at registration) must find it on the surrogate it
+        will hook: checked on a single surrogate (refinement keeps its layers; an ensemble's fused model is only
+        built at run time)."""
+        keys = [k for k, mk in self.family.model_keys.items() if mk.role == "surrogate"]
+        for key in keys:
+            if len(models.get(key, [])) != 1:
+                continue
+            for block, layer in self.attack.meta.get("layers", {}).items():
+                try:
+                    get_layer(models[key][0], layer)
+                except BenchError as e:
+                    raise ConfigError(str(e), self.exp["_source"], f"attack (block {block}, parameter layer)") \
+                        from None
 
     def _check_classes(self, models, data):
         """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes

@@ -135,8 +135,9 @@ def _ray(experiments, backend, fresh, done):
     try:
         import ray
     except ImportError:
-        raise ConfigError("backend ray needs the ray package: pip install 'blackboxbench[ray]'",
-                          key="backend.name") from None
+        raise ConfigError("backend ray needs the ray package: pip install ray (or, in a checkout of this "
+                          "repository, pip install '.[ray]')", experiments[0].get("_source") if experiments else None,
+                          "backend.name") from None
     if not ray.is_initialized():
         address = backend["address"] or os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,

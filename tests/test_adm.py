@@ -159,17 +159,24 @@ def test_adm_errors_are_one_line(tmp_path, cache, capsys):
         (dict(models="digits_cnn"), "this tool compares models: give a list of two or more"),
         (dict(models="[digits_cnn]"), "this tool compares models: give two or more"),
         (dict(models="[digits_cnn, digits_cnn]"), "the models to compare repeat a name"),
-        (dict(dataset="{name: digits, split: train, n: 3}"), "adm: params.train: 3 of its 60 images are evaluation "
-                                                            "images"),
-        (dict(extra=("--param", "families={digits_cnn: conv}")), "params.families must map every model to a "
-                                                                 "family name; missing ['digits_mlp'"),
-        (dict(extra=("--param", "train={name: digitz}")), "adm: params.train: unknown dataset 'digitz'"),
+        (dict(dataset="{name: digits, split: train, n: 3}"), "command line (--param):params.train: 3 of its 60 "
+                                                            "images are evaluation images"),
+        (dict(extra=("--param", "families={digits_cnn: conv}")), "command line (--param):params.families: must map "
+                                                                 "every model to a family name; missing ['digits_mlp'"),
+        (dict(extra=("--param", "train={name: digitz}")), "command line (--param):params.train: unknown dataset "
+                                                          "'digitz'"),
         (dict(extra=("--param", "floor=1")), "params.floor:"),
     ]
     for kw, message in cases:
         code, _ = _analyze(tmp_path, "e", *kw.pop("extra", ()), **kw)
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and message in err, (kw, err)
+    recipe = tmp_path / "my_adm.yaml"  # the train set a recipe file names: the error names that file
+    recipe.write_text("name: my_adm\ntool: adm\npaper: test\nparams: {train: {name: digits, split: train, n: 60}}\n")
+    args = [a for flag, v in zip(TINY[::2], TINY[1::2]) if not v.startswith("train=") for a in (flag, v)]
+    assert main(["analyze", "-r", str(recipe), "--model", "[digits_cnn, digits_mlp]", "--dataset",
+                 "{name: digits, split: train, n: 3}", "--device", "cpu", *args, "-o", str(tmp_path / "r.png")]) == 2
+    assert f"{recipe}:params.train: 3 of its 60 images are evaluation images" in capsys.readouterr().err
     assert main(["analyze", "-r", "fsm", "--model", "[digits_cnn, digits_mlp]", "--dataset", "digits", "-o",
                  str(tmp_path / "f.png")]) == 2
     assert "this tool reads one model, got the list" in capsys.readouterr().err

@@ -123,7 +123,7 @@ def test_cli_runs_a_grid_on_worker_processes_and_a_failing_run_lets_the_others_f
 
 
 def test_ray_backend_gives_the_serial_records(tmp_path):
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'blackboxbench[ray]')")
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install ray, or '.[ray]' in a checkout)")
     want = serial_records(tmp_path)
     exps, opts = load_config(sweep_config(tmp_path / "r", "{name: ray, workers: 2}"))
     dirs = []
@@ -137,3 +137,15 @@ def test_ray_backend_gives_the_serial_records(tmp_path):
         ray.shutdown()
     got = [[strip(r) for r in records(d)] for d in dirs]
     assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, want))
+
+
+def test_ray_backend_without_ray_names_the_file(tmp_path, monkeypatch):
+    """Without the ray package the ray backend is a one-line error naming the config file and the key, with the
+    install line for both an installed package and a checkout."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError, installed or not
+    path = sweep_config(tmp_path / "r", "{name: ray, workers: 2}")
+    exps, opts = load_config(path)
+    with pytest.raises(ConfigError) as e:
+        run_sweep(exps, opts["backend"])
+    assert str(e.value).startswith(f"{path}:backend.name: backend ray needs the ray package: pip install ray")
+    assert "'.[ray]'" in str(e.value)

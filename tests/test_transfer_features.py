@@ -188,6 +188,23 @@ def test_feature_blocks_fail_in_one_line():
         AUXILIARY.get("fia_aggregate")(targeted)
 
 
+@pytest.mark.parametrize("block", ["ila_baseline", "fia_aggregate", "naa_attention"])
+def test_unknown_layer_fails_before_the_run_folder_exists(tmp_path, capsys, block):
+    """A layer the surrogate lacks is a one-line config error naming the file and the block, before anything is
+    created (not an error in the first batch, with an empty run folder left behind)."""
+    from blackboxbench.cli import main
+
+    recipe = {"ila_baseline": "ila", "fia_aggregate": "fia", "naa_attention": "naa"}[block]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 4}}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
+                   f"attack: {{recipe: {recipe}, blocks: {{auxiliary: [{{name: {block}, layer: stage9}}]}}}}\n"
+                   f"threat: {{norm: linf, eps: 0.1}}\ndevice: cpu\noutput_dir: {tmp_path / 'out'}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{cfg}:attack (block {block}, parameter layer): unknown layer 'stage9'" in err, err
+    assert "did you mean: stage3" in err and not (tmp_path / "out").exists()
+
+
 def test_pipeline_removes_feature_hooks_after_a_batch_even_on_error():
     net = small_resnet()
     x, y = images(2)

@@ -37,7 +37,7 @@ from ..plotting import figure, matrix_panel
 from ..prep.assets import train_images
 from ..prep.trained import shared_images
 from ..query.cg_attack import STAGE_ONE_RANGES, expand, fit_cglow, stage_one, unflatten
-from ..registry import ANALYSIS
+from ..registry import ANALYSIS, ParamError
 from ..rng import Streams
 
 PAPER = ("BlackboxBench Supp. I, eqs. I.4-I.10 (ADM); the CAD is CG-Attack's c-Glow (Feng et al., CVPR 2022), "
@@ -108,15 +108,15 @@ def _train_set(inputs, train):
     try:
         data = train_images(inputs.data_root, inputs.x.device, spec=train)
     except BenchError as e:
-        raise BenchError(f"adm: params.train: {e}") from None
+        raise ParamError("train", str(e)) from None
     if data.x.shape[1:] != inputs.x.shape[1:]:
-        raise BenchError(f"adm: params.train: images of shape {tuple(data.x.shape[1:])}, the evaluation images' "
-                         f"are {tuple(inputs.x.shape[1:])}")
+        raise ParamError("train", f"images of shape {tuple(data.x.shape[1:])}, the evaluation images' are "
+                                  f"{tuple(inputs.x.shape[1:])}")
     shared = shared_images(data.x, inputs.x)
     if shared:
-        raise BenchError(f"adm: params.train: {shared} of its {len(data.y)} images are evaluation images; the CADs "
-                         "must learn from other images (default train: cifar10_test_sdp200.npz, evaluate on "
-                         "cifar10_test_first100.npz)")
+        raise ParamError("train", f"{shared} of its {len(data.y)} images are evaluation images; the CADs must "
+                                  "learn from other images (default train: cifar10_test_sdp200.npz, evaluate on "
+                                  "cifar10_test_first100.npz)")
     return data
 
 
@@ -144,7 +144,7 @@ def adversarial_divergence(inputs, *, norm="linf", eps=0.03, samples=100000, flo
     if families is not None:
         missing = [n for n in names if not isinstance(families, dict) or not isinstance(families.get(n), str)]
         if missing:
-            raise BenchError(f"adm: params.families must map every model to a family name; missing {missing}")
+            raise ParamError("families", f"must map every model to a family name; missing {missing}")
     arch = {"x_hidden_channels": x_hidden_channels, "x_hidden_size": x_hidden_size,
             "y_hidden_channels": y_hidden_channels, "flow_depth": flow_depth, "num_levels": num_levels}
     hp = {"epochs": epochs, "views": views, "lr": lr, "batch": batch, "max_grad_norm": max_grad_norm,

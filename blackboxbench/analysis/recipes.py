@@ -12,7 +12,7 @@ from ..catalog import find
 from ..config import check_keys, load_yaml
 from ..errors import BenchError, ConfigError
 from ..leaderboard import cell
-from ..registry import ANALYSIS, check_params
+from ..registry import ANALYSIS, ParamError, check_params
 from .aev import load_rows, select
 from .inputs import load_inputs
 
@@ -116,7 +116,11 @@ def analyze(recipe, out, params=None, device="cpu", **source):
     path, r, tool = load_recipe(recipe, "model")
     p = _params(path, r, tool, params)
     inputs = load_inputs(device=device, many=tool.registry_meta.get("models", False), **source)
-    header, body, arrays, draw = tool(inputs, **p)
+    try:
+        header, body, arrays, draw = tool(inputs, **p)
+    except ParamError as e:  # a parameter the tool can only judge on the images: the file or flag that set it
+        source = "command line (--param)" if e.param in (params or {}) else path
+        raise ConfigError(e.message, source, f"params.{e.param}") from None
     png, table = _write(out, header, body, draw, f"{r['name']}: {inputs.model_name}", arrays)
     loaded = len(inputs.index)
     return png, table, Path(out).with_suffix(".npz"), min(loaded, p.get("max_images", loaded)), loaded

@@ -81,7 +81,7 @@ def _true_logit_grad(model, module, x, y):
 
 @AUXILIARY.register("ila_baseline", paper="Huang et al., Enhancing Adversarial Example Transferability with an "
                                           "Intermediate Level Attack (ILA), ICCV 2019",
-                    norms=("linf", "l2"), ranges={"iterations": "int [1, inf)"})
+                    norms=("linf", "l2"), ranges={"iterations": "int [1, inf)"}, layer_param="layer")
 def ila_baseline(ctx, *, layer="mid", iterations=10):
     """ILA stage 1: a baseline I-FGSM of ``iterations`` steps (CE loss, the pipeline's step ``ctx.alpha`` and
     update) gives x'; keeps F_l(x) and the unit direction (F_l(x') - F_l(x)) / ||.|| per sample for the loss.
@@ -110,7 +110,7 @@ def ila(ctx, logits, label):
 
 @AUXILIARY.register("fia_aggregate", paper="Wang et al., Feature Importance-aware Transferable Adversarial "
                                            "Attacks (FIA), ICCV 2021", norms=("linf", "l2"),
-                    ranges={"n_ens": "int [1, inf)", "drop": "[0, 1)", "fill": ("mean", "zero")})
+                    ranges={"n_ens": "int [1, inf)", "drop": "[0, 1)", "fill": ("mean", "zero")}, layer_param="layer")
 def fia_aggregate(ctx, *, layer="mid", n_ens=30, drop=0.3, fill="mean"):
     """FIA's aggregate gradient: Delta = sum_n d z_y(x masked by M_n) / d f_l, M_n ~ Bernoulli(1 - ``drop``) pixel
     masks drawn per sample from its stream, then scaled to unit L2 norm per sample. Table VII: N = 30, drop 0.3.
@@ -144,7 +144,7 @@ def fia(ctx, logits, label):
 
 @AUXILIARY.register("naa_attention", paper="Zhang et al., Improving Adversarial Transferability via Neuron "
                                            "Attribution-Based Attacks (NAA), CVPR 2022", norms=("linf", "l2"),
-                    ranges={"steps": "int [1, inf)"})
+                    ranges={"steps": "int [1, inf)"}, layer_param="layer")
 def naa_attention(ctx, *, layer="mid", steps=30):
     """NAA's integrated attention IA = (1/n) sum_{m=1..n} d z_y(xb + m/n (x - xb)) / d y_l on the straight path
     from the black baseline xb = 0 to x (n = ``steps``: Table VII, 30), scaled to unit L2 norm per sample, and
