@@ -40,13 +40,12 @@ def median_interval(values, level=LEVEL):
     """The sign-test interval of the median of ``values``: the order statistics x_(k) and x_(n+1-k) with the
     largest k such that P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (it assumes only independent draws). Too few
     values for the level (n < 6 at 95 %) give no interval."""
+    from scipy.stats import binom
+
     v, n = sorted(values), len(values)
-    k, tail = 0, 0.0
-    while n:  # tail = P(Bin(n, 1/2) <= k)
-        tail += math.comb(n, k) / 2 ** n
-        if tail > (1 - level) / 2:
-            break
-        k += 1
+    # P(Bin(n, 1/2) < k) = cdf(k - 1) rises with k: k counts the j with cdf(j) <= (1 - level) / 2 (vectorized:
+    # a loop over k took 5 s at n = 10,000)
+    k = int(np.count_nonzero(binom.cdf(np.arange(n + 1), n, 0.5) <= (1 - level) / 2)) if n else 0
     return (float(v[k - 1]), float(v[n - k])) if k >= 1 else (None, None)
 
 

@@ -304,3 +304,31 @@ def test_target_specified():
     assert spec(logits, y, gen, torch.tensor([1, 2, 3, 4])).tolist() == [1, 2, 3, 4]
     one_line_error(lambda: spec(logits, y, gen, None), "set label")
     one_line_error(lambda: spec(logits, y, gen, None, label=10), "[0, 10)")
+
+
+def test_first_use_training_is_noted_on_a_terminal_only(tmp_path, monkeypatch):
+    """Training on first use (a flow, a c-Glow, a tiny detector: minutes on a CPU) says so on a terminal's stderr,
+    before and after, even under --quiet; never where stderr is not a terminal (logs, tests: one-line errors stay
+    one line); a cache hit says nothing."""
+    import io
+    import sys
+
+    from blackboxbench.prep.trained import cached
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path))
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert cached("kind", "k1", lambda: {"a": torch.ones(2)})["a"].sum() == 2
+    lines = term.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("training k1.pt on first use (cached in ") and \
+        lines[1].startswith("trained k1.pt in "), lines
+    cached("kind", "k1", lambda: 1 / 0)  # a hit: no training, no line
+    assert len(term.getvalue().splitlines()) == 2
+    plain = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", plain)
+    cached("kind", "k2", lambda: {"a": torch.ones(1)})
+    assert plain.getvalue() == ""

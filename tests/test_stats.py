@@ -18,7 +18,7 @@ def test_wilson_of_nothing_is_no_interval():
     assert wilson(0, 0) == (None, None)
 
 
-@pytest.mark.parametrize("n", [1, 5, 6, 7, 12, 20, 31, 100])
+@pytest.mark.parametrize("n", [1, 5, 6, 7, 12, 20, 31, 100, 10_000])
 def test_median_interval_is_the_widest_sign_test_interval_at_95(n):
     values = [float(v) for v in range(n)][::-1]  # unsorted on purpose
     lo, hi = median_interval(values)

@@ -5,6 +5,7 @@ An entry is ``fn(data_root, *, ...) -> nn.Module``; :func:`build_model` parses a
 Nothing is ever downloaded: pretrained weights come from the data root, a local file, or a local cache.
 """
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -242,9 +243,27 @@ def cached_or_trained(net, file, train):
     if path.is_file():
         net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return net
-    net = train()
+    net = train_noted(train, path)
     save_atomic(net.state_dict(), path)
     return net
+
+
+def train_noted(train, path):
+    """``train()``, with a line before and after on a terminal's stderr: a first use that trains for minutes (a
+    flow, a c-Glow, a tiny detector) is not silent, even under ``--quiet``. Nothing is written where stderr is
+    not a terminal (a log, a test), so one-line errors stay one line."""
+    import time
+
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    if tty:
+        tqdm.write(f"training {path.name} on first use (cached in {path.parent}) ...", file=sys.stderr)
+    start = time.perf_counter()
+    out = train()
+    if tty:
+        tqdm.write(f"trained {path.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return out
 
 
 def save_atomic(obj, path):

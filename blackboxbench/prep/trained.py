@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BenchError
-from .models import cache_dir, save_atomic
+from .models import cache_dir, save_atomic, train_noted
 
 CACHE_VERSION = 1
 
@@ -54,7 +54,7 @@ def cached(kind, key, train):
     path = cache_dir() / kind / f"{key}.pt"
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
-    out = train()
+    out = train_noted(train, path)
     save_atomic(out, path)
     return out
 
