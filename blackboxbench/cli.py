@@ -17,8 +17,8 @@ SUMMARY_FIELDS = [("label", "attack"), ("target_model", "target"), ("defense", "
                   ("mean_l2", "mean L2"), ("wall_time", "time s")]
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None):
-    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
+def _one_line_warning(message, category, filename, lineno, line=None):
+    return f"warning: {' '.join(str(message).split())}\n"
 
 
 def _cell(v):
@@ -299,9 +299,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         import blackboxbench  # noqa: F401  (registers every block)
-        with warnings.catch_warnings():  # a library warning: one line too, as the errors
-            warnings.showwarning = _one_line_warning
+        shown = warnings.formatwarning
+        warnings.formatwarning = _one_line_warning  # a library warning printed: one line too, as the errors
+        try:
             return args.fn(args)
+        finally:
+            warnings.formatwarning = shown
     except BenchError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, whatever the message holds
         return 2

@@ -113,6 +113,29 @@ def label(row):
     return row.get("name") or row.get("attack")
 
 
+def run_labels(rows, within=lambda r: None, clash=lambda r: None):
+    """{run: label} of run rows (one per run) for a figure: :func:`label`, with the eps (in /255) added to every run of
+    a group (same label and ``within(row)``) whose runs differ in eps, and then the config hash to the runs that
+    still share a label and ``clash(row)`` (they would draw into one cell or bar)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((label(r), within(r)), []).append(r)
+    out = {}
+    for (base, _), members in groups.items():
+        eps = {round(r["eps"] * 255, 3) if is_number(r.get("eps")) else None for r in members}
+        for r in members:
+            out[r.get("run")] = base + (f" eps {r['eps'] * 255:.3g}/255" if len(eps) > 1 and is_number(r.get("eps"))
+                                        else "")
+        seen = {}
+        for r in members:
+            seen.setdefault((out[r.get("run")], clash(r)), []).append(r)
+        for same in seen.values():
+            if len(same) > 1:
+                for r in same:
+                    out[r.get("run")] += f" {r.get('config_hash')}"
+    return out
+
+
 def is_number(v):
     """A finite int or float, not a boolean."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

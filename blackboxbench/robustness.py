@@ -15,10 +15,10 @@ import math
 from pathlib import Path
 
 from .errors import BenchError
-from .leaderboard import cell, collect
+from .leaderboard import cell, collect, run_labels
 from .plotting import error_bars
 
-COLUMNS = ("attack", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr", "asr_low",
+COLUMNS = ("attack", "name", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr", "asr_low",
            "asr_high", "aqn", "aqn_low", "aqn_high", "mqn", "mean_queries_all", "clean_acc", "clean_acc_defended",
            "asr_reeval_defended", "asr_reeval_undefended", "reeval_gap", "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time",
            "config_hash", "run")
@@ -73,9 +73,11 @@ def chart(rows, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    attacks = list(dict.fromkeys(f"{r['attack']} {r.get('norm')}" for r in rows))
+    names = run_labels(rows, within=lambda r: r.get("norm"), clash=lambda r: short_defense(r.get("defense")))
+    group = {r.get("run"): f"{names[r.get('run')]} {r.get('norm')}" for r in rows}  # one group of bars
+    attacks = list(dict.fromkeys(group[r.get("run")] for r in rows))
     defenses = list(dict.fromkeys(short_defense(r.get("defense")) for r in rows))
-    value = {(f"{r['attack']} {r.get('norm')}", short_defense(r.get("defense"))): r for r in rows}
+    value = {(group[r.get("run")], short_defense(r.get("defense"))): r for r in rows}
     width = 0.8 / max(len(defenses), 1)
     fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(attacks) * max(len(defenses), 1) * 0.35 + 3), 7),
                              sharex=True)

@@ -161,7 +161,7 @@ def test_robustness_table_keeps_a_transfer_run_in_one_column():
 def test_run_labels_tell_every_run_apart():
     """A run's heatmap label: its config name, else its attack; two runs of one surrogate sharing a label get their
     eps, else their config hash; the same label on another surrogate is another heatmap row already."""
-    from blackboxbench.detection.report import run_labels, transfer_matrix, rows_of
+    from blackboxbench.detection.report import rows_of, transfer_matrix
 
     def s(run, attack, eps, name=None, surrogate="base", h="h"):
         return {"run": run, "attack": attack, "name": name, "eps": eps, "surrogates": surrogate, "config_hash": h,
@@ -169,9 +169,10 @@ def test_run_labels_tell_every_run_apart():
 
     runs = [s("a", "tog", 8 / 255), s("b", "tog", 4 / 255), s("c", "tog", 4 / 255, name="mine"),
             s("d", "dag", 2 / 255, h="h1"), s("e", "dag", 2 / 255, h="h2"), s("f", "tog", 8 / 255, surrogate="ft")]
-    assert run_labels(runs) == {"a": "tog eps 8/255", "b": "tog eps 4/255", "c": "mine", "d": "dag h1",
-                                "e": "dag h2", "f": "tog"}
-    rl, cl, m = transfer_matrix(rows_of(runs))
+    rows = rows_of(runs)
+    assert {r["run"]: r["label"] for r in rows} == {"a": "tog eps 8/255", "b": "tog eps 4/255", "c": "mine",
+                                                    "d": "dag h1", "e": "dag h2", "f": "tog"}
+    rl, cl, m = transfer_matrix(rows)
     assert len(rl) == 6 and cl == ["base", "ft"] and not np.isnan(np.array(m)).any()  # no run hidden
 
 

@@ -240,3 +240,46 @@ def test_terminal_table_per_family():
     assert "mAP drop" in second.splitlines()[0] and "ASR" not in second and "0.25" in second.splitlines()[2]
     with_interval = format_table([{**rows[0], "asr_low": 0.2366, "asr_high": 0.7634}]).splitlines()
     assert "ASR 95 %" in with_interval[0] and "0.24-0.76" in with_interval[2] and " - " in first.splitlines()[2]
+
+
+def test_a_config_name_labels_the_run_and_fills_the_name_column(tmp_path):
+    """A run's config ``name`` is its label in the terminal table and a column of the CSV (the attack stays)."""
+    from blackboxbench.cli import format_table
+
+    rows = [{"family": "score", "attack": "square_linf", "name": "sq_fast", "asr": 0.5},
+            {"family": "score", "attack": "nes", "name": None, "asr": 0.75}]
+    assert [ln.split()[0] for ln in format_table(rows).splitlines()[2:]] == ["sq_fast", "nes"]
+    names = [c for c, _ in columns()]
+    assert names[:2] == ["attack", "name"]
+
+
+def test_run_labels_keep_every_run_apart():
+    """Figure labels: the name, else the attack; a group (same label and ``within``) whose runs differ in eps gets
+    every run's eps, and runs that would still share a label and ``clash`` value get their config hash."""
+    from blackboxbench.leaderboard import run_labels
+
+    def r(run, attack, eps, norm="linf", defense="none", name=None, h="h"):
+        return {"run": run, "attack": attack, "eps": eps, "norm": norm, "defense": defense, "name": name,
+                "config_hash": h}
+
+    rows = [r("a", "sq", 4 / 255), r("b", "sq", 8 / 255, defense="rnd"), r("c", "sq", 4 / 255, defense="rnd"),
+            r("d", "sq", 1.0, norm="l2"), r("e", "nes", 0.03, h="h1"), r("f", "nes", 0.03, h="h2"),
+            r("g", "nes", 0.03, defense="rnd", name="mine")]
+    got = run_labels(rows, within=lambda x: x["norm"], clash=lambda x: x["defense"])
+    assert got == {"a": "sq eps 4/255", "b": "sq eps 8/255", "c": "sq eps 4/255", "d": "sq", "e": "nes h1",
+                   "f": "nes h2", "g": "mine"}
+
+
+def test_robustness_chart_draws_every_run(tmp_path, monkeypatch):
+    """Two runs of one attack, norm and defense at different eps are two groups of bars, not one overwritten."""
+    from blackboxbench import robustness
+
+    drawn = []
+    import matplotlib.axes
+    real = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, xs, vals, *a, **k: drawn.append(list(vals)) or
+                        real(self, xs, vals, *a, **k))
+    rows = [{"run": "a", "attack": "sq", "eps": 4 / 255, "norm": "linf", "defense": "none", "asr": 0.4, "aqn": 10},
+            {"run": "b", "attack": "sq", "eps": 8 / 255, "norm": "linf", "defense": "none", "asr": 0.9, "aqn": 5}]
+    robustness.chart(rows, tmp_path / "r.png")
+    assert drawn[0] == [0.4, 0.9] and (tmp_path / "r.png").is_file()

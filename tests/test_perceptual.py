@@ -122,21 +122,21 @@ def test_lpips_trunk_loading_and_missing_trunk(tmp_path, monkeypatch):
         load_lpips(path=tmp_path / "bad.pth")
 
 
-def test_cli_prints_a_library_warning_on_one_line(tmp_path, monkeypatch, capsys):
+def test_cli_prints_a_library_warning_on_one_line(tmp_path):
     """The missing-trunk warning of a run reaches the terminal as one line, as errors do (not Python's two-line
-    ``file:line: UserWarning`` with the source line under it)."""
-    import warnings
+    ``file:line: UserWarning`` with the source line under it). A subprocess: pytest records warnings instead of
+    printing them."""
+    import os
+    import subprocess
+    import sys
 
-    from blackboxbench.cli import main
-
-    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"dataset: {{name: digits, n: 2}}\nmodel: digits_mlp\nattack: square_linf\ndevice: cpu\n"
                    f"threat: {{norm: linf, eps: 0.1, max_queries: 5}}\noutput_dir: {tmp_path / 'out'}\n")
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        assert main(["run", str(cfg), "--quiet"]) == 0
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if "LPIPS" in x]
-    assert lines and all(x.startswith("warning: LPIPS column left empty") for x in lines), err
-    assert "UserWarning" not in err and "warnings.warn" not in err, err
+    env = {**os.environ, "TORCH_HOME": str(tmp_path / "torch")}  # no AlexNet trunk there
+    done = subprocess.run([sys.executable, "-m", "blackboxbench.cli", "run", str(cfg), "--quiet"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [x for x in done.stderr.splitlines() if "LPIPS" in x]
+    assert lines and all(x.startswith("warning: LPIPS column left empty") for x in lines), done.stderr
+    assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr

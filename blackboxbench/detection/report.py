@@ -15,7 +15,7 @@
 import csv
 from pathlib import Path
 
-from ..leaderboard import cell, collect, label
+from ..leaderboard import cell, collect, label, run_labels
 from ..plotting import heatmap
 
 COLUMNS = ("attack", "name", "surrogate", "target", "n", "clean_map", "adv_map", "drop_map", "clean_ap_loc",
@@ -27,10 +27,10 @@ COLUMNS = ("attack", "name", "surrogate", "target", "n", "clean_map", "adv_map",
 
 def rows_of(summaries):
     """One row per (run, target detector) of the detection summaries; ``label`` names the run in the heatmaps
-    (:func:`run_labels`)."""
+    (:func:`~blackboxbench.leaderboard.run_labels`: runs of one surrogate never share a label)."""
     rows = []
     summaries = [s for s in summaries if s.get("family") == "detection"]
-    labels = run_labels(summaries)
+    labels = run_labels(summaries, within=lambda s: s.get("surrogates"))
     for s in summaries:
         for target, p in (s.get("per_target") or {}).items():
             r = {k: s.get(k) for k in ("attack", "name", "n", "mean_l2", "mean_linf", "mean_ssim", "mean_lpips",
@@ -41,24 +41,6 @@ def rows_of(summaries):
             r["mean_linf_255"] = None if r["mean_linf"] is None else r["mean_linf"] * 255
             rows.append(r)
     return sorted(rows, key=lambda r: (str(r["label"]), str(r["surrogate"]), str(r["target"])))
-
-
-def run_labels(summaries):
-    """{run: label}: the config's ``name``, else the attack; runs of one surrogate that would share a label get
-    their eps (in /255) added when it tells them apart, else their config hash, so no heatmap cell hides a run."""
-    base = {s.get("run"): label(s) for s in summaries}
-    groups = {}
-    for s in summaries:
-        groups.setdefault((base[s.get("run")], s.get("surrogates")), []).append(s)
-    out = dict(base)
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        eps = [s.get("eps") for s in members]
-        by_eps = all(isinstance(e, (int, float)) for e in eps) and len({round(e * 255, 3) for e in eps}) == len(eps)
-        for s in members:
-            out[s.get("run")] += f" eps {s['eps'] * 255:.3g}/255" if by_eps else f" {s.get('config_hash')}"
-    return out
 
 
 def _matrix(rows, row_key, col_key, value):
