@@ -9,22 +9,25 @@ means over different samples (each attack's own successes). Here:
 * **Queries** (query families): over the samples both fooled, each attack's mean and median queries, how often each
   needed fewer, the sign test on those pairs, and the median ratio B / A.
 
-A transfer run pairs per target (the samples that target classifies correctly when clean, attacked in both). The
-two runs should differ in the attack (or one setting) only: the settings that differ are listed with the result;
-runs of different datasets do not pair and are a one-line error.
+A transfer run pairs per target (the samples that target classifies correctly when clean, attacked in both). A
+detection run has no per-image success: per target, each run's relative mAP drop on the images both attacked and a
+paired bootstrap interval of the difference (:func:`blackboxbench.detection.family.paired_drop`). The two runs
+should differ in the attack (or one setting) only: the settings that differ are listed with the result; runs of
+different datasets or families do not pair and are a one-line error.
 """
 import statistics
 from pathlib import Path
 
 from .errors import BenchError
-from .leaderboard import read_summary
+from .leaderboard import label, read_summary
 from .registry import FAMILY
 from .runner import read_records
 from .stats import sign_test_p
 
 SETTINGS = ("dataset", "target_model", "surrogates", "defense", "norm", "eps", "targeted", "budget", "feedback",
             "success_rule", "seed", "n")
-PAIRED_FAMILIES = ("score", "decision", "transfer")
+PAIRED_FAMILIES = ("score", "decision", "transfer", "detection")
+QUERY_FAMILIES = ("score", "decision")
 
 
 def paired_success(a, b):
@@ -73,19 +76,24 @@ def compare_runs(run_a, run_b):
     if sa["dataset"] != sb["dataset"]:
         raise BenchError(f"the runs attack different datasets ({sa['dataset']}, {sb['dataset']}): their samples "
                          "do not pair")
-    query = sa["family"] != "transfer"
-    if query != (sb["family"] != "transfer"):
-        raise BenchError(f"a {sa['family']} run and a {sb['family']} run: compare runs of the query families, or "
-                         "two transfer runs")
+    kind = [("query" if s["family"] in QUERY_FAMILIES else s["family"]) for s in (sa, sb)]
+    if kind[0] != kind[1]:
+        raise BenchError(f"a {sa['family']} run and a {sb['family']} run: compare runs of the query families, two "
+                         "transfer runs or two detection runs")
     both = sorted(i for i in ra.keys() & rb.keys() if ra[i]["attacked"] and rb[i]["attacked"])
+    targets = [t for t in ra[both[0]]["targets"] if t in rb[both[0]]["targets"]] if both and kind[0] != "query" \
+        else []
     rows = []
-    if query:
+    if kind[0] == "query":
         rows.append(_row(None, [(ra[i], rb[i]) for i in both], lambda r: r["success"], lambda r: r["queries"]))
-    else:
-        for t in [t for t in ra[both[0]]["targets"] if t in rb[both[0]]["targets"]] if both else []:
+    elif kind[0] == "transfer":
+        for t in targets:
             pairs = [(ra[i], rb[i]) for i in both if ra[i]["targets"][t]["clean_correct"]]
             rows.append(_row(t, pairs, lambda r, t=t: r["targets"][t]["success"], None))
-    if not any(row["success"]["n"] for row in rows):
+    else:
+        from .detection.family import paired_drop
+        rows = [{"target": t, "drop": paired_drop([(ra[i], rb[i]) for i in both], t)} for t in targets]
+    if not any((row.get("success") or row.get("drop"))["n"] for row in rows):
         raise BenchError("the runs share no attacked sample (or no target): nothing to pair")
     same = {k: sa.get(k) for k in SETTINGS if sa.get(k) == sb.get(k)}
     differs = {k: (sa.get(k), sb.get(k)) for k in SETTINGS if sa.get(k) != sb.get(k)}
@@ -101,7 +109,17 @@ def _row(target, pairs, success, queries):
 
 
 def _name(summary, run_dir):
-    return f"{summary.get('attack')} ({Path(run_dir).name})"
+    return f"{label(summary)} ({Path(run_dir).name})"
+
+
+def _drop_line(d):
+    def f(v):
+        return "-" if v is None else f"{v:.3f}"
+    interval = "-" if d["low"] is None else f"{d['low']:.3f} to {d['high']:.3f}"
+    verdict = "" if d["low"] is None else (" (B drops more)" if d["low"] > 0 else " (A drops more)" if d["high"] < 0
+                                           else " (no difference shown)")
+    return (f"relative mAP drop on the {d['n']} images both attacked: A {f(d['drop_a'])}, B {f(d['drop_b'])}; "
+            f"B - A {f(d['diff'])}, paired bootstrap 95 % {interval}{verdict}")
 
 
 def format_comparison(result):
@@ -111,8 +129,11 @@ def format_comparison(result):
     if result["differs"]:
         lines.append("differs: " + ", ".join(f"{k} {a} / {b}" for k, (a, b) in result["differs"].items()))
     for row in result["rows"]:
-        s = row["success"]
         head = f"target {row['target']}: " if row["target"] is not None else ""
+        if "drop" in row:
+            lines.append(head + _drop_line(row["drop"]))
+            continue
+        s = row["success"]
         if not s["n"]:
             lines.append(f"{head}no sample that both runs attacked counts (the target misclassifies them clean)")
             continue

@@ -104,8 +104,8 @@ def test_runs_that_do_not_pair_are_one_line_errors(tmp_path, capsys):
     unfinished.mkdir(parents=True)
     (unfinished / "config.yaml").write_text("{}\n")
     capsys.readouterr()
-    for a, b, message in [(q, t, "a score run and a transfer run: compare runs of the query families, or two "
-                                 "transfer runs"),
+    for a, b, message in [(q, t, "a score run and a transfer run: compare runs of the query families, two "
+                                 "transfer runs or two detection runs"),
                           (q, unfinished, f"{unfinished}: unfinished (no summary.json); re-run its config to "
                                           "finish it"),
                           (q, tmp_path / "nope", f"not a run directory: {tmp_path / 'nope'}"),
@@ -113,3 +113,36 @@ def test_runs_that_do_not_pair_are_one_line_errors(tmp_path, capsys):
                                      "pair")]:
         assert main(["compare", str(a), str(b)]) == 2
         assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_compare_detection_runs_pairs_the_mAP_drop_per_target(tmp_path, capsys):
+    """Two detection runs (TOG vanishing at 8/255 and 2/255) on the same 6 shapes: per target, each run's relative
+    mAP drop equals its summary's, B - A is their difference with a paired bootstrap interval around it; the same
+    run against itself differs by 0 in every resample; swapping the runs flips the sign."""
+    from blackboxbench.compare import load_run
+    from blackboxbench.detection.family import paired_drop
+
+    dirs = []
+    for name, eps in (("strong", "8/255"), ("weak", "2/255")):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(f"dataset: {{name: shapes, n: 6, seed: 0}}\nsurrogates: [shapes_fcos]\ntargets: [shapes_fcos]\n"
+                       f"attack: tog_vanishing\nname: {name}\nthreat: {{eps: {eps}}}\ndevice: cpu\n"
+                       f"output_dir: {tmp_path / 'out'}\n")
+        assert main(["run", str(cfg), "--quiet"]) == 0
+        dirs.append(next((tmp_path / "out").glob(f"{name}_*")))
+    capsys.readouterr()
+    result = compare_runs(*dirs)
+    (row,) = result["rows"]
+    summaries = [json.loads((d / "summary.json").read_text())["per_target"]["shapes_fcos"] for d in dirs]
+    d = row["drop"]
+    assert row["target"] == "shapes_fcos" and d["n"] == 6
+    assert d["drop_a"] == pytest.approx(summaries[0]["drop_map"]) and d["drop_b"] == pytest.approx(summaries[1]["drop_map"])
+    assert d["diff"] == pytest.approx(d["drop_b"] - d["drop_a"]) and d["low"] <= d["diff"] <= d["high"]
+    assert result["differs"]["eps"] == (pytest.approx(8 / 255), pytest.approx(2 / 255))
+    assert compare_runs(dirs[1], dirs[0])["rows"][0]["drop"]["diff"] == pytest.approx(-d["diff"])
+    _, recs = load_run(dirs[0])
+    same = paired_drop([(recs[i], recs[i]) for i in sorted(recs)], "shapes_fcos")
+    assert (same["diff"], same["low"], same["high"]) == (0.0, 0.0, 0.0)
+    assert main(["compare", str(dirs[0]), str(dirs[1])]) == 0
+    out = capsys.readouterr().out
+    assert "A: strong (" in out and "target shapes_fcos: relative mAP drop on the 6 images both attacked" in out

@@ -174,6 +174,29 @@ def drop_intervals(attacked, names):
     return dict(zip(keys, bootstrap_intervals(stat, [np.arange(len(attacked))], len(keys)))) if names else {}
 
 
+def paired_drop(pairs, target):
+    """Two detection runs on the same images, one target: ``pairs`` [(record of A, record of B)] of the images both
+    attacked. Each run's relative mAP drop (11-point, against its own clean detections), B's minus A's, and a 95 %
+    percentile bootstrap interval of that difference whose resamples draw the same images for both runs (the
+    pairing: image difficulty cancels)."""
+    pools = [_matches([p[k]["targets"][target][side] for p in pairs], False) for k in (0, 1)
+             for side in ("clean", "adv")]
+
+    def drops(w):  # (B, 2): A's and B's drop in each resample
+        maps = [weighted_pool(pool, w)[0] for pool in pools]
+        return np.stack([_relative_drop(maps[0], maps[1]), _relative_drop(maps[2], maps[3])], 1)
+
+    def diff(w, _):
+        d = drops(w)
+        return d[:, 1:] - d[:, :1]
+
+    a, b = (float(v) for v in drops(np.ones((1, len(pairs))))[0])
+    (low, high), = bootstrap_intervals(diff, [np.arange(len(pairs))], 1)
+    nan = [not np.isfinite(v) for v in (a, b)]
+    return {"n": len(pairs), "drop_a": None if nan[0] else a, "drop_b": None if nan[1] else b,
+            "diff": None if any(nan) else b - a, "low": low, "high": high}
+
+
 def summarize_detection(records):
     """Per target detector: clean and adversarial mAP, AP_loc, CSR, detections per image and the relative
     drops with their 95 % intervals (:func:`drop_intervals`); the run's perceptual cost (means over attacked
