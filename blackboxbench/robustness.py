@@ -18,10 +18,10 @@ from .errors import BenchError
 from .leaderboard import cell, collect, run_labels
 from .plotting import error_bars
 
-COLUMNS = ("attack", "name", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr", "asr_low",
-           "asr_high", "aqn", "aqn_low", "aqn_high", "mqn", "mean_queries_all", "clean_acc", "clean_acc_defended",
-           "asr_reeval_defended", "asr_reeval_undefended", "reeval_gap", "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time",
-           "config_hash", "run")
+COLUMNS = ("attack", "name", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr",
+           "asr_low", "asr_high", "aqn", "aqn_low", "aqn_high", "mqn", "mean_queries_all", "clean_acc",
+           "clean_acc_defended", "asr_reeval_defended", "asr_reeval_undefended", "reeval_gap",
+           "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time", "config_hash", "run")
 QUERY_FAMILIES = ("score", "decision")
 
 

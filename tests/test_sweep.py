@@ -123,7 +123,7 @@ def test_cli_runs_a_grid_on_worker_processes_and_a_failing_run_lets_the_others_f
 
 
 def test_ray_backend_gives_the_serial_records(tmp_path):
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install ray, or '.[ray]' in a checkout)")
+    ray = pytest.importorskip("ray", reason="the ray package is not installed (pip install ray, or '.[ray]')")
     want = serial_records(tmp_path)
     exps, opts = load_config(sweep_config(tmp_path / "r", "{name: ray, workers: 2}"))
     dirs = []
