@@ -5,6 +5,10 @@ class BenchError(Exception):
     """Any error caused by user input (config, path, name, shape)."""
 
 
+class QueryError(BenchError):
+    """A block asked the oracle wrongly (the shape of its queries): the pipeline names the asking block."""
+
+
 class ConfigError(BenchError):
     """A config value is wrong. The message names the file and the key path."""
 

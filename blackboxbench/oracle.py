@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .errors import BenchError
+from .errors import BenchError, QueryError
 from .rng import rank_within_group  # noqa: F401  (re-exported)
 
 FEEDBACKS = ("score", "label")
@@ -105,10 +105,10 @@ class Oracle:
     @torch.no_grad()
     def _ask(self, x, idx, distinct):
         if x.dim() != 4 or x.shape[0] != idx.shape[0]:
-            raise BenchError(f"oracle: expected queries (m, C, H, W) with m = len(idx) = {idx.shape[0]}, "
+            raise QueryError(f"oracle: expected queries (m, C, H, W) with m = len(idx) = {idx.shape[0]}, "
                              f"got shape {tuple(x.shape)}")
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
-            raise BenchError(f"oracle: query images must have shape {self.input_shape}, got {tuple(x.shape[1:])}")
+            raise QueryError(f"oracle: query images must have shape {self.input_shape}, got {tuple(x.shape[1:])}")
         k = self.eot  # queries charged per image
         used = self.counts[idx] if distinct else self.counts[idx] + k * rank_within_group(idx)
         ok = used + k <= self.max_queries

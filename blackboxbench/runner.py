@@ -576,10 +576,17 @@ def run_all(runners, session, share=False, done=lambda runner: None):
     for r in runners:
         r.session = session
     if not share:
-        out = []
-        for r in runners:
-            out.append(r.run())
+        out, errors = [], []
+        for r in runners:  # a run that fails lets the others run; the first error is raised at the end
+            try:
+                out.append(r.run())
+            except Exception as e:
+                out.append(None)
+                errors.append(e)
+                continue
             done(r)
+        if errors:
+            raise errors[0]
         return out
     inputs = [r.inputs() for r in runners]
     groups = {}  # one group per model and image shape (a round's images go in one tensor): [shared, members]

@@ -94,12 +94,16 @@ def run_sweep(experiments, backend, fresh=False, done=lambda run_dir: None):
         return _processes(experiments, backend, fresh, done)
     if name == "ray":
         return _ray(experiments, backend, fresh, done)
-    out = []
-    for exp in experiments:
-        run_dir, summary = run_one(exp, fresh, None)
-        done(run_dir)
-        out.append(summary)
-    return out
+    return _collect(len(experiments), ((i, _attempt(run_one, exp, fresh, None)) for i, exp in enumerate(experiments)),
+                    done)
+
+
+def _attempt(fn, *args):
+    """``fn(*args)``, or the exception it raised (the serial backend's runs go on after a failure)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
 
 
 def _collect(n, finished, done):

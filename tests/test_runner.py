@@ -12,6 +12,7 @@ import pytest
 
 from blackboxbench.cli import main
 from blackboxbench.config import load_config
+from blackboxbench.errors import BenchError
 from blackboxbench.runner import run_experiment
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,7 +182,7 @@ def test_plugin_transform_breaking_its_contract_is_one_line(tmp_path, capsys, na
 
 
 QUERY_PLUGIN = '''import torch
-from blackboxbench.registry import ACCEPT, INIT
+from blackboxbench.registry import ACCEPT, INIT, PERTURB
 
 
 @INIT.register("no_success", paper="test")
@@ -218,6 +219,11 @@ def cropped_adv(ctx, state, proposal):  # the state's images lose half their row
 @ACCEPT.register("half_margin", paper="test")
 def half_margin(ctx, state, proposal):  # a per-sample tensor changes dtype between the step and the slots
     return {**state, "margin": state["margin"].half()}
+
+
+@PERTURB.register("cropped_query", paper="test")
+def cropped_query(ctx, state):  # asks the oracle about images that lost half their rows
+    return ctx.oracle(state["x_adv"][:, :, :4])
 '''
 
 
@@ -318,7 +324,8 @@ def query_plugin(tmp_path_factory):
                                      "margin, success, x_adv)"),
     ("accept: {name: cropped_adv}", 31, "returned state['x_adv'] of shape (4, 1, 4, 8), the images' is (4, 1, 8, 8)"),
     ("accept: {name: half_margin}", 36, "returned state['margin'] of torch.float16 and per-sample shape (), earlier "
-                                        "torch.float32 and ()")])
+                                        "torch.float32 and ()"),
+    ("perturb: {name: cropped_query}", 41, ": oracle: query images must have shape (1, 8, 8), got (1, 4, 8)")])
 def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, query_plugin, block, line,
                                                               message):
     """Query blocks: an init without the state the loop needs or whose per-sample shapes change between the
@@ -328,7 +335,7 @@ def test_plugin_query_block_breaking_its_contract_is_one_line(tmp_path, capsys, 
     err = plugin_run_error(tmp_path, capsys, query_plugin, f"{{recipe: square_linf, blocks: {{{block}}}}}\n"
                            "model: digits_mlp\nbatch_size: 4\nruns: [{threat: {max_queries: 50}}]")
     kind, name = block.split(":")[0], block.split("name: ")[1].rstrip("}")
-    assert err == f"error: {kind} block '{name}' ({query_plugin}:{line}) {message}", err
+    assert err == f"error: {kind} block '{name}' ({query_plugin}:{line}){'' if message[0] == ':' else ' '}{message}", err
 
 
 def test_run_threads_option(tmp_path, capsys, monkeypatch):
@@ -358,3 +365,25 @@ def test_run_threads_option(tmp_path, capsys, monkeypatch):
     assert main(["run", str(cfg), "--quiet", "--threads", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --threads must be >= 1 (CPU threads of this process), got 0"
     assert torch.get_num_threads() == before
+
+
+def test_a_failed_run_lets_the_others_of_the_config_run(tmp_path, capsys, query_plugin):
+    """Serial backend: the first run breaks its contract, the two after it still run to their summaries; the error is
+    the last line, exit code 2 (as the processes backend does). run_sweep's serial loop does the same."""
+    from blackboxbench.sweep import run_sweep
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plugins: [{query_plugin}]\ndataset: {{name: digits, n: 4}}\nmodel: digits_mlp\n"
+                   f"threat: {{norm: linf, eps: 0.2, max_queries: 30}}\noutput_dir: {tmp_path / 'res'}\nruns:\n"
+                   "  - {attack: {recipe: square_linf, name: boom, blocks: {perturb: {name: cropped_query}}}}\n"
+                   "  - {attack: square_linf}\n  - {attack: simba_pixel}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: perturb block 'cropped_query'"), err
+    done = sorted(p.parent.name.split("_digits")[0] for p in (tmp_path / "res").glob("*/summary.json"))
+    assert done == ["simba_pixel", "square_linf"]
+    exps, opts = load_config(cfg, [f"output_dir={tmp_path / 'sweep'}"])
+    seen = []
+    with pytest.raises(BenchError, match="cropped_query"):
+        run_sweep(exps, opts["backend"], done=seen.append)
+    assert len(seen) == 2

@@ -46,7 +46,7 @@ import torch
 from ..config import check_keys
 from ..context import BlockContext, Pool
 from ..defense import EVAL_SALT, REEVAL_DRAWS, DefendedTarget, defense_streams, label, majority_adv
-from ..errors import BenchError, ConfigError
+from ..errors import BenchError, ConfigError, QueryError
 from ..evaluation import sample_metrics, summarize_query
 from ..family import (BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets,
                       to_uint8)
@@ -101,6 +101,14 @@ def check_state(state, x, block, slots=None, kind="init"):
                    f"earlier {slots[k].dtype} and {tuple(slots[k].shape[1:])}")
     if bad:
         raise BenchError(f"{kind} block {block_label(block)} {bad}")
+
+
+def _call(block, kind, *args):
+    """``block(*args)``; a query the oracle refuses for its shape is one line naming the block that asked."""
+    try:
+        return block(*args)
+    except QueryError as e:
+        raise BenchError(f"{kind} block {block_label(block)}: {e}") from None
 
 
 def _gather(state, idx):
@@ -232,7 +240,7 @@ class QueryWorker:
         x, y = self.run.data.x[gids.cpu()].to(self.device), self.run.data.y[gids.cpu()].to(self.device)
         target = None if not self.threat["targeted"] else torch.tensor([t for _, t in ready], device=self.device)
         ctx = self._context(gids, x, y, target)
-        state = self.attack.init(ctx)
+        state = _call(self.attack.init, "init", ctx)
         check_state(state, x, self.attack.init, self.state)
         state = {k: v.clone() for k, v in state.items()}  # the worker's own copy
         for r, _ in ready:
@@ -271,8 +279,8 @@ class QueryWorker:
             self.ws = (slots, ctx, _gather(self.state, slots))
         slots, ctx, state = self.ws
         before = ctx.oracle.counts
-        proposal = self.attack.perturb(ctx, state)
-        state = self.attack.accept(ctx, state, proposal)
+        proposal = _call(self.attack.perturb, "perturb", ctx, state)
+        state = _call(self.attack.accept, "accept", ctx, state, proposal)
         if not isinstance(state, dict) or state.keys() != self.state.keys():
             raise BenchError(f"accept block {block_label(self.attack.accept)} returned "
                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}: it returns "
