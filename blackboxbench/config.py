@@ -416,6 +416,20 @@ def import_plugins(plugins, source, base_dir):
             raise ConfigError(f"cannot import plugin {p!r}: {_failure(e)}", source, key) from None
 
 
+def plugin_digests(plugins, base_dir):
+    """{plugin as written: SHA-256 (16 hex digits) of its source file} of imported plugins (a .py path, or a module's
+    own file): part of the run hash, so that an edited plugin runs into a new run folder instead of resuming, and
+    silently reusing, the records of its old code. (Files the plugin imports in turn are not hashed.)"""
+    out = {}
+    for p in plugins:
+        if p.endswith(".py"):
+            path = Path(p) if Path(p).is_absolute() else Path(base_dir) / p
+        else:
+            path = getattr(sys.modules.get(p), "__file__", None)
+        out[p] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and Path(path).is_file() else None
+    return out
+
+
 def _import(mod_name, path):
     if path is None:
         importlib.import_module(mod_name)

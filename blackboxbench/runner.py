@@ -33,7 +33,7 @@ import yaml
 
 from . import __version__
 from .builder import build_attack, load_recipe, validate_recipe
-from .config import ConfigError, check_family_keys, config_hash, finish_threat, import_plugins
+from .config import ConfigError, check_family_keys, config_hash, finish_threat, import_plugins, plugin_digests
 from .defense import build_defenses, parse_defenses
 from .errors import BenchError
 from .family import RunInputs
@@ -153,6 +153,8 @@ def prepare(exp):
                                   "must be another model", source, f"{key}[{i}]")
     resolved = {k: v for k, v in exp.items() if not k.startswith("_") and k not in ("attack", "threat")}
     resolved.update(attack=recipe, threat=threat, version=__version__)
+    if exp["plugins"]:  # their code, not only their names (configs without plugins keep their hash)
+        resolved["plugin_code"] = plugin_digests(exp["plugins"], exp["_base_dir"])
     return Plan(exp, recipe, family, threat, attack, resolved)
 
 

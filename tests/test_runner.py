@@ -387,3 +387,29 @@ def test_a_failed_run_lets_the_others_of_the_config_run(tmp_path, capsys, query_
     with pytest.raises(BenchError, match="cropped_query"):
         run_sweep(exps, opts["backend"], done=seen.append)
     assert len(seen) == 2
+
+
+def test_an_edited_plugin_gets_a_new_run_folder(tmp_path):
+    """The run hash covers a plugin's source, not only its name: after an edit the run cannot resume (and silently
+    reuse) the records of the old code. A config without plugins keeps its hash."""
+    from blackboxbench.runner import Runner
+
+    plug = tmp_path / "edit_plug.py"
+    plug.write_text("from blackboxbench.registry import PERTURB\n")
+    cfg = tmp_path / "c.yaml"
+    base = (f"dataset: {{name: digits, n: 4}}\nmodel: digits_mlp\nattack: square_linf\n"
+            f"threat: {{norm: linf, eps: 0.2, max_queries: 30}}\noutput_dir: {tmp_path / 'res'}\n")
+    cfg.write_text(f"plugins: [{plug.name}]\n" + base)
+
+    def folder():
+        (exp,), _ = load_config(cfg)
+        return Runner(exp, progress=False).run_dir
+
+    first = folder()
+    assert folder() == first
+    plug.write_text("from blackboxbench.registry import PERTURB  # edited\n")
+    assert folder() != first
+    cfg.write_text(base)
+    plain = folder()
+    cfg.write_text("plugins: []\n" + base)
+    assert folder() == plain
