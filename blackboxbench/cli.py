@@ -9,16 +9,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from .errors import BenchError
+from .errors import BenchError, one_line_warning
 
 SUMMARY_FIELDS = [("label", "attack"), ("target_model", "target"), ("defense", "defense"), ("norm", "norm"),
                   ("eps", "eps"), ("targeted", "targeted"), ("n", "n"), ("clean_acc", "clean acc"), ("asr", "ASR"),
                   ("asr_interval", "ASR 95 %"), ("aqn", "AQN"), ("mqn", "MQN"), ("mean_linf", "mean Linf"),
                   ("mean_l2", "mean L2"), ("wall_time", "time s")]
-
-
-def _one_line_warning(message, category, filename, lineno, line=None):
-    return f"warning: {' '.join(str(message).split())}\n"
 
 
 def _cell(v):
@@ -80,10 +76,16 @@ def cmd_run(args):
         keep_freed_memory()
     experiments, opts = load_config(args.config, args.set)
     backend = opts["backend"]
+    if args.workers and not args.backend and backend["name"] == "serial":
+        args.backend = "processes"  # --workers asks for parallel runs: of a serial config, in worker processes
+        print(f"--workers {args.workers}: the config's backend is serial; running on backend processes",
+              file=sys.stderr)
     if args.backend or args.workers or args.threads:
-        over = {"name": args.backend or backend["name"], **({"workers": args.workers} if args.workers else {}),
+        name = args.backend or backend["name"]
+        keep = {k: v for k, v in backend.items() if name != "serial" or k in ("name", "threads")}  # filled defaults
+        over = {"name": name, **({"workers": args.workers} if args.workers else {}),
                 **({"threads": args.threads} if args.threads else {})}
-        backend = check_backend({**backend, **over}, "command line")
+        backend = check_backend({**keep, **over}, "command line")
     runners = [Runner(e, fresh=args.fresh, progress=not args.quiet) for e in experiments]  # validate all first
     share = args.share_forwards or opts.get("share_forwards", False)
     if backend["name"] == "serial":
@@ -300,7 +302,7 @@ def main(argv=None):
     try:
         import blackboxbench  # noqa: F401  (registers every block)
         shown = warnings.formatwarning
-        warnings.formatwarning = _one_line_warning  # a library warning printed: one line too, as the errors
+        warnings.formatwarning = one_line_warning  # a library warning printed: one line too, as the errors
         try:
             return args.fn(args)
         finally:

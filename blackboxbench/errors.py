@@ -5,6 +5,11 @@ class BenchError(Exception):
     """Any error caused by user input (config, path, name, shape)."""
 
 
+def one_line_warning(message, category, filename, lineno, line=None):
+    """``warnings.formatwarning`` of the command line and its workers: a library warning as one line, as errors."""
+    return f"warning: {' '.join(str(message).split())}\n"
+
+
 class QueryError(BenchError):
     """A block asked the oracle wrongly (the shape of its queries): the pipeline names the asking block."""
 

@@ -17,6 +17,7 @@ import itertools
 import os
 
 from .config import ConfigError, parse_number, set_dotted
+from .errors import one_line_warning
 
 BACKENDS = ("serial", "processes", "ray")
 
@@ -58,6 +59,9 @@ def check_backend(spec, source):
     if spec.get("name") not in BACKENDS:
         raise ConfigError(f"unknown backend {spec.get('name')!r}; one of {', '.join(BACKENDS)}", source,
                           "backend.name")
+    if spec["name"] == "serial" and (given := [k for k in ("workers", "cpus", "gpus", "address") if k in spec]):
+        raise ConfigError(f"the serial backend runs in this process: {given[0]} is for the processes and ray "
+                          "backends (name: processes)", source, f"backend.{given[0]}")
     out = {"name": spec["name"], "workers": spec.get("workers", 2), "threads": spec.get("threads", 1),
            "cpus": spec.get("cpus", 1), "gpus": spec.get("gpus", 0), "address": spec.get("address")}
     for k in ("workers", "threads", "cpus"):
@@ -106,6 +110,32 @@ def _attempt(fn, *args):
         return e
 
 
+def _worker_init(parent):
+    """A ``processes`` worker: warnings one line, as in the launching process; and it exits when that process is
+    gone (killed: nothing else would stop the workers, which would run on and hold their run folders' locks; a
+    run cut short resumes like any interrupted run)."""
+    import threading
+    import time
+    import warnings
+
+    warnings.formatwarning = one_line_warning
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _ray_task(exp, fresh, threads):
+    """A Ray task: :func:`run_one`, its warnings one line."""
+    import warnings
+
+    warnings.formatwarning = one_line_warning
+    return run_one(exp, fresh, threads)
+
+
 def _collect(n, finished, done):
     """Gather ``(index, (run folder, summary) or error)`` pairs into summaries in order; raise the first error."""
     summaries, errors = [None] * n, []
@@ -125,7 +155,8 @@ def _processes(experiments, backend, fresh, done):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
-    with cf.ProcessPoolExecutor(max_workers=backend["workers"], mp_context=ctx) as pool:
+    with cf.ProcessPoolExecutor(max_workers=backend["workers"], mp_context=ctx, initializer=_worker_init,
+                                initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(run_one, e, fresh, backend["threads"]): i for i, e in enumerate(experiments)}
 
         def finished():
@@ -146,7 +177,7 @@ def _ray(experiments, backend, fresh, done):
         address = backend["address"] or os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
                  **({} if address else {"num_cpus": backend["workers"] * backend["cpus"]}))
-    task = ray.remote(num_cpus=backend["cpus"], num_gpus=backend["gpus"], max_retries=0)(run_one)
+    task = ray.remote(num_cpus=backend["cpus"], num_gpus=backend["gpus"], max_retries=0)(_ray_task)
     refs = {task.remote(e, fresh, backend["threads"]): i for i, e in enumerate(experiments)}
 
     def finished():

@@ -149,3 +149,75 @@ def test_ray_backend_without_ray_names_the_file(tmp_path, monkeypatch):
         run_sweep(exps, opts["backend"])
     assert str(e.value).startswith(f"{path}:backend.name: backend ray needs the ray package: pip install ray")
     assert "'.[ray]'" in str(e.value)
+
+
+def test_workers_of_a_serial_backend(tmp_path, capsys, monkeypatch):
+    """A worker count given to the serial backend is not silently dropped: in the config it is a one-line error;
+    --workers on the command line runs the config's runs in worker processes, and says so."""
+    path = sweep_config(tmp_path / "s", "{name: serial, workers: 4}")
+    with pytest.raises(ConfigError, match="backend.workers: the serial backend runs in this process"):
+        load_config(path)
+    import blackboxbench.sweep as sweep
+    from blackboxbench.cli import main
+
+    calls = []
+    real = sweep._processes
+    monkeypatch.setattr(sweep, "_processes", lambda exps, backend, fresh, done: calls.append(backend) or
+                        real(exps, backend, fresh, done))
+    path = sweep_config(tmp_path / "p", "serial")
+    assert main(["run", str(path), "--quiet", "--workers", "2", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert calls and calls[0]["name"] == "processes" and calls[0]["workers"] == 2 and calls[0]["threads"] == 1
+    assert "--workers 2: the config's backend is serial; running on backend processes" in err
+    assert main(["run", str(path), "--quiet", "--backend", "serial", "--workers", "2"]) == 2
+    assert "backend.workers: the serial backend" in capsys.readouterr().err
+
+
+def _children(pid):
+    """The pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_processes_workers_print_one_line_warnings_and_die_with_their_launcher(tmp_path):
+    """Worker processes print library warnings on one line, as the launcher does; killed, the launcher takes its
+    workers with it (they would otherwise run on, holding their run folders' locks)."""
+    import os
+    import signal
+    import time
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 100}}\nmodel: digits_mlp\nattack: square_linf\ndevice: cpu\n"
+                   f"threat: {{norm: linf, eps: 0.004, max_queries: 100000}}\noutput_dir: {tmp_path / 'res'}\n"
+                   "grid: {seed: [0, 1]}\nbackend: {name: processes, workers: 2, threads: 1}\n")
+    env = {**os.environ, "TORCH_HOME": str(tmp_path / "torch")}  # no AlexNet trunk: the LPIPS warning
+    log = open(tmp_path / "err.txt", "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "blackboxbench.cli", "run", str(cfg), "--quiet"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((tmp_path / "res").glob("*/records.jsonl"))) < 2:
+        time.sleep(0.5)
+    workers = [p for p in _children(launcher.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) == 2, workers
+    time.sleep(1.0)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+        time.sleep(0.5)
+    alive = [p for p in workers if Path(f"/proc/{p}").exists()]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, "workers outlived their launcher"
+    log.close()
+    err = (tmp_path / "err.txt").read_text()
+    lpips = [line for line in err.splitlines() if "LPIPS" in line or "ALEXNET_FILE" in line]
+    assert len(lpips) == 2 and all(line.startswith("warning: LPIPS column left empty") for line in lpips), err
