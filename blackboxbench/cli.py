@@ -24,11 +24,7 @@ def _cell(v):
 
 
 def _value(row, key):
-    """``row[key]``; ``label`` the run's label (:func:`~blackboxbench.leaderboard.label`); a key ``<name>_interval``
-    reads ``<name>_low`` and ``<name>_high`` as the text ``low-high``."""
-    if key == "label":
-        from .leaderboard import label
-        return label(row)
+    """``row[key]``; a key ``<name>_interval`` reads ``<name>_low`` and ``<name>_high`` as the text ``low-high``."""
     if not key.endswith("_interval"):
         return row.get(key)
     low, high = (row.get(f"{key[:-len('_interval')]}_{end}") for end in ("low", "high"))
@@ -48,11 +44,17 @@ def format_table(rows):
     groups = {}
     for r in rows:
         groups.setdefault(r.get("family"), []).append(r)
+    from .leaderboard import SETTING_KEYS, run_labels
+
     out = []
     for family, group in groups.items():
         fields = _fields(family)
+        shown = [k for k, _ in fields]
+        # rows alike in every setting shown: their label names the hidden setting that differs (a success rule...)
+        labels = run_labels(group, clash=lambda r: [r.get(k) for k in shown if k in SETTING_KEYS or k == "norm"],
+                            keys=[k for k in SETTING_KEYS if k not in shown])
         head = [h for _, h in fields]
-        body = [[_cell(_value(r, k)) for k, _ in fields] for r in group]
+        body = [[_cell(name if k == "label" else _value(r, k)) for k, _ in fields] for r, name in zip(group, labels)]
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
         out.append("\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body]))

@@ -113,26 +113,42 @@ def label(row):
     return row.get("name") or row.get("attack")
 
 
-def run_labels(rows, within=lambda r: None, clash=lambda r: None):
-    """{run: label} of run rows (one per run) for a figure: :func:`label`, with the eps (in /255) added to every run of
-    a group (same label and ``within(row)``) whose runs differ in eps, and then the config hash to the runs that
-    still share a label and ``clash(row)`` (they would draw into one cell or bar)."""
+# settings that can tell apart runs with one label (a figure's cell or bar, a table row): the first ones that differ
+SETTING_KEYS = ("eps", "target_model", "surrogates", "defense", "success_rule", "eot", "budget", "feedback",
+                "targeted", "seed", "dataset", "n")
+
+
+def _setting(key, value):
+    return f"eps {value * 255:.3g}/255" if key == "eps" and is_number(value) else f"{key} {value}"
+
+
+def _text(value):
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def run_labels(rows, within=lambda r: None, clash=lambda r: None, keys=SETTING_KEYS):
+    """The labels of run rows (one per run; a list in their order) for a figure or table: :func:`label`, and where
+    runs of a group (same label and ``within(row)``) would still share a label and ``clash(row)`` (one cell, bar or
+    row), the settings of ``keys`` in which those runs differ, added to every run of the group (so its runs stay
+    comparable, e.g. ``square_linf eps 8/255``); runs that differ in none of them get their config hash."""
     groups = {}
-    for r in rows:
-        groups.setdefault((label(r), within(r)), []).append(r)
-    out = {}
+    for i, r in enumerate(rows):
+        groups.setdefault((label(r), _text(within(r))), []).append(i)
+    out = [None] * len(rows)
     for (base, _), members in groups.items():
-        eps = {round(r["eps"] * 255, 3) if is_number(r.get("eps")) else None for r in members}
-        for r in members:
-            out[r.get("run")] = base + (f" eps {r['eps'] * 255:.3g}/255" if len(eps) > 1 and is_number(r.get("eps"))
-                                        else "")
-        seen = {}
-        for r in members:
-            seen.setdefault((out[r.get("run")], clash(r)), []).append(r)
-        for same in seen.values():
-            if len(same) > 1:
-                for r in same:
-                    out[r.get("run")] += f" {r.get('config_hash')}"
+        clashing = {}
+        for i in members:
+            clashing.setdefault(_text(clash(rows[i])), []).append(i)
+        clashing = [same for same in clashing.values() if len(same) > 1]
+        differ = [k for k in keys if any(len({_text(rows[i].get(k)) for i in same}) > 1 for same in clashing)]
+        for i in members:
+            out[i] = base + "".join(f" {_setting(k, rows[i].get(k))}" for k in differ if rows[i].get(k) is not None)
+        still = {}
+        for i in members:
+            still.setdefault((out[i], _text(clash(rows[i]))), []).append(i)
+        for same in still.values():
+            for i in same if len(same) > 1 else ():
+                out[i] += f" {rows[i].get('config_hash')}"
     return out
 
 

@@ -74,10 +74,10 @@ def chart(rows, png):
     import matplotlib.pyplot as plt
 
     names = run_labels(rows, within=lambda r: r.get("norm"), clash=lambda r: short_defense(r.get("defense")))
-    group = {r.get("run"): f"{names[r.get('run')]} {r.get('norm')}" for r in rows}  # one group of bars
-    attacks = list(dict.fromkeys(group[r.get("run")] for r in rows))
+    group = [f"{name} {r.get('norm')}" for name, r in zip(names, rows)]  # one group of bars
+    attacks = list(dict.fromkeys(group))
     defenses = list(dict.fromkeys(short_defense(r.get("defense")) for r in rows))
-    value = {(group[r.get("run")], short_defense(r.get("defense"))): r for r in rows}
+    value = {(g, short_defense(r.get("defense"))): r for g, r in zip(group, rows)}
     width = 0.8 / max(len(defenses), 1)
     fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(attacks) * max(len(defenses), 1) * 0.35 + 3), 7),
                              sharex=True)

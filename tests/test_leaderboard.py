@@ -249,25 +249,30 @@ def test_a_config_name_labels_the_run_and_fills_the_name_column(tmp_path):
     rows = [{"family": "score", "attack": "square_linf", "name": "sq_fast", "asr": 0.5},
             {"family": "score", "attack": "nes", "name": None, "asr": 0.75}]
     assert [ln.split()[0] for ln in format_table(rows).splitlines()[2:]] == ["sq_fast", "nes"]
+    rule = [{"family": "score", "attack": "sq", "eps": 0.03, "defense": "rnd", "success_rule": r, "asr": a}
+            for r, a in ((None, 0.9), ("majority(5)", 0.5))]  # alike in every setting the table shows
+    assert [ln.split("  ")[0] for ln in format_table(rule).splitlines()[2:]] == ["sq", "sq success_rule majority(5)"]
     names = [c for c, _ in columns()]
     assert names[:2] == ["attack", "name"]
 
 
 def test_run_labels_keep_every_run_apart():
-    """Figure labels: the name, else the attack; a group (same label and ``within``) whose runs differ in eps gets
-    every run's eps, and runs that would still share a label and ``clash`` value get their config hash."""
+    """Figure labels: the name, else the attack; where runs of a group (same label and ``within``) share a
+    ``clash`` value, the settings they differ in are added to every run of the group (eps, a success rule...), and
+    runs that differ in none get their config hash."""
     from blackboxbench.leaderboard import run_labels
 
-    def r(run, attack, eps, norm="linf", defense="none", name=None, h="h"):
+    def r(run, attack, eps, norm="linf", defense="none", name=None, h="h", rule=None):
         return {"run": run, "attack": attack, "eps": eps, "norm": norm, "defense": defense, "name": name,
-                "config_hash": h}
+                "config_hash": h, "success_rule": rule}
 
     rows = [r("a", "sq", 4 / 255), r("b", "sq", 8 / 255, defense="rnd"), r("c", "sq", 4 / 255, defense="rnd"),
             r("d", "sq", 1.0, norm="l2"), r("e", "nes", 0.03, h="h1"), r("f", "nes", 0.03, h="h2"),
-            r("g", "nes", 0.03, defense="rnd", name="mine")]
+            r("g", "nes", 0.03, defense="rnd", name="mine"), r("i", "rs", 0.03), r("j", "rs", 0.03, defense="rnd"),
+            r("k", "rs", 0.03, defense="rnd", rule="majority(5)")]
     got = run_labels(rows, within=lambda x: x["norm"], clash=lambda x: x["defense"])
-    assert got == {"a": "sq eps 4/255", "b": "sq eps 8/255", "c": "sq eps 4/255", "d": "sq", "e": "nes h1",
-                   "f": "nes h2", "g": "mine"}
+    assert got == ["sq eps 4/255", "sq eps 8/255", "sq eps 4/255", "sq", "nes h1", "nes h2", "mine", "rs", "rs",
+                   "rs success_rule majority(5)"]
 
 
 def test_robustness_chart_draws_every_run(tmp_path, monkeypatch):

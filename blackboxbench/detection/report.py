@@ -15,7 +15,7 @@
 import csv
 from pathlib import Path
 
-from ..leaderboard import cell, collect, label, run_labels
+from ..leaderboard import SETTING_KEYS, cell, collect, label, run_labels
 from ..plotting import heatmap
 
 COLUMNS = ("attack", "name", "surrogate", "target", "n", "clean_map", "adv_map", "drop_map", "clean_ap_loc",
@@ -30,13 +30,14 @@ def rows_of(summaries):
     (:func:`~blackboxbench.leaderboard.run_labels`: runs of one surrogate never share a label)."""
     rows = []
     summaries = [s for s in summaries if s.get("family") == "detection"]
-    labels = run_labels(summaries, within=lambda s: s.get("surrogates"))
-    for s in summaries:
+    labels = run_labels(summaries, within=lambda s: s.get("surrogates"),
+                        keys=[k for k in SETTING_KEYS if k != "target_model"])
+    for s, name in zip(summaries, labels):
         for target, p in (s.get("per_target") or {}).items():
             r = {k: s.get(k) for k in ("attack", "name", "n", "mean_l2", "mean_linf", "mean_ssim", "mean_lpips",
                                        "time_per_image", "run")}
             r.update({k: v for k, v in p.items()}, surrogate=s.get("surrogates"), target=target,
-                     label=labels[s.get("run")])
+                     label=name)
             r["mean_l2_255"] = None if r["mean_l2"] is None else r["mean_l2"] * 255
             r["mean_linf_255"] = None if r["mean_linf"] is None else r["mean_linf"] * 255
             rows.append(r)
