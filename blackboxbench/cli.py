@@ -17,6 +17,10 @@ SUMMARY_FIELDS = [("label", "attack"), ("target_model", "target"), ("defense", "
                   ("mean_l2", "mean L2"), ("wall_time", "time s")]
 
 
+def _count(n, noun):
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _cell(v):
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -102,7 +106,7 @@ def cmd_run(args):
     if opts.get("leaderboard"):
         from .leaderboard import notes
         rows, skipped = export_csv(results, opts["leaderboard"])
-        print(f"leaderboard: {opts['leaderboard']} ({len(rows)} runs)")
+        print(f"leaderboard: {opts['leaderboard']} ({_count(len(rows), 'run')})")
         for line in notes(rows, skipped, opts["leaderboard"]):
             print(line, file=sys.stderr)
         for fam in {r.family.name: r.family for r in runners}.values():
@@ -113,7 +117,7 @@ def cmd_run(args):
     for p in opts.get("plots") or []:
         from .analysis.recipes import plot
         png, table, n, _ = plot(p["recipe"], results, p["output"], p["params"], p["where"])
-        print(f"plot {p['recipe']}: {png} and {table} ({n} result rows)")
+        print(f"plot {p['recipe']}: {png} and {table} ({_count(n, 'result row')})")
     return 0
 
 
@@ -122,7 +126,7 @@ def _robustness(results, out):
     png = str(Path(out).with_suffix(".png"))
     rows, skipped = export(results, out, png)
     if rows:
-        print(f"robustness leaderboard: {out} and {png} ({len(rows)} query runs)")
+        print(f"robustness leaderboard: {out} and {png} ({_count(len(rows), 'query run')})")
     else:
         print(f"robustness leaderboard: {out} (0 query runs)")
         print(f"note: no finished query run; {out} holds only the header and no chart was drawn", file=sys.stderr)
@@ -139,7 +143,7 @@ def cmd_leaderboard(args):
     from .leaderboard import export_csv, notes
     rows, skipped = export_csv(args.results, args.output)
     print(format_table(rows))
-    print(f"leaderboard: {args.output} ({len(rows)} runs)")
+    print(f"leaderboard: {args.output} ({_count(len(rows), 'run')})")
     for line in notes(rows, skipped, args.output):
         print(line, file=sys.stderr)
     return 0
@@ -175,7 +179,7 @@ def cmd_plot(args):
     params = {k: v for k, v in (("x", args.x), ("y", args.y), ("hue", args.hue), ("size", args.size)) if v is not None}
     params.update(_assignments(args.param, "--param"))
     png, table, n, skipped = plot(args.recipe, args.results, args.output, params, _assignments(args.where, "--where"))
-    print(f"{args.recipe}: {png} and {table} ({n} result rows)")
+    print(f"{args.recipe}: {png} and {table} ({_count(n, 'result row')})")
     for s in skipped:
         print(str(s), file=sys.stderr)
     return 0
@@ -204,7 +208,7 @@ def cmd_analyze(args):
                                  resolve_device(args.device), run=args.run, model=_yaml_arg(args.model, "--model"),
                                  dataset=_yaml_arg(args.dataset, "--dataset"), data_root=args.data_root, n=args.n,
                                  indices=indices, seed=args.seed)
-    print(f"{args.recipe}: {png}, {table} and {npz} ({n} images)")
+    print(f"{args.recipe}: {png}, {table} and {npz} ({_count(n, 'image')})")
     if n < loaded:
         print(f"note: {args.recipe} draws its first max_images={n} of the {loaded} images loaded; --param "
               f"max_images={loaded} draws them all", file=sys.stderr)

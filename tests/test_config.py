@@ -662,6 +662,15 @@ def test_set_reaches_file_keys(tmp_path):
         assert not {"leaderboard", "grid", "plots", "backend", "share_forwards"} & set(e)
 
 
+def test_set_can_switch_the_board_off(tmp_path):
+    from blackboxbench.config import load_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out")) + "leaderboard: b.csv\nrobustness: r.csv\n")
+    _, opts = load_config(path, ["leaderboard=null", "robustness=null"])
+    assert opts["leaderboard"] is None and opts["robustness"] is None
+
+
 def test_set_output_dir_moves_the_board_and_plots(tmp_path):
     """A redirected output_dir takes the file's board, robustness CSV and plots with it (inside the old folder: same
     place under the new one; elsewhere: the new folder, same name), unless --set names them too."""
