@@ -115,11 +115,31 @@ def parse_ranges(fn, ranges):
     return out
 
 
+def check_signature(fn, kind, name, args):
+    """A pipeline block's signature: the ``args`` the pipeline passes (positionally), then keyword-only parameters
+    (a parameter before ``*`` would receive a pipeline argument, or never its YAML value); no ``*args`` or
+    ``**kwargs`` (they would swallow misspelt parameters). A one-line error naming the block and its file."""
+    params = list(inspect.signature(fn).parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    problem = None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        problem = "*args / **kwargs would swallow misspelt parameters"
+    elif with_default := [p.name for p in positional if p.default is not p.empty]:
+        problem = f"parameter '{with_default[0]}' must be keyword-only (after *) to take its value from YAML"
+    elif len(positional) != len(args):
+        problem = f"it takes {len(positional)} positional argument(s), the pipeline passes {len(args)}"
+    if problem:
+        raise BenchError(f"{kind} block '{name}' ({_where(fn)}): {problem}; the contract is "
+                         f"def {getattr(fn, '__name__', name)}({', '.join(args)}, *, <parameters>)")
+
+
 class Registry:
     instances = weakref.WeakSet()  # every registry, so that a failed plugin import can be undone (snapshot)
 
-    def __init__(self, kind):
-        self.kind = kind
+    def __init__(self, kind, args=None):
+        """``args``: for a registry of pipeline blocks, the arguments the pipeline passes, in order (the context
+        first); a block registered there must take exactly those, then keyword-only parameters."""
+        self.kind, self.args = kind, args
         self._entries = {}
         Registry.instances.add(self)
 
@@ -131,6 +151,8 @@ class Registry:
             if name in self._entries:
                 raise BenchError(f"duplicate {self.kind} '{name}': registered at {_where(self._entries[name])} "
                                  f"and again at {_where(obj)}")
+            if self.args is not None:
+                check_signature(obj, self.kind, name, self.args)
             parsed = parse_ranges(obj, ranges) if ranges else {}
             self._entries[name] = obj
             obj.registry_meta = dict(meta, name=name, kind=self.kind, ranges=parsed)
@@ -246,23 +268,30 @@ def check_params(fn, params, where=""):
             raise ParamError(key, problem, where)
 
 
-FAMILY = Registry("family")          # attack families (score, decision, transfer): see family.py
-INIT = Registry("init")              # query: adversarial-example initialization
-PERTURB = Registry("perturb")        # query: perturbation generation
-ACCEPT = Registry("accept")          # query: acceptance check
-TRANSFORM = Registry("transform")    # transfer: input transformation
-LOSS = Registry("loss")              # transfer: loss
-GRADIENT = Registry("gradient")      # transfer: gradient calculation
-DIRECTION = Registry("direction")    # transfer: update direction
-UPDATE = Registry("update")          # transfer: update step
-REFINE = Registry("refine")          # transfer: surrogate refinement
-AUXILIARY = Registry("auxiliary")    # transfer: once-per-batch precompute before the loop (Alg. 3 line 2)
+# attack families (score, decision, transfer): see family.py
+FAMILY = Registry("family")
+INIT = Registry("init", ("ctx",))                                  # query: adversarial-example initialization
+PERTURB = Registry("perturb", ("ctx", "state"))                    # query: perturbation generation
+ACCEPT = Registry("accept", ("ctx", "state", "proposal"))          # query: acceptance check
+TRANSFORM = Registry("transform", ("ctx", "x"))                    # transfer: input transformation
+LOSS = Registry("loss", ("ctx", "logits", "label"))                # transfer: loss
+GRADIENT = Registry("gradient", ("ctx", "grad_fn", "x", "state"))  # transfer: gradient calculation
+DIRECTION = Registry("direction", ("ctx", "grad", "state"))        # transfer: update direction
+UPDATE = Registry("update", ("ctx", "x_adv", "direction"))         # transfer: update step
+REFINE = Registry("refine", ("ctx", "models"))                     # transfer: surrogate refinement
+# transfer: once-per-batch precompute before the loop (Alg. 3 line 2)
+AUXILIARY = Registry("auxiliary", ("ctx",))
 DATASET = Registry("dataset")
 MODEL = Registry("model")
 TARGET_LABEL = Registry("target_label")
 METRIC = Registry("metric")
-ASSET = Registry("asset")            # named trained artifacts a config declares under ``assets:``
-ANALYSIS = Registry("analysis")      # analysis tools: result rows -> (table, draw); see analysis/__init__.py
-DEFENSE = Registry("defense")        # defenses that wrap a target inside the oracle: see defense.py
-DET_CRAFT = Registry("det_craft")    # detection: how a batch's adversarial images are crafted (detection/attacks.py)
-DET_OBJECTIVE = Registry("det_objective")  # detection: the per-image loss a craft block maximizes
+# named trained artifacts a config declares under ``assets:``
+ASSET = Registry("asset")
+# analysis tools: result rows -> (table, draw); see analysis/__init__.py
+ANALYSIS = Registry("analysis")
+# defenses that wrap a target inside the oracle: see defense.py
+DEFENSE = Registry("defense")
+# detection: how a batch's adversarial images are crafted (detection/attacks.py)
+DET_CRAFT = Registry("det_craft", ("ctx", "objective"))
+# detection: the per-image loss a craft block maximizes
+DET_OBJECTIVE = Registry("det_objective", ("ctx", "x"))

@@ -189,3 +189,24 @@ def test_every_kind_is_covered():
     kinds = {reg.kind for reg, _ in ENTRIES}
     assert kinds >= {"init", "perturb", "accept", "transform", "loss", "gradient", "direction", "update", "refine",
                      "target_label", "model", "dataset", "asset"}
+
+
+@pytest.mark.parametrize("source,problem", [
+    ("def blk(ctx, state, frac=0.1):\n    return state", "parameter 'frac' must be keyword-only (after *)"),
+    ("def blk(state, ctx, frac=0.1):\n    return state", "parameter 'frac' must be keyword-only (after *)"),
+    ("def blk(ctx):\n    return None", "it takes 1 positional argument(s), the pipeline passes 2"),
+    ("def blk(ctx, state, extra):\n    return state", "it takes 3 positional argument(s), the pipeline passes 2"),
+    ("def blk(ctx, state, **params):\n    return state", "*args / **kwargs would swallow misspelt parameters")])
+def test_a_block_with_the_wrong_signature_fails_at_registration(source, problem):
+    """A pipeline block must take the arguments its pipeline passes, then keyword-only parameters: otherwise one line
+    at registration (a plugin's import), naming the block, its file and the contract, not a run that dies in its
+    first step or a YAML parameter reported as unknown."""
+    reg = Registry("perturb_test", ("ctx", "state"))
+    namespace = {}
+    exec(source, namespace)  # noqa: S102 - a block defined in the test
+    with pytest.raises(BenchError) as e:
+        reg.register("blk", paper="test")(namespace["blk"])
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("perturb_test block 'blk' (") and problem in text, text
+    assert text.endswith("the contract is def blk(ctx, state, *, <parameters>)"), text
+    assert "blk" not in reg.names()
