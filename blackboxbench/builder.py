@@ -59,7 +59,8 @@ def load_recipe(attack, source):
         if not isinstance(attack[key], OVERRIDES[key]):
             raise ConfigError(f"expected {OVERRIDES[key].__name__}, got {type(attack[key]).__name__} "
                               f"{attack[key]!r}", source, f"attack.{key}")
-    return _merge_recipe(base, attack), f"{path} (overridden by {source})" if attack else str(path)
+    # an error in the merged recipe is almost always in the override (shipped recipes are tested): name that first
+    return _merge_recipe(base, attack), f"{source} (attack overrides recipe {path})" if attack else str(path)
 
 
 def _merge_recipe(base, over):
