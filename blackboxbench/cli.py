@@ -239,7 +239,7 @@ def main(argv=None):
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (dotted: threat.eps=4/255; the whole-file keys too: leaderboard=b.csv, "
-                        "grid.threat.eps=[...], backend.workers=4); output_dir=D moves the board and plots into D")
+                        "grid.threat.eps=[...], backend.name=processes); output_dir=D moves the board and plots into D")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of the same config")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--malloc", choices=("keep", "default"), default="keep",
