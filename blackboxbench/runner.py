@@ -577,19 +577,9 @@ def run_all(runners, session, share=False, done=lambda runner: None):
     passes before any run starts. A run of a group that fails lets the others finish; its error is raised then."""
     for r in runners:
         r.session = session
-    if not share:
-        out, errors = [], []
-        for r in runners:  # a run that fails lets the others run; the first error is raised at the end
-            try:
-                out.append(r.run())
-            except Exception as e:
-                out.append(None)
-                errors.append(e)
-                continue
-            done(r)
-        if errors:
-            raise errors[0]
-        return out
+    if not share:  # a run that fails lets the others run; the first error is raised at the end
+        from .sweep import attempt, collect
+        return collect(len(runners), ((i, attempt(lambda r: (r, r.run()), r)) for i, r in enumerate(runners)), done)
     inputs = [r.inputs() for r in runners]
     groups = {}  # one group per model and image shape (a round's images go in one tensor): [shared, members]
     for i, (r, inp) in enumerate(zip(runners, inputs)):

@@ -98,12 +98,12 @@ def run_sweep(experiments, backend, fresh=False, done=lambda run_dir: None):
         return _processes(experiments, backend, fresh, done)
     if name == "ray":
         return _ray(experiments, backend, fresh, done)
-    return _collect(len(experiments), ((i, _attempt(run_one, exp, fresh, None)) for i, exp in enumerate(experiments)),
+    return collect(len(experiments), ((i, attempt(run_one, exp, fresh, None)) for i, exp in enumerate(experiments)),
                     done)
 
 
-def _attempt(fn, *args):
-    """``fn(*args)``, or the exception it raised (the serial backend's runs go on after a failure)."""
+def attempt(fn, *args):
+    """``fn(*args)``, or the exception it raised (runs in this process go on after a failure)."""
     try:
         return fn(*args)
     except Exception as e:
@@ -136,8 +136,9 @@ def _ray_task(exp, fresh, threads):
     return run_one(exp, fresh, threads)
 
 
-def _collect(n, finished, done):
-    """Gather ``(index, (run folder, summary) or error)`` pairs into summaries in order; raise the first error."""
+def collect(n, finished, done):
+    """Gather ``(index, (what done() is given, summary) or error)`` pairs into summaries in order; raise the first
+    error once all are in."""
     summaries, errors = [None] * n, []
     for i, result in finished:
         if isinstance(result, BaseException):
@@ -163,7 +164,7 @@ def _processes(experiments, backend, fresh, done):
             for f in cf.as_completed(futures):
                 yield futures[f], f.exception() or f.result()
 
-        return _collect(len(experiments), finished(), done)
+        return collect(len(experiments), finished(), done)
 
 
 def _ray(experiments, backend, fresh, done):
@@ -189,4 +190,4 @@ def _ray(experiments, backend, fresh, done):
             except ray.exceptions.RayTaskError as e:  # the worker's own exception, as raised there
                 yield refs[ready[0]], e.as_instanceof_cause()
 
-    return _collect(len(experiments), finished(), done)
+    return collect(len(experiments), finished(), done)
