@@ -113,6 +113,9 @@ class Family:
     def check_inputs(self, models, data, source):
         """Check the loaded models and data before a run (families whose models are not classifiers)."""
 
+    def check_experiment(self, exp, attack, source):
+        """Check an experiment against its built attack before anything loads (one-line config errors)."""
+
     def after_runs(self, results_dirs, leaderboard):
         """Reports written after a config's runs (next to its leaderboard); returns the paths written."""
         return []

@@ -43,7 +43,7 @@ from .prep.inference import inference_copy, is_randomized
 from .prep.layers import get_layer
 from .prep.models import build_model
 from .prep.targets import choose_targets
-from .registry import ASSET, DATASET
+from .registry import ASSET, DATASET, block_label
 from .rng import Streams
 from .shared import SharedForward
 
@@ -133,6 +133,7 @@ def prepare(exp):
     run_defenses(exp, family, source)  # every defense named checked before anything runs
     threat = finish_threat(exp["threat"], recipe, family, source)
     attack = build_attack(recipe, threat, recipe_source)
+    family.check_experiment(exp, attack, source)
     for need, block in attack.meta["needs"].items():
         if not exp.get(need):
             raise ConfigError(f"attack '{recipe['name']}' needs '{need}' (its block '{block}' uses them)", source,
@@ -380,6 +381,10 @@ class Runner:
             data = DATASET.get(ds_cfg.pop("name"))(data_root, **ds_cfg)
         except BenchError as e:
             raise ConfigError(str(e), source, "dataset") from None
+        if not all(isinstance(getattr(data, a, None), torch.Tensor) for a in ("x", "y")):
+            raise ConfigError(f"dataset block {block_label(DATASET.get(exp['dataset']['name']))} returned "
+                              f"{type(data).__name__}: it returns a Dataset (blackboxbench/prep/data.py) with image "
+                              "tensor x and label tensor y", source, "dataset")
         return data_root, data
 
     def _inputs(self, data_root, data):

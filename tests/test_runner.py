@@ -413,3 +413,49 @@ def test_an_edited_plugin_gets_a_new_run_folder(tmp_path):
     plain = folder()
     cfg.write_text("plugins: []\n" + base)
     assert folder() == plain
+
+
+@pytest.mark.parametrize("mode,body,message", [
+    ("out_of_range", "return torch.full_like(y, logits.shape[1])", "returned class ids 10..10: they must be in [0, 10)"),
+    ("one_row", "return y[:1]", "returned torch.int64 of shape (1,): it returns one integer class id per sample, "
+                                "shape (4,)"),
+    ("floats", "return (y + 1).float() % 10", "returned torch.float32 of shape (4,)")])
+def test_a_plugin_target_label_mode_is_checked_before_the_run(tmp_path, capsys, mode, body, message):
+    """A target-label mode that returns targets outside the classes, of another shape or not integers is a one-line
+    config error before the run folder exists (not an index error deep in a loss, mid-run)."""
+    plug = tmp_path / "tl.py"
+    plug.write_text("import torch\nfrom blackboxbench.registry import TARGET_LABEL\n\n\n"
+                    f"@TARGET_LABEL.register('{mode}', paper='test')\ndef {mode}(logits, y, rng, given):\n"
+                    f"    {body}\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plugins: [tl.py]\ndataset: {{name: digits, n: 4}}\nmodel: digits_mlp\nattack: square_linf\n"
+                   f"threat: {{norm: linf, eps: 0.2, max_queries: 20, targeted: true, target_label: {mode}}}\n"
+                   f"output_dir: {tmp_path / 'res'}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {cfg}:threat.target_label: target_label '{mode}' ({plug}:") and message in err, err
+    assert not (tmp_path / "res").exists()
+
+
+def test_a_plugin_dataset_that_returns_no_dataset_is_one_line(tmp_path, capsys):
+    (tmp_path / "ds.py").write_text("from blackboxbench.registry import DATASET\n\n\n@DATASET.register('bad_ds', "
+                                    "paper='test')\ndef bad_ds(data_root=None, *, n=None):\n    return {'x': 1}\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plugins: [ds.py]\ndataset: {{name: bad_ds, n: 4}}\nmodel: digits_mlp\nattack: square_linf\n"
+                   f"threat: {{norm: linf, eps: 0.2, max_queries: 20}}\noutput_dir: {tmp_path / 'res'}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{cfg}:dataset: dataset block 'bad_ds'" in err and "returned dict: it returns a Dataset" in err, err
+    assert not (tmp_path / "res").exists()
+
+
+def test_several_surrogates_without_a_fusing_block_fail_before_the_run(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("dataset: {name: digits, n: 4}\nattack: {recipe: i_fgsm, hyper: {iterations: 2}}\n"
+                   "surrogates: [digits_cnn, digits_lenet]\ntargets: [digits_mlp]\nthreat: {norm: linf, eps: 0.2}\n"
+                   f"output_dir: {tmp_path / 'res'}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {cfg}:surrogates: 2 surrogates, but attack 'i_fgsm' has no refine block to fuse them: "
+                   "add one, e.g. attack: {recipe: ..., blocks: {refine: [logit_ensemble]}}"), err
+    assert not (tmp_path / "res").exists()

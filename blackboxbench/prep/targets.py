@@ -9,7 +9,7 @@ Every mode except ``specified`` excludes ``y``.
 import torch
 
 from ..errors import BenchError
-from ..registry import TARGET_LABEL
+from ..registry import TARGET_LABEL, block_label
 
 
 def _rank_without_y(logits, y):
@@ -19,9 +19,20 @@ def _rank_without_y(logits, y):
 
 
 def choose_targets(spec, logits, y, rng, given):
-    """The targets of mode ``spec`` ({name: mode, **params}) for a batch."""
+    """The targets of mode ``spec`` ({name: mode, **params}) for a batch: one class id per sample, checked (a
+    plugin mode that returns anything else is one line naming it, not an index error deep in a loss)."""
     params = dict(spec)
-    return TARGET_LABEL.get(params.pop("name"))(logits, y, rng, given, **params)
+    fn = TARGET_LABEL.get(params.pop("name"))
+    out = fn(logits, y, rng, given, **params)
+    k = logits.shape[1]
+    if not isinstance(out, torch.Tensor) or out.shape != y.shape or out.dtype not in (torch.int64, torch.int32):
+        got = f"{out.dtype} of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise BenchError(f"target_label {block_label(fn)} returned {got}: it returns one integer class id per "
+                         f"sample, shape {tuple(y.shape)}")
+    if out.numel() and bool(((out < 0) | (out >= k)).any()):
+        raise BenchError(f"target_label {block_label(fn)} returned class ids {int(out.min())}..{int(out.max())}: "
+                         f"they must be in [0, {k})")
+    return out.long()
 
 
 @TARGET_LABEL.register("random", paper="Supp. D-B")

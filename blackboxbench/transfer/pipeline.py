@@ -303,6 +303,13 @@ class TransferFamily(Family):
                               random_start=float(hyper["random_start"]), copies_per_forward=int(per),
                               meta=meta)
 
+    def check_experiment(self, exp, attack, source):
+        n = len(exp.get("surrogates") or [])
+        if n > 1 and not attack.refiners:  # the loop attacks one model: several need a refine block that fuses them
+            raise ConfigError(f"{n} surrogates, but attack '{attack.name}' has no refine block to fuse them: add "
+                              "one, e.g. attack: {recipe: ..., blocks: {refine: [logit_ensemble]}}", source,
+                              "surrogates")
+
     def worker(self, run):
         return TransferWorker(self, run)
 
