@@ -174,8 +174,14 @@ def _assignments(items, flag):
     return out
 
 
+def _plugins(args):
+    from .config import import_plugins
+    import_plugins(args.plugin, "command line (--plugin)", os.getcwd())
+
+
 def cmd_plot(args):
     from .analysis.recipes import plot
+    _plugins(args)
     params = {k: v for k, v in (("x", args.x), ("y", args.y), ("hue", args.hue), ("size", args.size)) if v is not None}
     params.update(_assignments(args.param, "--param"))
     png, table, n, skipped = plot(args.recipe, args.results, args.output, params, _assignments(args.where, "--where"))
@@ -194,6 +200,7 @@ def cmd_analyze(args):
     from .analysis.recipes import analyze
     from .config import DEVICES
     from .runner import resolve_device
+    _plugins(args)
     if args.device not in DEVICES:
         raise BenchError(f"--device must be one of {', '.join(DEVICES)}, got {args.device!r}")
     try:
@@ -282,6 +289,8 @@ def main(argv=None):
     for key in ("x", "y", "hue", "size"):
         p.add_argument(f"--{key}", default=None, help=f"the column for {key} (overrides the recipe)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other tool parameter")
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE",
+                   help="import a plugin first (its analysis tools, for a recipe that names one)")
     p.add_argument("--where", action="append", default=[], metavar="COLUMN=VALUE",
                    help="keep the rows with this value (the fixed components; e.g. norm=linf, eps=8/255)")
     p.set_defaults(fn=cmd_plot)
@@ -299,6 +308,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of random directions (a run's own seed wins)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a tool parameter")
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE",
+                   help="import a plugin first (an analysis tool, a dataset or model it registers; a run's own "
+                        "plugins are imported by --run)")
     p.add_argument("-o", "--output", default="analysis.png", help="the figure; .csv and .npz go next to it")
     p.set_defaults(fn=cmd_analyze)
     p = sub.add_parser("list", help="list the attack or analysis catalog, or the registered blocks")

@@ -551,6 +551,9 @@ def load_config(path, overrides=()):
         _check_type(v, FILE_KEYS[k], source, k)
     if "plots" in file_opts:
         from .analysis.recipes import check_plot
+        # a plot may use an analysis tool the file's plugins register
+        import_plugins(_check_type(raw.get("plugins", []), (list,), source, "plugins"), source,
+                       str(Path(path).resolve().parent))
         file_opts["plots"] = [check_plot(p, source, f"plots[{i}]") for i, p in enumerate(file_opts["plots"])]
     new_dir = [parse_assignment(o, source)[1] for o in run_set if o.partition("=")[0].strip() == "output_dir"]
     if new_dir:

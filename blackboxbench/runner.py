@@ -156,6 +156,9 @@ def prepare(exp):
     resolved.update(attack=recipe, threat=threat, version=__version__)
     if exp["plugins"]:  # their code, not only their names (configs without plugins keep their hash)
         resolved["plugin_code"] = plugin_digests(exp["plugins"], exp["_base_dir"])
+        # where they are, for the tools that read the run later (analyze --run); not part of the hash
+        resolved["plugin_paths"] = [str((Path(exp["_base_dir"]) / p).resolve()) if p.endswith(".py") else p
+                                    for p in exp["plugins"]]
     return Plan(exp, recipe, family, threat, attack, resolved)
 
 
@@ -185,7 +188,7 @@ def safe_part(text):
 
 def run_dir_for(plan, device):
     exp, recipe, threat = plan.exp, plan.recipe, plan.threat
-    h = config_hash({k: v for k, v in plan.resolved.items() if k not in ("output_dir", "name")}
+    h = config_hash({k: v for k, v in plan.resolved.items() if k not in ("output_dir", "name", "plugin_paths")}
                     | {"device": device.type})
     models = [s for _, _, s in plan.family.roles(exp)]
     parts = [exp["name"] or recipe["name"], exp["dataset"]["name"], spec_label(models[0]).replace(":", "-"),

@@ -311,3 +311,44 @@ def test_fsm_adversarial_training_moves_attention_to_low_frequencies(data_root):
     normal = [low_share(n) for n in ("cifar_resnet20", "cifar_resnet56")]
     robust = [low_share(n) for n in ("cifar_resnet4b_adv", "cifar_cnn_a_adv")]
     assert max(normal) < 0.06 and min(robust) > 0.08, (normal, robust)
+
+
+def test_plugin_analysis_tools_and_datasets_reach_plots_and_analyze(tmp_path, capsys):
+    """A config's plugins are imported before its plots are checked (a plot may use a plugin tool); analyze --run
+    imports the run's own plugins (its dataset came from one); plot and analyze take --plugin."""
+    plug = tmp_path / "aplug.py"
+    plug.write_text(
+        "from blackboxbench.registry import ANALYSIS, DATASET\nfrom blackboxbench.prep.data import digits\n\n\n"
+        "@DATASET.register('flipped_digits_t', paper='test')\ndef flipped_digits_t(data_root=None, *, n=None):\n"
+        "    d = digits(None, n=n)\n    d.x = d.x.flip(-1)\n    return d\n\n\n"
+        "@ANALYSIS.register('row_count_t', paper='test')\ndef row_count_t(rows, *, y='asr'):\n"
+        "    return ['y'], [[r.get(y)] for r in rows], lambda path, title: __import__('pathlib').Path(path)"
+        ".write_bytes(b'\\x89PNG\\r\\n\\x1a\\n') and path\n\n\n"
+        "@ANALYSIS.register('mean_pixel_t', inputs='model', paper='test')\ndef mean_pixel_t(inputs):\n"
+        "    m = inputs.x.mean(dim=(1, 2, 3)).cpu().numpy()\n"
+        "    return ['mean'], [[float(v)] for v in m], {'m': m}, lambda path, title: __import__('pathlib')"
+        ".Path(path).write_bytes(b'\\x89PNG\\r\\n\\x1a\\n') and path\n")
+    (tmp_path / "rows.yaml").write_text("name: rows\ntool: row_count_t\npaper: test\n")
+    (tmp_path / "mean.yaml").write_text("name: mean\ntool: mean_pixel_t\npaper: test\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plugins: [aplug.py]\ndataset: {{name: flipped_digits_t, n: 4}}\nmodel: digits_mlp\n"
+                   f"attack: square_linf\nthreat: {{norm: linf, eps: 0.2, max_queries: 20}}\nsave_adv: true\n"
+                   f"output_dir: {tmp_path / 'res'}\nplots:\n  - {{recipe: {tmp_path / 'rows.yaml'}, "
+                   f"output: {tmp_path / 'res' / 'rows.png'}}}\n")
+    import sys
+
+    from blackboxbench.registry import restore, snapshot
+
+    before = snapshot()
+    assert main(["run", str(cfg), "--quiet"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "res" / "rows.csv").read_text().count("\n") == 2
+    (run,) = (tmp_path / "res").glob("square_linf_*")
+    restore(before)  # as in a new process: the plugin's registrations gone, its module not imported
+    for name in [m for m, mod in sys.modules.items() if getattr(mod, "__file__", None) == str(plug)]:
+        del sys.modules[name]
+    assert main(["analyze", "-r", str(tmp_path / "mean.yaml"), "--run", str(run), "--device", "cpu", "-o",
+                 str(tmp_path / "m.png")]) == 0, capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "res"), "-r", str(tmp_path / "rows.yaml"), "--plugin", str(plug), "-o",
+                 str(tmp_path / "p.png")]) == 0, capsys.readouterr().err
+    assert main(["analyze", "-r", str(tmp_path / "mean.yaml"), "--plugin", str(plug), "--model", "digits_mlp",
+                 "--dataset", "flipped_digits_t", "--n", "2", "--device", "cpu", "-o", str(tmp_path / "a.png")]) == 0

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..config import check_spec, load_yaml
+from ..config import check_spec, import_plugins, load_yaml
 from ..errors import BenchError
 from ..prep.data import resolve_data_root
 from ..prep.models import build_model
@@ -124,6 +124,8 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     it saved neither). ``many``: for a tool that compares models, ``model`` is a list of two or more (a run's
     default: its surrogates and targets)."""
     cfg = _run_config(run) if run is not None else {}
+    if cfg.get("plugin_paths"):  # the run's own datasets, models or blocks
+        import_plugins(cfg["plugin_paths"], str(Path(run) / "config.yaml"), str(run))
     model = model if model is not None else (_run_model(cfg, run, many) if run is not None else None)
     if model is not None and many != isinstance(model, list):
         raise BenchError("this tool compares models: give a list of two or more, e.g. --model '[cifar_resnet20, "
