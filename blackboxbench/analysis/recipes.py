@@ -14,7 +14,7 @@ from ..errors import BenchError, ConfigError
 from ..leaderboard import cell
 from ..registry import ANALYSIS, ParamError, check_params
 from .aev import load_rows, select
-from .inputs import load_inputs
+from .inputs import import_run_plugins, load_inputs
 
 RECIPE_KEYS = ("name", "tool", "paper", "notes", "params", "where")
 PLOT_KEYS = ("recipe", "output", "params", "where")  # an entry of a config's ``plots:``
@@ -113,6 +113,7 @@ def analyze(recipe, out, params=None, device="cpu", **source):
     :func:`~blackboxbench.analysis.inputs.load_inputs`: ``run``, ``model``, ``dataset``, ``data_root``, ``n``,
     ``indices``, ``seed``). Returns ``(png, csv, npz, images used, images loaded)``: a tool with ``max_images``
     uses at most that many of the images loaded."""
+    import_run_plugins(source.get("run"))  # a run's plugins may register the tool
     path, r, tool = load_recipe(recipe, "model")
     p = _params(path, r, tool, params)
     inputs = load_inputs(device=device, many=tool.registry_meta.get("models", False), **source)
