@@ -92,7 +92,7 @@ def cmd_run(args):
         over = {"name": name, **({"workers": args.workers} if args.workers else {}),
                 **({"threads": args.threads} if args.threads else {})}
         backend = check_backend({**keep, **over}, "command line")
-    runners = [Runner(e, fresh=args.fresh, progress=not args.quiet) for e in experiments]  # validate all first
+    runners = [_runner(e, i, len(experiments), args) for i, e in enumerate(experiments)]  # validate all first
     share = args.share_forwards or opts.get("share_forwards", False)
     if backend["name"] == "serial":
         summaries = run_all(runners, Session(), share, lambda r: print(f"run {r.run_dir}", file=sys.stderr))
@@ -119,6 +119,21 @@ def cmd_run(args):
         png, table, n, _ = plot(p["recipe"], results, p["output"], p["params"], p["where"])
         print(f"plot {p['recipe']}: {png} and {table} ({_count(n, 'result row')})")
     return 0
+
+
+def _runner(exp, i, n, args):
+    """The Runner of experiment ``i`` of ``n``; a config error in one run of several says which run."""
+    from .errors import ConfigError
+    from .runner import Runner
+
+    try:
+        return Runner(exp, fresh=args.fresh, progress=not args.quiet)
+    except ConfigError as e:
+        if n == 1:
+            raise
+        attack = exp["attack"]
+        name = attack if isinstance(attack, str) else attack.get("recipe") or attack.get("name")
+        raise BenchError(f"{e} (in run {i + 1} of {n}: attack {name})") from None
 
 
 def _robustness(results, out):

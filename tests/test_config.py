@@ -719,3 +719,14 @@ def test_cuda_without_device_is_a_config_error(tmp_path, capsys):
     assert main(["run", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"{path}:device: 'cuda' requested but no CUDA device" in err and not (tmp_path / "out").exists()
+
+
+def test_an_error_in_one_run_of_several_says_which(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"dataset: {{name: digits, n: 4}}\nthreat: {{norm: linf, eps: 0.2, max_queries: 50}}\n"
+                    f"output_dir: {tmp_path / 'out'}\nruns:\n  - {{attack: square_linf, model: digits_mlp}}\n"
+                    "  - {attack: i_fgsm, surrogates: [digits_cnn], targets: [digits_mlp]}\n")
+    assert main(["run", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {path}:threat.max_queries: only for decision, score attacks (in run 2 of 2: attack "
+                   "i_fgsm)"), err
