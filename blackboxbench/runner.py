@@ -378,6 +378,8 @@ class Runner:
             data_root = resolve_data_root(exp["data_root"]) if exp["data_root"] or os.environ.get(
                 "BLACKBOXBENCH_DATA") else None
         except BenchError as e:
+            if not exp["data_root"]:  # the environment's, not the file's
+                raise BenchError(f"environment variable BLACKBOXBENCH_DATA: {e}") from None
             raise ConfigError(str(e), source, "data_root") from None
         ds_cfg = dict(exp["dataset"])
         try:

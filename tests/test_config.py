@@ -730,3 +730,12 @@ def test_an_error_in_one_run_of_several_says_which(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"error: {path}:threat.max_queries: only for decision, score attacks (in run 2 of 2: attack "
                    "i_fgsm)"), err
+
+
+def test_a_bad_data_root_from_the_environment_blames_the_environment(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out")))
+    monkeypatch.setenv("BLACKBOXBENCH_DATA", str(tmp_path / "nope"))
+    assert main(["run", str(path), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: environment variable BLACKBOXBENCH_DATA: data root "
+                                               f"{tmp_path / 'nope'} is not a directory")
