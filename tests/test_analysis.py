@@ -172,6 +172,8 @@ def test_heatmap_gray_cells_and_average(results, tmp_path):
     assert list(got["r20"]) == ["surrogates \\ target_model", "r32", "r44", "r20", "average"]
     assert got["r20"]["r20"] is None and got["r32"]["r32"] is None  # a missing combination stays empty (gray)
     assert math.isclose(got["r20"]["average"], 0.8) and math.isclose(got["r32"]["average"], 0.4)
+    _, table, _, _ = run_recipe("aev_heatmap", results, tmp_path / "all")  # query runs too: no surrogate, no row
+    assert [r["surrogates \\ target_model"] for r in read_csv(table)] == ["r20", "r32"]
 
 
 @pytest.mark.parametrize("args,message", [

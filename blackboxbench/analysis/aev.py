@@ -182,8 +182,10 @@ def aev_bar(rows, *, x, y, hue=""):
 @ANALYSIS.register("aev_heatmap", paper="BlackboxBench Tab. III (AEV, heatmap); Figs. 7, 14, 25, 26, 33")
 def aev_heatmap(rows, *, x, y, hue, average=True):
     """Mean of ``y`` with rows ``hue`` and columns ``x`` (e.g. transfer ASR, surrogate x target); a missing
-    combination is a gray cell; ``average`` adds a column with each row's mean over its present cells (Fig. 7)."""
-    table = aggregate(rows, x, y, hue)
+    combination is a gray cell; ``average`` adds a column with each row's mean over its present cells (Fig. 7).
+    Rows without a ``hue`` value (a query run has no surrogates) make no heatmap row."""
+    need(rows, hue)
+    table = aggregate([r for r in rows if r.get(hue) is not None], x, y, hue)
     rl, cl = order([r["hue"] for r in table]), order([r["x"] for r in table])
     m = [[math.nan] * len(cl) for _ in rl]
     for r in table:
