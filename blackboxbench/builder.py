@@ -129,6 +129,14 @@ def _bind(registry, spec, threat, source, key):
         except ValueError as e:
             raise ConfigError(str(e), source, f"{key}.{k}") from None
     check_block_params(fn, params, source, key)
+    for k in fn.registry_meta.get("block_params", ()):  # a parameter naming another block of the same registry
+        name = params.get(k, block_params(fn)[k])
+        if name == spec["name"]:
+            raise ConfigError(f"'{spec['name']}' cannot name itself", source, f"{key}.{k}")
+        try:
+            registry.get(name)
+        except BenchError as e:
+            raise ConfigError(str(e), source, f"{key}.{k}") from None
     return partial(fn, **params)
 
 

@@ -251,6 +251,18 @@ def test_by_goal_loss_is_ce_untargeted_and_logit_targeted():
     assert torch.equal(by_goal(transfer_ctx(x, lab, target=lab), z, lab), z[torch.arange(4), lab])
 
 
+def test_by_goal_takes_any_registered_loss_checked_when_built():
+    """by_goal's losses are any registered loss (a plugin's too), checked when the attack is built: an unknown
+    name or by_goal itself is a one-line config error at the parameter."""
+    from blackboxbench.errors import ConfigError
+
+    assert _attack({"loss": {"name": "by_goal", "untargeted": "cw"}}).loss.keywords["untargeted"] == "cw"
+    for value, message in (("nope", "unknown loss 'nope'"), ("by_goal", "'by_goal' cannot name itself")):
+        with pytest.raises(ConfigError) as e:
+            _attack({"loss": {"name": "by_goal", "targeted": value}})
+        assert "attack.blocks.loss.targeted" in str(e.value) and message in str(e.value), str(e.value)
+
+
 # ---------------------------------------------------------------------------------------- composition ----
 
 def _attack(blocks, norm="linf", targeted=False, eps=0.3, iterations=2, source="tests"):

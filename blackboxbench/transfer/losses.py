@@ -34,14 +34,12 @@ def logit(ctx, logits, label):
     return z if ctx.problem.targeted else -z
 
 
-GOALS = ("ce", "cw", "logit")
-
-
 @LOSS.register("by_goal", paper="BlackboxBench Supp. D-B and its released json_files sweeps: cross-entropy "
                                 "untargeted, the logit loss (Zhao et al., NeurIPS 2021) targeted",
-               norms=("linf", "l2"), ranges={"untargeted": GOALS, "targeted": GOALS})
+               norms=("linf", "l2"), block_params=("untargeted", "targeted"))
 def by_goal(ctx, logits, label, *, untargeted="ce", targeted="logit"):
-    """The loss ``untargeted`` or ``targeted`` (registered loss names) by the problem's goal.
+    """The loss ``untargeted`` or ``targeted`` (any registered loss, a plugin's too; checked when the attack is
+    built) by the problem's goal.
 
     Defaults: what the paper's CIFAR-10 runs used (spec sheet sections 0 and 10.2): CE untargeted, ``logit``
     (``max_logit`` in the authors' code) targeted."""
