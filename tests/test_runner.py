@@ -154,11 +154,11 @@ def test_plugin_block_from_config(tmp_path):
     assert summary["per_target"]["digits_mlp"]["n"] > 0
 
 
-def plugin_run_error(tmp_path, capsys, plugin, attack):
+def plugin_run_error(tmp_path, capsys, plugin, attack, threat="{norm: linf, eps: 0.2}"):
     """Run a digits config that imports ``plugin`` with ``attack`` (the YAML after ``attack:``, then more keys);
     it must stop with exit code 2: returns the last line it printed to stderr."""
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"plugins: [{plugin}]\ndataset: {{name: digits, n: 8}}\nthreat: {{norm: linf, eps: 0.2}}\n"
+    cfg.write_text(f"plugins: [{plugin}]\ndataset: {{name: digits, n: 8}}\nthreat: {threat}\n"
                    f"output_dir: {tmp_path / 'res'}\nattack: {attack}\n")
     assert main(["run", str(cfg), "--quiet"]) == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
@@ -427,13 +427,10 @@ def test_a_plugin_target_label_mode_is_checked_before_the_run(tmp_path, capsys, 
     plug.write_text("import torch\nfrom blackboxbench.registry import TARGET_LABEL\n\n\n"
                     f"@TARGET_LABEL.register('{mode}', paper='test')\ndef {mode}(logits, y, rng, given):\n"
                     f"    {body}\n")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"plugins: [tl.py]\ndataset: {{name: digits, n: 4}}\nmodel: digits_mlp\nattack: square_linf\n"
-                   f"threat: {{norm: linf, eps: 0.2, max_queries: 20, targeted: true, target_label: {mode}}}\n"
-                   f"output_dir: {tmp_path / 'res'}\n")
-    assert main(["run", str(cfg), "--quiet"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"error: {cfg}:threat.target_label: target_label '{mode}' ({plug}:") and message in err, err
+    err = plugin_run_error(tmp_path, capsys, plug, "square_linf\nmodel: digits_mlp",
+                           f"{{norm: linf, eps: 0.2, max_queries: 20, targeted: true, target_label: {mode}}}")
+    assert err.startswith(f"error: {tmp_path / 'c.yaml'}:threat.target_label: target_label '{mode}' ({plug}:"), err
+    assert message.replace("(4,)", "(8,)") in err, err
     assert not (tmp_path / "res").exists()
 
 
