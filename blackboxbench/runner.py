@@ -34,8 +34,8 @@ import yaml
 from . import __version__
 from .builder import build_attack, load_recipe, validate_recipe
 from .config import ConfigError, check_family_keys, config_hash, finish_threat, import_plugins, plugin_digests
-from .defense import build_defenses, parse_defenses
-from .errors import BenchError
+from .defense import DefendedTarget, build_defenses, defense_streams, parse_defenses
+from .errors import BenchError, describe
 from .family import RunInputs
 from .oracle import forward_chunk
 from .prep.data import resolve_data_root
@@ -419,6 +419,7 @@ class Runner:
             fam.check_inputs(models, data, source)
         else:
             self._check_classes(models, data)
+            self._check_defenses(models, defenses, data)
             probe = data.x[:8].to(self.device)
             self.randomized = sorted({n for key in models for n, m in zip(names[key], models[key])
                                       if is_randomized(m, probe)} |
@@ -443,6 +444,28 @@ class Runner:
                 except BenchError as e:
                     raise ConfigError(str(e), self.exp["_source"], f"attack (block {block}, parameter layer)") \
                         from None
+
+    def _check_defenses(self, models, defenses, data):
+        """A defended model must still answer one row of class scores per image (a plugin defense that drops a
+        column, or fails, is a one-line error naming its config key before anything is created)."""
+        source, probe = self.exp["_source"], data.x[:1].to(self.device)
+        who = torch.zeros(1, dtype=torch.long, device=self.device)
+        for key, per in defenses.items():
+            for i, ds in enumerate(per):
+                if not ds:
+                    continue
+                m, specs = models[key][i], self.exp.get(key)
+                where = f"{key}[{i}].defense" if isinstance(specs, list) else "defense"
+                with torch.no_grad():
+                    want = tuple(m(probe).shape)  # the bare model answers (checked by _check_classes)
+                try:
+                    got = DefendedTarget(m, ds, defense_streams(self.exp["seed"], 1, self.device))(probe, who)
+                    bad = None if isinstance(got, torch.Tensor) and tuple(got.shape) == want else describe(got)
+                except (RuntimeError, BenchError) as e:
+                    bad = f"an error ({str(e).splitlines()[0][:160]})"
+                if bad:
+                    raise ConfigError(f"the model behind defense {'+'.join(str(d) for d in ds)} answers {bad}, not "
+                                      f"scores of shape {want} for one image", source, where)
 
     def _check_classes(self, models, data):
         """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes

@@ -315,3 +315,30 @@ def test_transfer_target_behind_a_defense(tmp_path):
     # JPEG at quality 50 on 8 x 8 digits changes what the target sees: the defended target's results differ.
     assert any(r["targets"]["digits_mlp"]["success"] != r["targets"]["digits_mlp+jpeg"]["success"] for r in rec)
     assert DEFENSE.get("jpeg").registry_meta["randomized"] is False
+
+
+def test_a_defense_that_breaks_the_scores_fails_before_the_run(tmp_path, capsys):
+    """A (plugin) defense whose defended model no longer answers one row of class scores per image is a one-line
+    error naming its config key, on a query target and on a transfer target, before the run folder exists."""
+    from blackboxbench.cli import main
+
+    (tmp_path / "bad_defense.py").write_text(
+        "from blackboxbench.defense import Defense\nfrom blackboxbench.registry import DEFENSE\n\n\n"
+        "class Drop(Defense):\n    def __init__(self):\n        super().__init__('drop_columns_t')\n\n"
+        "    def __call__(self, forward, x, rng):\n        return forward(x)[:, :5]\n\n\n"
+        "@DEFENSE.register('drop_columns_t', paper='test')\ndef drop_columns_t():\n    return Drop()\n")
+    common = f"plugins: [bad_defense.py]\ndataset: {{name: digits, n: 4}}\noutput_dir: {tmp_path / 'res'}\n"
+    runs = {"q.yaml": ("model: digits_mlp\ndefense: [jpeg, drop_columns_t]\nattack: square_linf\n"
+                       "threat: {norm: linf, eps: 0.2, max_queries: 20}\n", "defense",
+                       "jpeg(quality=75)+drop_columns_t"),
+            "t.yaml": ("surrogates: [digits_cnn]\ntargets: [digits_mlp, {name: digits_lenet, defense: "
+                       "drop_columns_t}]\nattack: i_fgsm\nthreat: {norm: linf, eps: 0.2}\n", "targets[1].defense",
+                       "drop_columns_t")}
+    for name, (text, key, label) in runs.items():
+        cfg = tmp_path / name
+        cfg.write_text(common + text)
+        assert main(["run", str(cfg), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (f"error: {cfg}:{key}: the model behind defense {label} answers a tensor of shape (1, 5), not "
+                       "scores of shape (1, 10) for one image"), err
+    assert not (tmp_path / "res").exists()
