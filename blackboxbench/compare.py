@@ -21,13 +21,13 @@ from pathlib import Path
 from .errors import BenchError
 from .leaderboard import label, read_summary
 from .registry import FAMILY
+from .robustness import QUERY_FAMILIES
 from .runner import read_records
 from .stats import sign_test_p
 
 SETTINGS = ("dataset", "target_model", "surrogates", "defense", "norm", "eps", "targeted", "budget", "feedback",
             "success_rule", "seed", "n")
 PAIRED_FAMILIES = ("score", "decision", "transfer", "detection")
-QUERY_FAMILIES = ("score", "decision")
 
 
 def paired_success(a, b):

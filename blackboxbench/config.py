@@ -273,7 +273,8 @@ COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (boo
 # robustness: CSV (+ .png chart); share_forwards: runs on one target model share its forwards (shared.py);
 # plots: analysis figures of the runs' results after they finish (analysis/recipes.py); grid: every combination of
 # values per dotted key, times the runs; backend: where the runs execute, serial | processes | ray (sweep.py)
-FILE_KEYS = {"runs": (list,), "leaderboard": (str, type(None)), "robustness": (str, type(None)), "share_forwards": (bool,),
+FILE_KEYS = {"runs": (list,), "leaderboard": (str, type(None)), "robustness": (str, type(None)),
+             "share_forwards": (bool,),
              "plots": (list,), "grid": (dict,), "backend": (str, dict)}
 DEVICES = ("auto", "cpu", "cuda")
 

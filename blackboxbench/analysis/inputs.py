@@ -43,9 +43,10 @@ def _spec_name(spec):
     return spec if isinstance(spec, str) else spec.get("name", "?")
 
 
-def import_run_plugins(run):
-    """Import the plugins a run directory's config names (its datasets, models, blocks, analysis tools)."""
-    if run is not None and (paths := _run_config(run).get("plugin_paths")):
+def import_run_plugins(run, cfg=None):
+    """Import the plugins a run directory's config (``cfg`` when already read) names: its datasets, models, blocks,
+    analysis tools."""
+    if run is not None and (paths := (cfg if cfg is not None else _run_config(run)).get("plugin_paths")):
         import_plugins(paths, str(Path(run) / "config.yaml"), str(run))
 
 
@@ -130,7 +131,7 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     it saved neither). ``many``: for a tool that compares models, ``model`` is a list of two or more (a run's
     default: its surrogates and targets)."""
     cfg = _run_config(run) if run is not None else {}
-    import_run_plugins(run)
+    import_run_plugins(run, cfg)
     model = model if model is not None else (_run_model(cfg, run, many) if run is not None else None)
     if model is not None and many != isinstance(model, list):
         raise BenchError("this tool compares models: give a list of two or more, e.g. --model '[cifar_resnet20, "

@@ -120,8 +120,8 @@ def analyze(recipe, out, params=None, device="cpu", **source):
     try:
         header, body, arrays, draw = tool(inputs, **p)
     except ParamError as e:  # a parameter the tool can only judge on the images: the file or flag that set it
-        source = "command line (--param)" if e.param in (params or {}) else path
-        raise ConfigError(e.message, source, f"params.{e.param}") from None
+        setter = "command line (--param)" if e.param in (params or {}) else path
+        raise ConfigError(e.message, setter, f"params.{e.param}") from None
     png, table = _write(out, header, body, draw, f"{r['name']}: {inputs.model_name}", arrays)
     loaded = len(inputs.index)
     return png, table, Path(out).with_suffix(".npz"), min(loaded, p.get("max_images", loaded)), loaded
