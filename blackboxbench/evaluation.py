@@ -3,32 +3,79 @@ import statistics
 
 import torch
 
+from .errors import BenchError
 from .perceptual import lpips_distance, ssim
-from .registry import METRIC
+from .registry import METRIC, block_label
 from .stats import averaged_rate_interval, mean_interval, median_interval, wilson
 from .threat import flat_norm
 
 LPIPS_MIN_SIDE = 32  # LPIPS (AlexNet) on smaller images upsamples them to this side first
 
 
-@METRIC.register("l2")
+@METRIC.register("l2", better="lower")
 def l2(x_adv, x):
     return flat_norm(x_adv - x, "l2")
 
 
-@METRIC.register("linf")
+@METRIC.register("linf", better="lower")
 def linf(x_adv, x):
     return flat_norm(x_adv - x, "linf")
+
+
+PERCEPTUAL = (("ssim", "higher"), ("lpips", "lower"))  # the perceptual cost every record carries
+
+
+def distances(x_adv, x):
+    """{metric name: (N,) list of floats} for every registered metric (a plugin's too); a metric that does not
+    return one finite-or-NaN number per image is a one-line error naming it and its file."""
+    out = {}
+    with torch.no_grad():
+        for name in METRIC.names():
+            fn = METRIC.get(name)
+            v = fn(x_adv, x)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != (x.shape[0],):
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise BenchError(f"metric {block_label(fn)} must return a tensor of shape ({x.shape[0]},), one "
+                                 f"value per image; got {got}")
+            out[name] = v.float().cpu().tolist()
+    return out
 
 
 def sample_metrics(x_adv, x, lpips_net=None):
     """{metric name: (N,) list of floats} for every registered metric, plus the perceptual cost: ``ssim`` and
     ``lpips`` (None for every sample when ``lpips_net`` is None: its weights are absent)."""
+    out = distances(x_adv, x)
     with torch.no_grad():
-        out = {name: METRIC.get(name)(x_adv, x).float().cpu().tolist() for name in METRIC.names()}
         out["ssim"] = ssim(x_adv, x).cpu().tolist()
         out["lpips"] = lpips_distance(lpips_net, *lpips_size(x_adv, x)).cpu().tolist() \
             if lpips_net is not None else [None] * x.shape[0]
+    return out
+
+
+def metric_columns():
+    """[(summary column, direction)] of every registered metric and the perceptual cost: ``mean_<m>`` and
+    ``median_<m>``, in the direction the metric declared at registration (``better``; None: not ranked)."""
+    named = [(m, METRIC.get(m).registry_meta.get("better")) for m in METRIC.names()] + list(PERCEPTUAL)
+    return [(f"{stat}_{m}", better) for m, better in named for stat in ("mean", "median")]
+
+
+def check_metric_names(fields, family):
+    """A registered metric whose name is a field of the family's records (``queries``, ``index``...) would
+    overwrite it: a one-line error naming the metric and its file."""
+    for name in METRIC.names():
+        if name in fields and name not in ("l2", "linf"):
+            raise BenchError(f"metric {block_label(METRIC.get(name))}: '{name}' is a field of the {family} "
+                             "family's records; register the metric under another name")
+
+
+def distortion_summary(records):
+    """Mean and median of every metric the records carry (the registered ones and SSIM / LPIPS; None where no
+    record has a value), and ``metrics``: the names of the metrics summarized, for the leaderboard's columns."""
+    names = METRIC.names() + [m for m, _ in PERCEPTUAL]
+    out = {"metrics": names}
+    for m in names:
+        v = [r[m] for r in records if r.get(m) is not None]
+        out.update({f"mean_{m}": _mean(v), f"median_{m}": _median(v)})
     return out
 
 
@@ -41,15 +88,6 @@ def lpips_size(*images, side=LPIPS_MIN_SIDE):
     size = (max(side, h), max(side, w))
     return tuple(torch.nn.functional.interpolate(x.float(), size=size, mode="bilinear", align_corners=False)
                  for x in images)
-
-
-def perceptual_summary(records):
-    """Mean and median SSIM and LPIPS over ``records`` (None where no record has a value)."""
-    out = {}
-    for m in ("ssim", "lpips"):
-        v = [r[m] for r in records if r.get(m) is not None]
-        out.update({f"mean_{m}": _mean(v), f"median_{m}": _median(v)})
-    return out
 
 
 def _mean(v):
@@ -98,9 +136,7 @@ def summarize_query(records):
         "aqn": _mean(q), **_interval("aqn", mean_interval(q)),
         "mqn": _median(q), **_interval("mqn", median_interval(q)),
         "mean_queries_all": _mean([r["queries"] for r in attacked]),
-        "mean_l2": _mean([r["l2"] for r in wins]), "median_l2": _median([r["l2"] for r in wins]),
-        "mean_linf": _mean([r["linf"] for r in wins]), "median_linf": _median([r["linf"] for r in wins]),
-        **perceptual_summary(wins),
+        **distortion_summary(wins),
         # Defenses (defense.py): the target's defense, EOT, clean accuracy under the defense; the defended
         # (majority-of-k draws, evaluation streams) and undefended (the audit) re-evaluations of the returned
         # images, as success rates over attacked samples; reeval_gap = recorded successes - defended confirmations.
@@ -134,9 +170,7 @@ def summarize_transfer(records):
         "surrogate_clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
         "n_attacked": len(attacked), "asr": _mean(asrs), **_interval("asr", _averaged_interval(attacked, names)),
         "per_target": per_target, "aqn": None, "mqn": None,
-        "mean_l2": _mean([r["l2"] for r in attacked]), "median_l2": _median([r["l2"] for r in attacked]),
-        "mean_linf": _mean([r["linf"] for r in attacked]), "median_linf": _median([r["linf"] for r in attacked]),
-        **perceptual_summary(attacked),
+        **distortion_summary(attacked),
         "defense": ", ".join(f"{t}={v['defense']}" for t, v in per_target.items() if v["defense"] != "none")
         or "none",
         "attack_time": sum(r["time"] for r in records),

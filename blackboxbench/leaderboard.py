@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import BenchError
+from .evaluation import metric_columns
 from .family import COMMON_COLUMNS, TRAILING_COLUMNS
 from .registry import FAMILY
 
@@ -41,12 +42,21 @@ class Skipped(NamedTuple):
         return f"skipped {self.run}: {self.reason}"
 
 
-def columns():
-    """[(column, direction)] of the CSV: common columns, every family's declared columns, run metadata."""
+def columns(rows=()):
+    """[(column, direction)] of the CSV: common columns, every family's declared columns, the mean and median of
+    every registered metric (a plugin's, :func:`blackboxbench.evaluation.metric_columns`) and of the metrics the
+    ``rows`` summarized (a plugin not imported here: not ranked), run metadata."""
     out = {c: None for c in COMMON_COLUMNS}
     for name in FAMILY.names():
         for col, direction in FAMILY.get(name).columns:
             out.setdefault(col, direction)
+    for col, direction in metric_columns():
+        out.setdefault(col, direction)
+    for r in rows:
+        names = r.get("metrics")
+        for m in names if isinstance(names, list) else ():
+            for stat in ("mean", "median") if isinstance(m, str) else ():
+                out.setdefault(f"{stat}_{m}", None)
     out.update({c: None for c in TRAILING_COLUMNS if c not in out})
     return list(out.items())
 
@@ -189,7 +199,7 @@ def export_csv(results_dirs, out_path):
     """Write the leaderboard CSV of every finished run; returns ``(rows, skipped)``: the exported summaries in
     leaderboard order and a :class:`Skipped` (one line as ``str``) for every run left out."""
     rows, skipped = collect(results_dirs)
-    cols = columns()
+    cols = columns(rows)
     directions = dict(cols)
     rows.sort(key=lambda r: sort_key(r, directions))
     out = Path(out_path)

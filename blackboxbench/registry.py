@@ -136,10 +136,11 @@ def check_signature(fn, kind, name, args):
 class Registry:
     instances = weakref.WeakSet()  # every registry, so that a failed plugin import can be undone (snapshot)
 
-    def __init__(self, kind, args=None):
+    def __init__(self, kind, args=None, choices=None):
         """``args``: for a registry of pipeline blocks, the arguments the pipeline passes, in order (the context
-        first); a block registered there must take exactly those, then keyword-only parameters."""
-        self.kind, self.args = kind, args
+        first); a block registered there must take exactly those, then keyword-only parameters. ``choices``:
+        {meta key: allowed values} of the registration metadata this registry reads (a metric's ``better``)."""
+        self.kind, self.args, self.choices = kind, args, choices or {}
         self._entries = {}
         Registry.instances.add(self)
 
@@ -153,6 +154,10 @@ class Registry:
                                  f"and again at {_where(obj)}")
             if self.args is not None:
                 check_signature(obj, self.kind, name, self.args)
+            for key, allowed in self.choices.items():
+                if key in meta and meta[key] not in allowed:
+                    raise BenchError(f"{self.kind} '{name}' ({_where(obj)}): {key} must be one of "
+                                     f"{', '.join(map(str, allowed))}, got {meta[key]!r}")
             parsed = parse_ranges(obj, ranges) if ranges else {}
             self._entries[name] = obj
             obj.registry_meta = dict(meta, name=name, kind=self.kind, ranges=parsed)
@@ -284,7 +289,8 @@ AUXILIARY = Registry("auxiliary", ("ctx",))
 DATASET = Registry("dataset")
 MODEL = Registry("model")
 TARGET_LABEL = Registry("target_label")
-METRIC = Registry("metric")
+# per-sample distances ``fn(x_adv, x) -> (N,)``; ``better``: the leaderboard direction of their summaries
+METRIC = Registry("metric", ("x_adv", "x"), choices={"better": ("lower", "higher", None)})
 # named trained artifacts a config declares under ``assets:``
 ASSET = Registry("asset")
 # analysis tools: result rows -> (table, draw); see analysis/__init__.py

@@ -36,6 +36,7 @@ from .builder import build_attack, load_recipe, validate_recipe
 from .config import ConfigError, check_family_keys, config_hash, finish_threat, import_plugins, plugin_digests
 from .defense import DefendedTarget, build_defenses, defense_streams, parse_defenses
 from .errors import BenchError, describe
+from .evaluation import check_metric_names, distances
 from .family import RunInputs
 from .oracle import forward_chunk
 from .prep.data import resolve_data_root
@@ -394,6 +395,8 @@ class Runner:
 
     def _inputs(self, data_root, data):
         exp, source, fam = self.exp, self.exp["_source"], self.family
+        check_metric_names(fam.schema(), fam.name)
+        distances(data.x[:2], data.x[:2])  # every metric (a plugin's) answers one value per image, before the run
         models, names = {}, {}
         for key, i, spec in fam.roles(exp):
             label = f"{key}[{i}]" if fam.model_keys[key].many else key

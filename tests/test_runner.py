@@ -456,3 +456,71 @@ def test_several_surrogates_without_a_fusing_block_fail_before_the_run(tmp_path,
     assert err == (f"error: {cfg}:surrogates: 2 surrogates, but attack 'i_fgsm' has no refine block to fuse them: "
                    "add one, e.g. attack: {recipe: ..., blocks: {refine: [logit_ensemble]}}"), err
     assert not (tmp_path / "res").exists()
+
+
+@pytest.fixture
+def fresh_registries():
+    """Registrations a test's plugins make are undone afterwards, and their modules forgotten (a plugin metric
+    would otherwise be computed in every later run of this worker)."""
+    from blackboxbench.registry import restore, snapshot
+    before, modules = snapshot(), set(sys.modules)
+    yield
+    restore(before)
+    for name in set(sys.modules) - modules:
+        if name.startswith("bbb_plugin_"):
+            del sys.modules[name]
+
+
+def _metric_plugin(tmp_path, name, body="return (x_adv - x).flatten(1).abs().sum(1)", better="'lower'"):
+    path = tmp_path / f"{name}.py"
+    path.write_text("from blackboxbench.registry import METRIC\n\n\n"
+                    f"@METRIC.register('{name}', better={better})\ndef {name}(x_adv, x):\n    {body}\n")
+    return path
+
+
+def test_plugin_metric_reaches_summary_and_leaderboard(tmp_path, fresh_registries):
+    """A plugin's metric is recorded per sample, summarized (mean and median over the attacked samples, as L2) and
+    exported as leaderboard columns, also by an export that has not imported the plugin (not ranked there)."""
+    import csv
+    import statistics
+    from blackboxbench.leaderboard import columns
+    from blackboxbench.registry import METRIC, restore, snapshot
+    before = snapshot()
+    plugin = _metric_plugin(tmp_path, "l1dist")
+    cfg = _write(tmp_path, f"plugins: [{plugin}]\n" + TRANSFER, tmp_path / "res", TARGETED="false")
+    run_dir, summary = _run(cfg)
+    rec = [r for r in _records(run_dir) if r["attacked"]]
+    assert all(r["l1dist"] >= r["l2"] > 0 for r in rec)  # L1 >= L2 for every perturbation
+    assert summary["mean_l1dist"] == pytest.approx(statistics.mean(r["l1dist"] for r in rec))
+    assert summary["median_l1dist"] == pytest.approx(statistics.median(r["l1dist"] for r in rec))
+    assert dict(columns())["mean_l1dist"] == "lower"
+    restore(before)  # as in a new process: the plugin's metric is no longer registered
+    assert "l1dist" not in METRIC and "mean_l1dist" not in dict(columns())
+    out = tmp_path / "lb.csv"
+    assert main(["leaderboard", str(tmp_path / "res"), "-o", str(out)]) == 0
+    (row,) = list(csv.DictReader(out.open()))
+    assert float(row["mean_l1dist"]) == pytest.approx(summary["mean_l1dist"])
+    assert float(row["median_l2"]) == pytest.approx(summary["median_l2"])
+
+
+@pytest.mark.parametrize("name,body,better,error", [
+    ("rowsum", "return (x_adv - x).flatten(1).sum(1, keepdim=True)", "'lower'",
+     " must return a tensor of shape (2,), one value per image; got (2, 1)"),  # the pre-run probe: 2 images
+    ("queries", "return (x_adv - x).flatten(1).abs().sum(1)", "'lower'",
+     ": 'queries' is a field of the score family's records; register the metric under another name")])
+def test_plugin_metric_breaking_its_contract_is_one_line(tmp_path, capsys, fresh_registries, name, body, better,
+                                                         error):
+    """A plugin metric that answers other than one value per image, or whose name is a record field it would
+    overwrite, stops the run before its folder exists with one line naming the metric and its file."""
+    plugin = _metric_plugin(tmp_path, name, body, better)
+    err = plugin_run_error(tmp_path, capsys, plugin, "square_linf\nmodel: digits_mlp",
+                           "{norm: linf, eps: 0.2, max_queries: 50}")
+    assert err == f"error: metric '{name}' ({plugin}:4){error}", err
+    assert not (tmp_path / "res").exists()
+
+
+def test_plugin_metric_direction_checked_at_registration(tmp_path, capsys, fresh_registries):
+    plugin = _metric_plugin(tmp_path, "l1dist", better="'smaller'")
+    err = plugin_run_error(tmp_path, capsys, plugin, "square_linf\nmodel: digits_mlp")
+    assert err.endswith(f"metric 'l1dist' ({plugin}:4): better must be one of lower, higher, None, "
+                        "got 'smaller'"), err

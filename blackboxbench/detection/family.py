@@ -36,10 +36,11 @@ import torch
 from ..builder import resolve_setting
 from ..context import BlockContext, Pool
 from ..errors import BenchError, ConfigError, describe
+from ..evaluation import distances, distortion_summary
 from ..family import BlockKind, Family, ModelKey, WholeBatchWorker, check_outputs, to_uint8
 from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL, block_label
 from ..stats import bootstrap_intervals
-from ..threat import Problem, flat_norm
+from ..threat import Problem
 from .attacks import Crafted, goal_met
 from .data import DetectionDataset
 from .metrics import match_image, pool_matches, weighted_pool
@@ -230,10 +231,7 @@ def summarize_detection(records):
         out[f"mean_drop_{k}_low"], out[f"mean_drop_{k}_high"] = intervals.get((None, k), (None, None))
     out["asr_low"], out["asr_high"] = out["mean_drop_map_low"], out["mean_drop_map_high"]
     out["mean_goal_rate"] = _mean([p["goal_rate"] for p in per.values()])
-    for k in ("l2", "linf", "ssim", "lpips"):
-        out[f"mean_{k}"] = _mean([r[k] for r in attacked])
-        vals = sorted(r[k] for r in attacked if r[k] is not None)
-        out[f"median_{k}"] = vals[len(vals) // 2] if vals else None
+    out.update(distortion_summary(attacked))
     return out
 
 
@@ -343,12 +341,12 @@ class DetectionWorker(WholeBatchWorker):
                               "adv": match_record(a[k], gt[k], count_thr, legacy), "goal": met[k],
                               "goal_clean": met0[k]} for k in range(len(index))]
         ssim, lp = self.perceptual(x_adv, x)
-        l2, linf = flat_norm(x_adv - x, "l2").tolist(), flat_norm(x_adv - x, "linf").tolist()
+        dist = distances(x_adv, x)
         images = to_uint8(x_adv) if run.save_adv else None
         records = []
         for k, i in enumerate(index):
             r = {"index": int(i), "label": 0, "target": None, "clean_correct": True, "attacked": True,
-                 "l2": float(l2[k]), "linf": float(linf[k]), "ssim": ssim[k], "lpips": lp[k], "time": per,
+                 **{m: v[k] for m, v in dist.items()}, "ssim": ssim[k], "lpips": lp[k], "time": per,
                  "n_gt": int((~gt[k]["difficult"]).sum()),
                  "goal": None if goal is None or int(goal.labels[k]) < 0 else
                  {"box": [round(float(v), ROUND) for v in goal.boxes[k]], "label": int(goal.labels[k]),
