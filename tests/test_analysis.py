@@ -125,10 +125,10 @@ def test_select_numbers_text_and_lists():
 
 RESULT_TOOLS = [n for n in ANALYSIS.names() if ANALYSIS.get(n).registry_meta.get("inputs", "results") == "results"]
 RECIPES = sorted(n for n, p in catalog.entries("analysis").items() if load_yaml(p)["tool"] in RESULT_TOOLS)
-TOOL_PARAMS = {"aev_line": {"x": "eps", "y": "asr", "hue": "attack"},
-               "aev_bar": {"x": "target_model", "y": "asr", "hue": "attack"},
-               "aev_scatter": {"x": "aqn", "y": "asr", "hue": "attack"},
-               "aev_bubble": {"x": "aqn", "y": "asr", "size": "mean_l2", "hue": "attack"},
+TOOL_PARAMS = {"aev_line": {"x": "eps", "y": "asr", "hue": "label"},
+               "aev_bar": {"x": "target_model", "y": "asr", "hue": "label"},
+               "aev_scatter": {"x": "aqn", "y": "asr", "hue": "label"},
+               "aev_bubble": {"x": "aqn", "y": "asr", "size": "mean_l2", "hue": "label"},
                "aev_heatmap": {"x": "target_model", "y": "asr", "hue": "surrogates"}}
 
 
@@ -161,9 +161,25 @@ def test_every_recipe_runs_on_a_results_directory(recipe, results, tmp_path):
 def test_line_numbers(results, tmp_path):
     _, table, _, _ = run_recipe("aev_line", results, tmp_path / "line", where={"family": "score"})
     got = read_csv(table)
-    assert [(r["attack"], r["eps"], r["n"]) for r in got] == [
+    assert [(r["label"], r["eps"], r["n"]) for r in got] == [
         ("square", 0.01, 1), ("square", 0.03, 1), ("nes", 0.01, 1), ("nes", 0.03, 2)]
     assert math.isclose(got[3]["mean"], 0.75) and math.isclose(got[3]["std"], np.std([0.7, 0.8], ddof=1))
+
+
+@pytest.mark.parametrize("source", ["dir", "csv"])
+def test_default_hue_keeps_named_configs_of_one_attack_apart(results, tmp_path, source):
+    """Two configs of one attack under different names (``name``) are two lines by default, from a results
+    directory and from a leaderboard CSV alike; a run without a name keeps its attack as its label."""
+    s = {**query_summary("q6", "nes", 0.03, 0.1, 800.0, 1.0), "name": "nes_small_step"}
+    (results / "q6").mkdir()
+    (results / "q6" / "summary.json").write_text(json.dumps(s))
+    src = results
+    if source == "csv":
+        src = tmp_path / "lb.csv"
+        assert main(["leaderboard", str(results), "-o", str(src)]) == 0
+    _, table, _, _ = run_recipe("aev_line", src, tmp_path / "line", where={"family": "score"})
+    got = [(r["label"], r["eps"], r["n"]) for r in read_csv(table)]
+    assert ("nes", 0.03, 2) in got and ("nes_small_step", 0.03, 1) in got, got
 
 
 def test_heatmap_gray_cells_and_average(results, tmp_path):
@@ -229,7 +245,7 @@ def test_plot_of_real_runs(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "results"), "-r", "aev_line", "-o", str(tmp_path / "line.png")]) == 0
     for name in ("line", "cfg_line"):
         got = read_csv(tmp_path / f"{name}.csv")
-        assert [(r["attack"], r["eps"], r["mean"]) for r in got] == [("square_linf", e, asr[e]) for e in (0.1, 0.3)]
+        assert [(r["label"], r["eps"], r["mean"]) for r in got] == [("square_linf", e, asr[e]) for e in (0.1, 0.3)]
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG
 
 

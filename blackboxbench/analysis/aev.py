@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from ..errors import BenchError
-from ..leaderboard import collect, is_number
+from ..leaderboard import collect, is_number, label
 from ..plotting import error_bars, figure, heatmap, read_csv
 from ..registry import ANALYSIS, close_matches
 
@@ -43,17 +43,20 @@ def summary_rows(summaries):
 
 def load_rows(source):
     """``(rows, skipped)`` of a leaderboard CSV or of the finished runs under a results directory or a list of
-    them (``skipped``: the runs left out, :class:`~blackboxbench.leaderboard.Skipped`)."""
-    if isinstance(source, (list, tuple)):
+    them (``skipped``: the runs left out, :class:`~blackboxbench.leaderboard.Skipped`). Every row gets ``label``,
+    the run's label in tables (:func:`~blackboxbench.leaderboard.label`: the config's ``name``, else the attack),
+    the recipes' default hue: two configs of one attack under different names stay apart."""
+    p = None if isinstance(source, (list, tuple)) else Path(source)
+    if p is None or p.is_dir():
         summaries, skipped = collect(source)
-        return summary_rows(summaries), skipped
-    p = Path(source)
-    if p.is_dir():
-        summaries, skipped = collect(p)
-        return summary_rows(summaries), skipped
-    if p.is_file():
-        return read_csv(p), []
-    raise BenchError(f"results not found: {source} (give a leaderboard CSV or a results directory)")
+        rows = summary_rows(summaries)
+    elif p.is_file():
+        rows, skipped = read_csv(p), []
+    else:
+        raise BenchError(f"results not found: {source} (give a leaderboard CSV or a results directory)")
+    for r in rows:
+        r.setdefault("label", label(r))
+    return rows, skipped
 
 
 def key(v):
