@@ -128,8 +128,16 @@ SETTING_KEYS = ("eps", "target_model", "surrogates", "defense", "success_rule", 
                 "targeted", "seed", "dataset", "n")
 
 
+SETTING_NAMES = {"success_rule": "rule", "target_model": "target", "eot": "EOT"}  # a setting's name in a label
+
+
 def _setting(key, value):
-    return f"eps {value * 255:.3g}/255" if key == "eps" and is_number(value) else f"{key} {value}"
+    """A setting as a label part: ``eps 8/255``, ``rule majority of 5``, ``targeted`` / ``untargeted``..."""
+    if key == "eps" and is_number(value):
+        return f"eps {value * 255:.3g}/255"
+    if key == "targeted" and isinstance(value, bool):
+        return "targeted" if value else "untargeted"
+    return f"{SETTING_NAMES.get(key, key)} {value}"
 
 
 def _text(value):

@@ -251,7 +251,7 @@ def test_a_config_name_labels_the_run_and_fills_the_name_column(tmp_path):
     assert [ln.split()[0] for ln in format_table(rows).splitlines()[2:]] == ["sq_fast", "nes"]
     rule = [{"family": "score", "attack": "sq", "eps": 0.03, "defense": "rnd", "success_rule": r, "asr": a}
             for r, a in ((None, 0.9), ("majority(5)", 0.5))]  # alike in every setting the table shows
-    assert [ln.split("  ")[0] for ln in format_table(rule).splitlines()[2:]] == ["sq", "sq success_rule majority(5)"]
+    assert [ln.split("  ")[0] for ln in format_table(rule).splitlines()[2:]] == ["sq", "sq rule majority(5)"]
     names = [c for c, _ in columns()]
     assert names[:2] == ["attack", "name"]
 
@@ -272,7 +272,10 @@ def test_run_labels_keep_every_run_apart():
             r("k", "rs", 0.03, defense="rnd", rule="majority(5)")]
     got = run_labels(rows, within=lambda x: x["norm"], clash=lambda x: x["defense"])
     assert got == ["sq eps 4/255", "sq eps 8/255", "sq eps 4/255", "sq", "nes h1", "nes h2", "mine", "rs", "rs",
-                   "rs success_rule majority(5)"]
+                   "rs rule majority(5)"]
+    both = [{**rows[0], "targeted": t, "eot": k} for t in (False, True) for k in (1, 4)]
+    assert run_labels(both, clash=lambda x: None) == \
+        ["sq EOT 1 untargeted", "sq EOT 4 untargeted", "sq EOT 1 targeted", "sq EOT 4 targeted"]
 
 
 def test_robustness_chart_draws_every_run(tmp_path, monkeypatch):
