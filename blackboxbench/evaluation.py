@@ -59,13 +59,20 @@ def metric_columns():
     return [(f"{stat}_{m}", better) for m, better in named for stat in ("mean", "median")]
 
 
-def check_metric_names(fields, family):
-    """A registered metric whose name is a field of the family's records (``queries``, ``index``...) would
-    overwrite it: a one-line error naming the metric and its file."""
+def check_metric_names(fields, columns, family):
+    """A registered metric must not overwrite what a run writes: a field of the family's records (``queries``,
+    ``index``...), the record checksum or an internal ``_`` field, or a summary column (``mean_drop_map``); a
+    one-line error naming the metric and its file."""
+    builtin = {"l2", "linf"}
     for name in METRIC.names():
-        if name in fields and name not in ("l2", "linf"):
-            raise BenchError(f"metric {block_label(METRIC.get(name))}: '{name}' is a field of the {family} "
-                             "family's records; register the metric under another name")
+        summary = {f"mean_{name}", f"median_{name}"} & set(columns)
+        clash = (f"'{name}' is a field of the {family} family's records" if name in fields or name == "check"
+                 else f"'{name}' is not a plain name" if not name.isidentifier() or name.startswith("_")
+                 else f"its summary column '{sorted(summary)[0]}' is one of the {family} family's" if summary
+                 else None)
+        if clash and name not in builtin:
+            raise BenchError(f"metric {block_label(METRIC.get(name))}: {clash}; register the metric under "
+                             "another name")
 
 
 def distortion_summary(records):

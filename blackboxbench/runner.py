@@ -395,7 +395,7 @@ class Runner:
 
     def _inputs(self, data_root, data):
         exp, source, fam = self.exp, self.exp["_source"], self.family
-        check_metric_names(fam.schema(), fam.name)
+        check_metric_names(fam.schema(), [c for c, _ in fam.columns], fam.name)
         distances(data.x[:2], data.x[:2])  # every metric (a plugin's) answers one value per image, before the run
         models, names = {}, {}
         for key, i, spec in fam.roles(exp):

@@ -507,7 +507,9 @@ def test_plugin_metric_reaches_summary_and_leaderboard(tmp_path, fresh_registrie
     ("rowsum", "return (x_adv - x).flatten(1).sum(1, keepdim=True)", "'lower'",
      " must return a tensor of shape (2,), one value per image; got (2, 1)"),  # the pre-run probe: 2 images
     ("queries", "return (x_adv - x).flatten(1).abs().sum(1)", "'lower'",
-     ": 'queries' is a field of the score family's records; register the metric under another name")])
+     ": 'queries' is a field of the score family's records; register the metric under another name"),
+    ("_image", "return (x_adv - x).flatten(1).abs().sum(1)", "None",
+     ": '_image' is not a plain name; register the metric under another name")])
 def test_plugin_metric_breaking_its_contract_is_one_line(tmp_path, capsys, fresh_registries, name, body, better,
                                                          error):
     """A plugin metric that answers other than one value per image, or whose name is a record field it would
@@ -524,3 +526,15 @@ def test_plugin_metric_direction_checked_at_registration(tmp_path, capsys, fresh
     err = plugin_run_error(tmp_path, capsys, plugin, "square_linf\nmodel: digits_mlp")
     assert err.endswith(f"metric 'l1dist' ({plugin}:4): better must be one of lower, higher, None, "
                         "got 'smaller'"), err
+
+
+def test_metric_whose_summary_column_a_family_writes_is_refused(fresh_registries):
+    """``drop_map`` would write ``mean_drop_map``, the detection family's own mAP drop column."""
+    from blackboxbench.evaluation import check_metric_names
+    from blackboxbench.registry import FAMILY, METRIC
+    METRIC.register("drop_map")(lambda x_adv, x: (x_adv - x).flatten(1).abs().sum(1))
+    fam = FAMILY.get("detection")
+    with pytest.raises(BenchError, match="metric 'drop_map' .*: its summary column 'mean_drop_map' is one of the "
+                                         "detection family's; register the metric under another name"):
+        check_metric_names(fam.schema(), [c for c, _ in fam.columns], fam.name)
+    check_metric_names(FAMILY.get("transfer").schema(), [c for c, _ in FAMILY.get("transfer").columns], "transfer")
