@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from .errors import BenchError, ConfigError
+from .prep.models import bare_spec
 from .registry import (ASSET, DATASET, MODEL, TARGET_LABEL, ParamError, check_params, close_matches, restore,
                        snapshot)
 from .threat import NORMS
@@ -321,9 +322,13 @@ def check_family_keys(exp, family, source):
         if key not in COMMON_THREAT_KEYS and key not in family.threat_keys:
             raise ConfigError(f"only for {', '.join(_owners(key, 'threat_keys'))} attacks", source, f"threat.{key}")
     specs = [("dataset", DATASET, exp["dataset"])]
-    specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL,
-               {k: v for k, v in spec.items() if k != "defense"})  # a target's defense: checked by the runner
-              for key, i, spec in family.roles(exp)]
+    specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL, bare_spec(spec))
+              for key, i, spec in family.roles(exp)]  # a target's defense: checked by the runner
+    for key, i, spec in family.roles(exp):
+        label = spec.get("label", "x")
+        if not isinstance(label, str) or not label.strip():
+            raise ConfigError(f"expected a non-empty string, got {label!r}", source,
+                              f"{key}[{i}].label" if family.model_keys[key].many else f"{key}.label")
     specs += [(f"assets.{k}", ASSET, spec) for k, spec in exp["assets"].items()]
     for key, registry, spec in specs:
         check_spec(registry, spec, source, key)

@@ -42,7 +42,7 @@ from .oracle import forward_chunk
 from .prep.data import resolve_data_root
 from .prep.inference import inference_copy, is_randomized
 from .prep.layers import get_layer
-from .prep.models import build_model
+from .prep.models import bare_spec, build_model
 from .prep.targets import choose_targets
 from .registry import ASSET, DATASET, block_label
 from .rng import Streams
@@ -100,7 +100,10 @@ class Session:
 
 
 def spec_label(spec):
-    """A model's label: its name (``timm:arch``), then ``+`` and the names of the defenses its spec names."""
+    """A model's label: the spec's ``label`` when it gives one, else its name (``timm:arch``), then ``+`` and the
+    names of the defenses its spec names."""
+    if spec.get("label"):
+        return spec["label"]
     label = spec["name"] + (f":{spec['arch']}" if spec.get("arch") else "")
     if spec.get("defense"):
         ds = spec["defense"] if isinstance(spec["defense"], list) else [spec["defense"]]
@@ -147,6 +150,11 @@ def prepare(exp):
             raise ConfigError(f"attack '{recipe['name']}' reads it as a {kind} asset (its block '{block}'), not "
                               f"{exp['assets'][name]['name']}", source, f"assets.{name}.name")
     roles = family.roles(exp)
+    seen = {}
+    for key, i, spec in roles:  # each model of a list has its own results (a target's column): labels differ
+        if family.model_keys[key].many and (j := seen.setdefault((key, spec_label(spec)), i)) != i:
+            raise ConfigError(f"same label '{spec_label(spec)}' as {key}[{j}]: their results would merge; drop the "
+                              "repeat or tell them apart with label: NAME", source, f"{key}[{i}]")
     if not family.surrogate_may_be_target:  # a white-box surrogate is never the black-box target
         targets = [s for key, _, s in roles if family.model_keys[key].role == "target"]
         for key, i, spec in roles:
@@ -173,6 +181,9 @@ def run_defenses(exp, family, source):
             out[target] = [build_defenses(parse_defenses(exp["defense"], source))]
     for key, i, spec in family.roles(exp):
         if "defense" in spec:
+            if not family.classifier_models:
+                raise ConfigError(f"a defense wraps a classifier's class scores; {family.name} targets take none",
+                                  source, f"{key}[{i}].defense")
             if family.model_keys[key].role != "target":
                 raise ConfigError("a defense wraps a target model, not a surrogate", source, f"{key}[{i}].defense")
             out.setdefault(key, [[] for _ in (exp.get(key) or [])])[i] = build_defenses(
@@ -400,7 +411,7 @@ class Runner:
         models, names = {}, {}
         for key, i, spec in fam.roles(exp):
             label = f"{key}[{i}]" if fam.model_keys[key].many else key
-            bare = {k: v for k, v in spec.items() if k != "defense"}  # a defense wraps the model (defense.py)
+            bare = bare_spec(spec)  # a defense wraps the model (defense.py); a label names its results
             probe = data.x[:4] if exp["fuse"] and fam.model_keys[key].forward_only else None
             models.setdefault(key, []).append(self.session.model(bare, data_root, self.device, source, label,
                                                                  exp["compile"], probe))
@@ -480,11 +491,18 @@ class Runner:
                 where = f"{key}[{i}]" if self.family.model_keys[key].many else key
                 try:
                     with torch.no_grad():
-                        width = m(probe).shape[1]
+                        out = m(probe)
                 except (RuntimeError, BenchError) as e:  # e.g. 3-channel images into a 1-channel model
                     raise ConfigError(f"the model cannot take the images of dataset {data.name} (shape "
                                       f"{tuple(data.x.shape[1:])}): {str(e).splitlines()[0][:160]}", source,
                                       where) from None
+                if not isinstance(out, torch.Tensor) or out.dim() != 2:  # a detector answers a list of boxes
+                    got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else \
+                        f"a {type(out).__name__}"
+                    raise ConfigError(f"a {self.family.name} attack needs a classifier answering one row of class "
+                                      f"scores per image; this model answers {got} (a detector needs a detection "
+                                      "recipe: blackboxbench list attacks)", source, where)
+                width = out.shape[1]
                 if data.num_classes is None:
                     data.num_classes = width
                 elif width != data.num_classes:

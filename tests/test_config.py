@@ -169,6 +169,10 @@ FUZZ = [
          "surrogates[0].depth", "unknown parameter"),
     case("unknown target model", tcfg(models="surrogates: [digits_cnn]\ntargets: [digits_mlp, digits_lenett]"),
          "targets[1]", "did you mean: digits_lenet"),
+    case("two targets, one label", tcfg(models="surrogates: [digits_cnn]\ntargets: [digits_mlp, digits_mlp]"),
+         "targets[1]", "same label 'digits_mlp' as targets[0]: their results would merge"),
+    case("target label not text", tcfg(models="surrogates: [digits_cnn]\ntargets: [{name: digits_mlp, label: 3}]"),
+         "targets[0].label", "expected a non-empty string, got 3"),
     case("unknown target_label param", cfg(threat=TARGETED.replace("LABEL", "{name: specified, labl: 3}")),
          "threat.target_label.labl", "did you mean: label"),
     case("unknown success_rule key", cfg(threat="{norm: linf, max_queries: 10, success_rule: {name: majority, "

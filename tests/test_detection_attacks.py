@@ -154,7 +154,15 @@ def test_family_end_to_end_with_reports(tmp_path):
 
 @pytest.mark.parametrize("change,match", [({"dataset": {"name": "digits", "n": 4}}, "has no boxes"),
                                           ({"targets": ["digits_mlp"]}, "not a detector"),
-                                          ({"threat": {"targeted": True}}, "does not support targeted")])
+                                          ({"threat": {"targeted": True}}, "does not support targeted"),
+                                          ({"targets": [{"name": "shapes_fcos", "defense": "jpeg"}]},
+                                           r"targets\[0\].defense: a defense wraps a classifier's class scores; "
+                                           "detection targets take none"),
+                                          ({"targets": ["shapes_fcos", "shapes_fcos_b", "shapes_fcos"]},
+                                           r"targets\[2\]: same label 'shapes_fcos' as targets\[0\]"),
+                                          ({"attack": "mi_fgsm"}, r"surrogates\[0\]: a transfer attack needs a "
+                                           "classifier answering one row of class scores per image; this model "
+                                           "answers a list")])
 def test_config_errors(tmp_path, change, match):
     base = {"dataset": {"name": "shapes", "n": 4}, "attack": "tog_vanishing", "surrogates": ["shapes_fcos"],
             "targets": ["shapes_fcos"], "device": "cpu", "output_dir": str(tmp_path)}

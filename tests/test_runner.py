@@ -538,3 +538,14 @@ def test_metric_whose_summary_column_a_family_writes_is_refused(fresh_registries
                                          "detection family's; register the metric under another name"):
         check_metric_names(fam.schema(), [c for c, _ in fam.columns], fam.name)
     check_metric_names(FAMILY.get("transfer").schema(), [c for c, _ in FAMILY.get("transfer").columns], "transfer")
+
+
+def test_a_label_tells_apart_two_targets_of_one_model(tmp_path):
+    """Targets with one label would merge into one column of results (refused, see test_config); ``label`` names
+    a target's results, and its model is the same as without it."""
+    text = TRANSFER.replace("targets: [digits_mlp, digits_cnn]",
+                            "targets: [digits_mlp, {name: digits_mlp, label: mlp_again}]")
+    _, summary = _run(_write(tmp_path, text, tmp_path / "o", TARGETED="false"))
+    per = summary["per_target"]
+    assert set(per) == {"digits_mlp", "mlp_again"} and per["digits_mlp"]["asr"] == per["mlp_again"]["asr"]
+    assert summary["target_model"] == "digits_mlp+mlp_again"

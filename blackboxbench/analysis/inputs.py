@@ -17,7 +17,7 @@ from PIL import Image
 from ..config import check_spec, import_plugins, load_yaml
 from ..errors import BenchError
 from ..prep.data import resolve_data_root
-from ..prep.models import build_model
+from ..prep.models import bare_spec, build_model
 from ..registry import DATASET
 
 
@@ -64,10 +64,6 @@ def _run_config(run):
     return cfg
 
 
-def _bare(spec):
-    return {k: v for k, v in spec.items() if k != "defense"} if isinstance(spec, dict) else spec
-
-
 def _run_model(cfg, path, many=False):
     """The model a run attacked: a query run's target, else a transfer run's first target. ``many``: the run's
     surrogates and then its target(s) (a transfer run's ``targets``, a query run's ``model``)."""
@@ -76,11 +72,11 @@ def _run_model(cfg, path, many=False):
         specs = list(cfg.get("surrogates") or []) + list(targets)
         if len(specs) < 2:
             raise BenchError(f"{path}: the run names fewer than 2 models; give a list with --model")
-        return [_bare(s) for s in specs]
+        return [bare_spec(s) for s in specs]
     spec = cfg.get("model") or (cfg.get("targets") or [None])[0]
     if spec is None:
         raise BenchError(f"{path}: the run names no model; give one with --model")
-    return _bare(spec)
+    return bare_spec(spec)
 
 
 def _saved(run, folder, suffix, index):

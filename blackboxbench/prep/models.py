@@ -72,6 +72,14 @@ def parse_spec(spec):
     return name, params
 
 
+RUN_SPEC_KEYS = ("defense", "label")  # model-spec keys the runner reads (never passed to the model's builder)
+
+
+def bare_spec(spec):
+    """A model spec without the runner's keys (:data:`RUN_SPEC_KEYS`): what builds the model."""
+    return {k: v for k, v in spec.items() if k not in RUN_SPEC_KEYS} if isinstance(spec, dict) else spec
+
+
 def _create(spec, data_root, **extra):
     name, params = parse_spec(spec)
     fn = MODEL.get(name)
