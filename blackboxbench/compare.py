@@ -18,6 +18,7 @@ different datasets or families do not pair and are a one-line error.
 import statistics
 from pathlib import Path
 
+from .config import load_yaml
 from .errors import BenchError
 from .leaderboard import label, read_summary
 from .registry import FAMILY
@@ -27,6 +28,9 @@ from .stats import sign_test_p
 
 SETTINGS = ("dataset", "target_model", "surrogates", "defense", "norm", "eps", "targeted", "budget", "feedback",
             "success_rule", "seed", "n")
+# threat keys that SETTINGS already shows (from the summary); any other threat key that differs is listed from the
+# runs' config.yaml (a detector's score_thr / max_det, a target-label mode...)
+SHOWN_THREAT = ("norm", "eps", "targeted", "max_queries", "feedback", "success_rule")
 PAIRED_FAMILIES = ("score", "decision", "transfer", "detection")
 
 
@@ -54,6 +58,37 @@ def paired_queries(qa, qb):
             "median_ratio": statistics.median(ratios) if ratios else None}
 
 
+def run_config(run_dir):
+    """The resolved config a run wrote (``config.yaml``); {} when it is missing or unreadable."""
+    try:
+        cfg = load_yaml(Path(run_dir) / "config.yaml")
+    except BenchError:
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _mapping(cfg, key):
+    v = cfg.get(key)
+    return v if isinstance(v, dict) else None
+
+
+def image_difference(ca, cb):
+    """The dataset parameters (other than ``n``) in which two run configs differ: they name other images under one
+    sample index (a generated dataset's seed, another file); '' when none or unknown."""
+    da, db = _mapping(ca, "dataset"), _mapping(cb, "dataset")
+    if da is None or db is None:
+        return ""
+    return ", ".join(f"dataset.{k} {da.get(k)!r} / {db.get(k)!r}" for k in sorted(da.keys() | db.keys())
+                     if k != "n" and da.get(k) != db.get(k))
+
+
+def threat_differences(ca, cb):
+    """{``threat.<key>``: (A's, B's)} of the threat keys outside :data:`SHOWN_THREAT` that differ."""
+    ta, tb = _mapping(ca, "threat") or {}, _mapping(cb, "threat") or {}
+    return {f"threat.{k}": (ta.get(k), tb.get(k)) for k in sorted(ta.keys() | tb.keys())
+            if k not in SHOWN_THREAT and ta.get(k) != tb.get(k)}
+
+
 def load_run(run_dir):
     """``(summary, records)`` of a finished run directory, records keyed by sample index; one-line errors."""
     d = Path(run_dir)
@@ -76,6 +111,9 @@ def compare_runs(run_a, run_b):
     if sa["dataset"] != sb["dataset"]:
         raise BenchError(f"the runs attack different datasets ({sa['dataset']}, {sb['dataset']}): their samples "
                          "do not pair")
+    ca, cb = run_config(run_a), run_config(run_b)
+    if other := image_difference(ca, cb):
+        raise BenchError(f"the runs attack different images ({other}): their samples do not pair")
     kind = [("query" if s["family"] in QUERY_FAMILIES else s["family"]) for s in (sa, sb)]
     if kind[0] != kind[1]:
         raise BenchError(f"a {sa['family']} run and a {sb['family']} run: compare runs of the query families, two "
@@ -97,6 +135,7 @@ def compare_runs(run_a, run_b):
         raise BenchError("the runs share no attacked sample (or no target): nothing to pair")
     same = {k: sa.get(k) for k in SETTINGS if sa.get(k) == sb.get(k)}
     differs = {k: (sa.get(k), sb.get(k)) for k in SETTINGS if sa.get(k) != sb.get(k)}
+    differs.update(threat_differences(ca, cb))
     return {"a": _name(sa, run_a), "b": _name(sb, run_b), "same": same, "differs": differs, "rows": rows}
 
 

@@ -147,3 +147,16 @@ def test_compare_detection_runs_pairs_the_mAP_drop_per_target(tmp_path, capsys):
     assert main(["compare", str(dirs[0]), str(dirs[1])]) == 0
     out = capsys.readouterr().out
     assert "A: strong (" in out and "target shapes_fcos: relative mAP drop on the 6 images both attacked" in out
+    # the detectors' post-processing is a setting that differs; other shapes images do not pair at all
+    cfg = tmp_path / "weak.yaml"
+    cfg.write_text(cfg.read_text().replace("{eps: 2/255}", "{eps: 2/255, score_thr: 0.6}"))
+    assert main(["run", str(cfg), "--quiet"]) == 0
+    (post,) = set((tmp_path / "out").glob("weak_*")) - set(dirs)
+    assert compare_runs(dirs[1], post)["differs"] == {"threat.score_thr": (None, 0.6)}  # None: its own
+    cfg.write_text(cfg.read_text().replace("seed: 0", "seed: 1"))
+    assert main(["run", str(cfg), "--quiet"]) == 0
+    (other,) = set((tmp_path / "out").glob("weak_*")) - set(dirs) - {post}
+    capsys.readouterr()
+    assert main(["compare", str(dirs[1]), str(other)]) == 2
+    assert capsys.readouterr().err == ("error: the runs attack different images (dataset.seed 0 / 1): their samples "
+                                       "do not pair\n")
