@@ -40,6 +40,16 @@ def test_missing_checkpoint_is_one_line(tmp_path):
         build_model("cifar_resnet4b_adv", tmp_path)
 
 
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint at all", b"PK\x03\x04" + bytes(range(200))])
+def test_unreadable_checkpoint_is_one_line(tmp_path, content):
+    """A truncated or foreign file where a checkpoint should be: one line naming it, whatever torch.load raises."""
+    from blackboxbench.prep.models import load_state
+    path = tmp_path / "model.pth"
+    path.write_bytes(content)
+    with pytest.raises(BenchError, match=rf"cannot read checkpoint {path}: not a PyTorch / safetensors state dict"):
+        load_state(path)
+
+
 def test_state_dict_keys_are_the_checkpoints(data_root):
     from blackboxbench.prep.models import load_state
     from blackboxbench.prep.data import data_path

@@ -136,12 +136,17 @@ def load_state(path, key="state_dict", strip_prefix="module."):
     path = Path(path)
     if not path.is_file():
         raise BenchError(f"missing checkpoint {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        sd = load_file(str(path))
-    else:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+            sd = load_file(str(path))
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything from KeyError to EOFError
+        detail = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise BenchError(f"cannot read checkpoint {path}: not a PyTorch / safetensors state dict ({detail})") \
+            from None
     if isinstance(sd, dict) and key and key in sd:
         sd = sd[key]
     if isinstance(sd, (list, tuple)) and len(sd) == 1:
