@@ -283,6 +283,10 @@ def test_model_analysis_errors_are_one_line(saved_run, tmp_path, capsys):
         (["-r", "fsm", "--run", str(run_dir), "--n", "0"], "--n must be >= 1 (the first n images), got 0"),
         (["-r", "fsm", "--run", str(run_dir), "--n", "-3"], "--n must be >= 1"),  # once the last 3 dropped
         (["-r", "fsm", "--run", str(run_dir), "--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+        (["-r", "fullgrad", "--model", "{name: shapes_fcos, pretrained: false}", "--dataset", "{name: shapes, n: 2}"],
+         "model shapes_fcos answers a list, not one row of class scores per image: the model-level analyses"),
+        (["-r", "fsm", "--model", "digits_cnn", "--dataset", "{name: shapes, n: 2}"],
+         "model digits_cnn cannot take the images of dataset shapes (shape (3, 64, 64))"),
     ]
     det = tmp_path / "det_run"  # a detection run's resolved config: no classifier to analyse
     det.mkdir()

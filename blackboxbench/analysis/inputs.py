@@ -158,6 +158,17 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     names = [name for name, _ in nets]
     if len(set(names)) < len(names):
         raise BenchError(f"the models to compare repeat a name: {names}")
+    for name, net in nets:  # a detector answers boxes: the model-level analyses read class scores
+        try:
+            with torch.no_grad():
+                out = net(data.x[index[:1]].to(device))
+        except RuntimeError as e:  # e.g. 3-channel images into a 1-channel model
+            raise BenchError(f"model {name} cannot take the images of dataset {ds['name']} (shape "
+                             f"{tuple(data.x.shape[1:])}): {str(e).splitlines()[0][:160]}") from None
+        if not isinstance(out, torch.Tensor) or out.dim() != 2:
+            got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+            raise BenchError(f"model {name} answers {got}, not one row of class scores per image: the model-level "
+                             "analyses (decision surface, dbViz, FSM, FullGrad, ADM) take classifiers")
     x_adv = _adv_images(run, index) if run is not None else None
     paths = _attack_paths(run, index) if run is not None else None
     if x_adv is not None and x_adv.shape != data.x[index].shape:
