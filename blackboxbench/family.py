@@ -110,8 +110,9 @@ class Family:
         """The eps a recipe of this family uses when the config gives none (None: the paper tables' default)."""
         return None
 
-    def check_inputs(self, models, data, source):
-        """Check the loaded models and data before a run (families whose models are not classifiers)."""
+    def check_inputs(self, models, data, source, attack, assets):
+        """Check the loaded models, data and assets against the attack before a run (families whose models are not
+        classifiers)."""
 
     def check_experiment(self, exp, attack, source):
         """Check an experiment against its built attack before anything loads (one-line config errors)."""

@@ -430,7 +430,7 @@ class Runner:
         self._check_layers(models)
         self.randomized = []
         if not fam.classifier_models:
-            fam.check_inputs(models, data, source)
+            fam.check_inputs(models, data, source, self.attack, assets)
         else:
             self._check_classes(models, data)
             self._check_defenses(models, defenses, data)

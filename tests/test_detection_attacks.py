@@ -162,7 +162,16 @@ def test_family_end_to_end_with_reports(tmp_path):
                                            r"targets\[2\]: same label 'shapes_fcos' as targets\[0\]"),
                                           ({"attack": "mi_fgsm"}, r"surrogates\[0\]: a transfer attack needs a "
                                            "classifier answering one row of class scores per image; this model "
-                                           "answers a list")])
+                                           "answers a list"),
+                                          ({"attack": "dag", "surrogates": [{"name": "shapes_frcnn",
+                                                                             "pretrained": False}]},
+                                           r"surrogates\[0\]: dag reads a one-stage head's per-candidate class "
+                                           "scores \\(fcos, retinanet, ssd\\); the fasterrcnn detector has none"),
+                                          ({"attack": "phantom_sponges", "dataset": {"name": "shapes", "n": 4,
+                                                                                     "size": 96},
+                                            "threat": {"norm": "l2"}, "assets": {"train": {"name": "detection_images"}}},
+                                           "assets.train: its images are 64x64, the dataset's 96x96: give the "
+                                           "asset's spec the dataset's size")])
 def test_config_errors(tmp_path, change, match):
     base = {"dataset": {"name": "shapes", "n": 4}, "attack": "tog_vanishing", "surrogates": ["shapes_fcos"],
             "targets": ["shapes_fcos"], "device": "cpu", "output_dir": str(tmp_path)}

@@ -15,6 +15,7 @@ from blackboxbench.detection.context import (HELPER_P, U_STEP, ContextTables, co
                                              helper_box, helper_distribution, pick, sequential_plans)
 from blackboxbench.errors import BenchError
 from blackboxbench.runner import run_experiment
+from blackboxbench.registry import FAMILY
 
 
 def reference_tables(targets, sizes, k):
@@ -259,6 +260,27 @@ def test_asset_default_and_config_errors(tmp_path):
     assert summary["n"] == 2
     with pytest.raises(BenchError, match="plans after ap0 need CAA's context tables"):
         caa(SimpleNamespace(assets={}, steps=1), None, steps=1, context=None)
+
+
+def test_partial_asset_spec_completes_the_default():
+    """``{n: 32}`` keeps the default's shapes train split (it used to lose the name: "unknown dataset 'None'")."""
+    a = detection_context(None, "cpu", spec={"n": 32})
+    b = detection_context(None, "cpu", spec={"name": "shapes", "split": "train", "n": 32})
+    assert torch.equal(a.count, b.count) and torch.equal(a.size, b.size)
+
+
+def test_context_tables_of_other_classes_are_refused():
+    """CAA's tables index classes: tables of 3 classes against a 20-class dataset are a config error at the asset,
+    before the run (it used to be an IndexError deep in the craft)."""
+    fam = FAMILY.get("detection")
+    tables = detection_context(None, "cpu", spec={"n": 8})
+    craft = SimpleNamespace(func=SimpleNamespace(registry_meta={"name": "caa"}))
+    attack = SimpleNamespace(craft=craft, meta={"assets": {"context": ("craft", "detection_context")}})
+    data = SimpleNamespace(x=torch.zeros(1, 3, 64, 64), num_classes=20, name="voc2007")
+    with pytest.raises(ConfigError, match="assets.context: its tables cover 3 classes, dataset voc2007 has 20"):
+        fam._check_attack({}, data, "test.yaml", attack, {"context": tables})
+    fam._check_attack({}, SimpleNamespace(**{**vars(data), "num_classes": 3}), "test.yaml", attack,
+                      {"context": tables})
 
 
 def test_objective_not_per_image_is_one_line():

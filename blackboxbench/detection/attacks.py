@@ -17,7 +17,7 @@ from ..errors import BenchError, describe
 from ..registry import DET_CRAFT, DET_OBJECTIVE, block_label
 from ..threat import flat_norm, per_sample
 from .context import U_STEP, ContextTables, sequential_plans
-from .models import TWO_STAGE
+from .models import ONE_STAGE, TWO_STAGE
 
 TOG = "Chow et al., TPS-ISA 2020 (TOG); git-disl/TOG tog/attacks.py"
 
@@ -90,7 +90,7 @@ def _per_image(total, n):
 def _vanish_loss(model, x):
     """log(1 - p) over every candidate and class (maximize: every score to 0); R-CNN: minus the classification
     losses with no object (CE of the RPN and the RoI head towards background)."""
-    if model.kind in ("fcos", "retinanet", "ssd"):
+    if model.kind in ONE_STAGE:
         p = model.candidates(x).clamp(1e-6, 1 - 1e-6)
         return torch.log1p(-p).flatten(1).mean(1)
     empty = [{"boxes": x.new_zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long, device=x.device)}] * len(x)
@@ -174,7 +174,7 @@ def tog_mislabel(ctx, x, *, conf_thr=0.2, mode="ml"):
     or ``ll`` (least likely) class and away from its own: log p_target + log(1 - p_own) (one-stage heads). R-CNN:
     descend the training loss towards the clean detections relabelled (:func:`mislabel_targets`)."""
     model = ctx.model
-    if model.kind not in ("fcos", "retinanet", "ssd"):
+    if model.kind not in ONE_STAGE:
         return _per_image(-sum(model.losses(x, mislabel_targets(ctx, conf_thr, mode)).values()), len(x))
     det, own, tgt = candidate_targets(model, ctx.problem.x, conf_thr, mode)
     p = model.candidates(x).clamp(1e-6, 1 - 1e-6)
@@ -185,6 +185,7 @@ def tog_mislabel(ctx, x, *, conf_thr=0.2, mode="ml"):
 # ---------------------------------------------------------------- DAG
 
 @DET_CRAFT.register("dag", paper="Xie et al., ICCV 2017 (DAG); reference port yizhe-ang/detectron2-1 adv.py",
+                    heads=ONE_STAGE,
                     ranges={"iterations": "int [1, inf)", "gamma": "(0, 1]", "score_thr": "[0, 1)"})
 def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1):
     """Dense Adversary Generation on a one-stage head's candidates: the targets are the candidates whose best
@@ -483,6 +484,7 @@ def sponge_loss(model, x, conf, area=0.0, target_class=None):
 
 @DET_CRAFT.register("phantom_sponges", paper=PS + " (universal; lambda1 1 (IoU term off), lambda2 10, step 0.0005, "
                     "batch 8, 70 epochs, patience 7, L2 70 at 640x640)", asset_params={"asset": "detection_images"},
+                    heads=ONE_STAGE,
                     ranges={"epochs": "int [1, inf)", "patience": "int [1, inf)", "lr": "(0, 1]",
                             "batch": "int [1, inf)", "conf": "(0, 1)", "area": "[0, inf)",
                             "target_class": "int [0, inf)"})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import ASSET, DATASET, block_params
-from .data import detection_dataset
+from .data import detection_dataset, with_default
 
 HELPER_P = 0.05   # a helper class needs co-occurrence probability above 5 % with the target (the authors')
 U_LABEL = 1       # uniforms per plan step: the helper label,
@@ -170,7 +170,7 @@ def detection_context(data_root, device, *, spec=None):
     """:class:`ContextTables` of detection dataset ``spec`` ({name: ..., params}; default ``{name: shapes, split:
     train, n: 256}``); for VOC as the authors, ``{name: voc2007, image_set: trainval}``. Never the test images.
     A dataset that can skip its pixels (``boxes_only``: VOC, COCO json) reads only its boxes and image sizes."""
-    spec = dict(spec or {"name": "shapes", "split": "train", "n": 256})
+    spec = with_default(spec, {"name": "shapes", "split": "train", "n": 256})  # {n: 64} keeps shapes' train split
     if "boxes_only" in block_params(DATASET.get(spec.get("name"))):
         spec.setdefault("boxes_only", True)
     data = detection_dataset(data_root, spec, "detection_context")

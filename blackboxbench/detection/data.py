@@ -278,9 +278,17 @@ def detection_dataset(data_root, spec, who):
     return data
 
 
+def with_default(spec, default):
+    """An asset's dataset spec: a partial one (no name, or the default's) completes ``default`` (``{n: 32}`` keeps
+    the shapes train split); a spec naming another dataset stands alone."""
+    spec = dict(spec or {})
+    return {**default, **spec} if spec.get("name", default["name"]) == default["name"] else spec
+
+
 @ASSET.register("detection_images", source="a detection dataset spec (default: the shapes train split)")
 def detection_images(data_root, device, *, spec=None):
     """The images of detection dataset ``spec`` ({name: ..., params}; default ``{name: shapes, split: train,
-    n: 64}``) for attacks that train on images of their own (PhantomSponges' universal perturbation)."""
-    return TrainImages(detection_dataset(data_root, spec or {"name": "shapes", "split": "train", "n": 64},
-                                         "detection_images"))
+    n: 64}``, which a partial spec completes) for attacks that train on images of their own (PhantomSponges'
+    universal perturbation)."""
+    spec = with_default(spec, {"name": "shapes", "split": "train", "n": 64})
+    return TrainImages(detection_dataset(data_root, spec, "detection_images"))

@@ -409,7 +409,7 @@ class DetectionFamily(Family):
         return DetectionAttack(name, craft, blocks.get("objective"), meta,
                                per_image=bool(craft.func.registry_meta.get("per_image")))
 
-    def check_inputs(self, models, data, source):
+    def check_inputs(self, models, data, source, attack, assets):
         if not isinstance(data, DetectionDataset):
             raise ConfigError(f"dataset {data.name} has no boxes: the detection family needs a detection dataset "
                               "(shapes, voc2007, coco_json)", source, "dataset")
@@ -429,6 +429,30 @@ class DetectionFamily(Family):
                int(t["labels"].max()) >= data.num_classes]
         if bad:
             raise ConfigError(f"box labels must be in [0, {data.num_classes}), got {bad[0]}", source, "dataset")
+        self._check_attack(models, data, source, attack, assets)
+
+    def _check_attack(self, models, data, source, attack, assets):
+        """What the attack's blocks need of the inputs: a craft block that reads per-candidate class scores
+        (``heads`` at registration) runs on a one-stage surrogate; a trained asset's images share the dataset's
+        size (a universal perturbation is one image) and its boxes the dataset's classes (CAA's context tables)."""
+        craft = attack.craft.func.registry_meta
+        heads = craft.get("heads")
+        for key, ms in models.items():
+            for i, m in enumerate(ms):
+                if heads and self.model_keys[key].role == "surrogate" and m.kind not in heads:
+                    raise ConfigError(f"{craft['name']} reads a one-stage head's per-candidate class scores "
+                                      f"({', '.join(heads)}); the {m.kind} detector has none", source, f"{key}[{i}]")
+        for name in attack.meta["assets"]:
+            a = assets.get(name)
+            size = tuple(a.data.x.shape[-2:]) if hasattr(a, "data") else None
+            if size is not None and size != tuple(data.x.shape[-2:]):
+                raise ConfigError(f"its images are {size[0]}x{size[1]}, the dataset's {data.x.shape[-2]}x"
+                                  f"{data.x.shape[-1]}: give the asset's spec the dataset's size", source,
+                                  f"assets.{name}")
+            k = getattr(a, "num_classes", None)
+            if k is not None and k != data.num_classes:
+                raise ConfigError(f"its tables cover {k} classes, dataset {data.name} has {data.num_classes}: build "
+                                  "them from a dataset of the same classes", source, f"assets.{name}")
 
     def worker(self, run):
         return DetectionWorker(self, run)

@@ -23,6 +23,7 @@ from ..registry import MODEL
 from .data import SHAPES, VOC_CLASSES, shapes
 
 TWO_STAGE = ("fasterrcnn", "maskrcnn", "keypointrcnn")
+ONE_STAGE = ("fcos", "retinanet", "ssd")  # heads with per-candidate class scores (Detector.candidates)
 TINY_VERSION = "v2"  # bump when a tiny detector or its training changes (names the cache file)
 TINY_SCORE_THR = 0.3  # the tiny detectors' own operating point (their scores are not calibrated like COCO models')
 # VOC class -> torchvision COCO category id (91-entry numbering), spec sheet section 3
@@ -35,6 +36,7 @@ def _rng_free(fn, *args, seed=0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return fn(*args)
+
 
 
 class Detector(nn.Module):
@@ -140,7 +142,7 @@ class Detector(nn.Module):
         """Pre-NMS per-candidate class scores over the dataset's classes, (N, A, C), differentiable; ``boxes``:
         also each candidate's decoded box, (N, A, 4) as x1, y1, x2, y2 in units of the (resized) image's width and
         height."""
-        if self.kind not in ("fcos", "retinanet", "ssd"):
+        if self.kind not in ONE_STAGE:
             raise BenchError(f"this attack needs a one-stage head's candidate scores (FCOS, RetinaNet, SSD); the "
                              f"{self.kind} detector has none")
         images, _ = self.net.transform(list(x))
