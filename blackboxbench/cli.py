@@ -109,9 +109,7 @@ def cmd_run(args):
         print(f"leaderboard: {opts['leaderboard']} ({_count(len(rows), 'run')})")
         for line in notes(rows, skipped, opts["leaderboard"]):
             print(line, file=sys.stderr)
-        for fam in {r.family.name: r.family for r in runners}.values():
-            for path in fam.after_runs(results, opts["leaderboard"]):
-                print(f"{fam.name} report: {path}")
+        _family_reports({r.family.name for r in runners}, results, opts["leaderboard"])
     if opts.get("robustness"):
         _robustness(results, opts["robustness"])
     for p in opts.get("plots") or []:
@@ -154,6 +152,14 @@ def cmd_robustness(args):
     return 0
 
 
+def _family_reports(families, results, board):
+    """Each family's own reports next to the leaderboard ``board`` (the detection CSV and heatmaps)."""
+    from .registry import FAMILY
+    for name in sorted(n for n in families if isinstance(n, str) and n in FAMILY):
+        for path in FAMILY.get(name).after_runs(results, board):
+            print(f"{name} report: {path}")
+
+
 def cmd_leaderboard(args):
     from .leaderboard import export_csv, notes
     rows, skipped = export_csv(args.results, args.output)
@@ -161,6 +167,7 @@ def cmd_leaderboard(args):
     print(f"leaderboard: {args.output} ({_count(len(rows), 'run')})")
     for line in notes(rows, skipped, args.output):
         print(line, file=sys.stderr)
+    _family_reports({r.get("family") for r in rows}, args.results, args.output)
     return 0
 
 

@@ -144,6 +144,9 @@ def test_family_end_to_end_with_reports(tmp_path):
                                             "board_examples.png"}
     rows = list(csv.DictReader(open(tmp_path / "board_detection.csv")))
     assert [r["target"] for r in rows] == ["shapes_fcos", "shapes_fcos_b"]
+    from blackboxbench.cli import main  # a later export writes the family's reports too
+    assert main(["leaderboard", str(tmp_path), "-o", str(tmp_path / "later" / "lb.csv")]) == 0
+    assert (tmp_path / "later" / "lb_detection.csv").read_text() == (tmp_path / "board_detection.csv").read_text()
     white = summary["per_target"]["shapes_fcos"]
     assert float(rows[0]["adv_map"]) == pytest.approx(white["adv_map"])
     from blackboxbench.cli import format_table
