@@ -239,7 +239,9 @@ def test_terminal_table_per_family():
     assert "ASR" in first.splitlines()[0] and [ln.split()[0] for ln in first.splitlines()[2:]] == ["square_linf", "nes"]
     assert "mAP drop" in second.splitlines()[0] and "ASR" not in second and "0.25" in second.splitlines()[2]
     with_interval = format_table([{**rows[0], "asr_low": 0.2366, "asr_high": 0.7634}]).splitlines()
-    assert "ASR 95 %" in with_interval[0] and "0.24-0.76" in with_interval[2] and " - " in first.splitlines()[2]
+    assert "ASR 95 %" in with_interval[0] and "0.23-0.77" in with_interval[2] and " - " in first.splitlines()[2]
+    edge = format_table([{**rows[0], "asr": 0.3447, "asr_low": 0.2700, "asr_high": 0.344709}]).splitlines()[2]
+    assert "0.3447" in edge and "0.27-0.35" in edge  # rounded outwards: the interval shown holds the estimate
 
 
 def test_a_config_name_labels_the_run_and_fills_the_name_column(tmp_path):
