@@ -112,7 +112,8 @@ def spec_label(spec):
 
 
 def _same_model(a, b):
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    """Whether two specs build the same model (a label or a defense does not make another model)."""
+    return json.dumps(bare_spec(a), sort_keys=True) == json.dumps(bare_spec(b), sort_keys=True)
 
 
 @dataclass

@@ -236,6 +236,9 @@ def test_surrogates_reach_query_blocks_and_never_equal_the_target(tmp_path, caps
     err = capsys.readouterr().err
     assert "surrogates[0]" in err and "is the target model" in err and "\n" not in err.strip()
     assert not (tmp_path / "never").exists()
+    cfg.write_text(cfg.read_text().replace("surrogates: [digits_mlp]", "surrogates: [{name: digits_mlp, label: s}]"))
+    assert main(["run", str(cfg), "--quiet"]) == 2  # a label does not make it another model
+    assert "surrogates[0]: the surrogate s is the target model" in capsys.readouterr().err
     with pytest.raises(BenchError, match="needs 'surrogates'"):  # a block that declares it needs them
         run_experiment(_exp(tmp_path / "none", attack=recipe, model="digits_mlp", threat=threat), progress=False)
 
