@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .config import load_yaml
 from .errors import BenchError
-from .leaderboard import label, read_summary
+from .leaderboard import MARKERS, label, read_summary
 from .registry import FAMILY
 from .robustness import QUERY_FAMILIES
 from .runner import read_records
@@ -92,8 +92,10 @@ def threat_differences(ca, cb):
 def load_run(run_dir):
     """``(summary, records)`` of a finished run directory, records keyed by sample index; one-line errors."""
     d = Path(run_dir)
-    if not d.is_dir():
-        raise BenchError(f"not a run directory: {d}")
+    if not d.is_dir() or not any((d / m).exists() for m in MARKERS):
+        inside = d.is_dir() and any(d.rglob("summary.json"))
+        raise BenchError(f"not a run directory: {d}" + (" (a results directory: give two of the run folders inside "
+                                                         "it)" if inside else ""))
     summary, reason = read_summary(d)
     if reason:
         raise BenchError(f"{d}: {reason}")

@@ -1,4 +1,5 @@
 """Evaluation: per-sample metrics (registry METRIC) and per-run summaries, as pure functions of records."""
+import math
 import statistics
 
 import torch
@@ -26,8 +27,9 @@ PERCEPTUAL = (("ssim", "higher"), ("lpips", "lower"))  # the perceptual cost eve
 
 
 def distances(x_adv, x):
-    """{metric name: (N,) list of floats} for every registered metric (a plugin's too); a metric that does not
-    return one finite-or-NaN number per image is a one-line error naming it and its file."""
+    """{metric name: (N,) list of floats} for every registered metric (a plugin's too); a non-finite value (NaN:
+    undefined for that image) is recorded as None and left out of the summary's mean and median. A metric that does
+    not return one number per image is a one-line error naming it and its file."""
     out = {}
     with torch.no_grad():
         for name in METRIC.names():
@@ -37,7 +39,7 @@ def distances(x_adv, x):
                 got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise BenchError(f"metric {block_label(fn)} must return a tensor of shape ({x.shape[0]},), one "
                                  f"value per image; got {got}")
-            out[name] = v.float().cpu().tolist()
+            out[name] = [x if math.isfinite(x) else None for x in v.float().cpu().tolist()]  # NaN: no value
     return out
 
 
@@ -157,6 +159,15 @@ def summarize_query(records):
     }
 
 
+def _target_average_interval(per_target, attacked):
+    """The averaged ASR's interval: with one target that has valid samples, the average is that target's ASR and
+    the interval its Wilson interval (as in ``per_target``); with several, the bootstrap over images."""
+    counted = [t for t, v in per_target.items() if v["asr"] is not None]
+    if len(counted) == 1:
+        return per_target[counted[0]]["asr_low"], per_target[counted[0]]["asr_high"]
+    return _averaged_interval(attacked, list(per_target))
+
+
 def summarize_transfer(records):
     """Per target: clean accuracy and ASR over the samples that target classifies correctly when clean (with its
     Wilson interval); ``asr`` is their average over targets (the paper's "averaged ASR", Sec. IV-B), its interval
@@ -175,7 +186,8 @@ def summarize_transfer(records):
     return {
         "n": n, "clean_acc": _mean([v["clean_acc"] for v in per_target.values() if v["clean_acc"] is not None]),
         "surrogate_clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
-        "n_attacked": len(attacked), "asr": _mean(asrs), **_interval("asr", _averaged_interval(attacked, names)),
+        "n_attacked": len(attacked), "asr": _mean(asrs), **_interval("asr", _target_average_interval(per_target,
+                                                                                                   attacked)),
         "per_target": per_target, "aqn": None, "mqn": None,
         **distortion_summary(attacked),
         "defense": ", ".join(f"{t}={v['defense']}" for t, v in per_target.items() if v["defense"] != "none")

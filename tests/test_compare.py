@@ -109,6 +109,8 @@ def test_runs_that_do_not_pair_are_one_line_errors(tmp_path, capsys):
                           (q, unfinished, f"{unfinished}: unfinished (no summary.json); re-run its config to "
                                           "finish it"),
                           (q, tmp_path / "nope", f"not a run directory: {tmp_path / 'nope'}"),
+                          (q, q.parent, f"not a run directory: {q.parent} (a results directory: give two of the run "
+                                        "folders inside it)"),
                           (q, other, "the runs attack different datasets (digits, mnist): their samples do not "
                                      "pair")]:
         assert main(["compare", str(a), str(b)]) == 2

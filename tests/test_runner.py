@@ -549,3 +549,28 @@ def test_a_label_tells_apart_two_targets_of_one_model(tmp_path):
     per = summary["per_target"]
     assert set(per) == {"digits_mlp", "mlp_again"} and per["digits_mlp"]["asr"] == per["mlp_again"]["asr"]
     assert summary["target_model"] == "digits_mlp+mlp_again"
+
+
+def test_plugin_metric_nan_is_no_value(tmp_path, fresh_registries):
+    """A metric undefined for some images (NaN) records None there; the summary's mean and median cover the others,
+    and records and summary stay strict JSON (no NaN literal)."""
+    import statistics
+    body = "d = (x_adv - x).flatten(1).abs().sum(1)\n    d[::2] = float('nan')\n    return d"
+    plugin = _metric_plugin(tmp_path, "halfdist", body)
+    run_dir, summary = _run(_write(tmp_path, f"plugins: [{plugin}]\n" + TRANSFER, tmp_path / "res", TARGETED="false"))
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    rec = [strict(line) for line in (Path(run_dir) / "records.jsonl").read_text().splitlines()]
+    vals = [r["halfdist"] for r in rec if r["attacked"]]
+    assert None in vals and any(v is not None for v in vals)
+    assert strict((Path(run_dir) / "summary.json").read_text())["mean_halfdist"] == \
+        pytest.approx(statistics.mean(v for v in vals if v is not None))
+
+
+def test_one_target_average_interval_is_its_wilson_interval(tmp_path):
+    """With one target the averaged ASR is that target's ASR: one interval (Wilson), not a second (bootstrap)."""
+    _, summary = _run(_write(tmp_path, TRANSFER.replace("targets: [digits_mlp, digits_cnn]", "targets: [digits_mlp]"),
+                             tmp_path / "o", TARGETED="false"))
+    per = summary["per_target"]["digits_mlp"]
+    assert (summary["asr"], summary["asr_low"], summary["asr_high"]) == (per["asr"], per["asr_low"], per["asr_high"])
