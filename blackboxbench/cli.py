@@ -8,7 +8,6 @@ import math
 import os
 import sys
 import warnings
-from pathlib import Path
 
 from .errors import BenchError, one_line_warning
 
@@ -139,8 +138,8 @@ def _runner(exp, i, n, args):
 
 
 def _robustness(results, out):
-    from .robustness import export
-    png = str(Path(out).with_suffix(".png"))
+    from .robustness import chart_path, export
+    png = str(chart_path(out))
     rows, skipped = export(results, out, png)
     if rows:
         print(f"robustness leaderboard: {out} and {png} ({_count(len(rows), 'query run')})")

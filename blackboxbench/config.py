@@ -539,6 +539,32 @@ def config_hash(obj):
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def output_files(file_opts):
+    """[(file, key)] of what the whole-file outputs write: the leaderboard CSV, the robustness CSV and its chart,
+    each plot's PNG and CSV."""
+    from .robustness import chart_path
+    out = [(Path(file_opts["leaderboard"]), "leaderboard")] if file_opts.get("leaderboard") else []
+    if file_opts.get("robustness"):
+        out += [(Path(file_opts["robustness"]), "robustness"), (chart_path(file_opts["robustness"]), "robustness")]
+    for i, p in enumerate(file_opts.get("plots") or []):
+        out += [(Path(p["output"]).with_suffix(s), f"plots[{i}].output") for s in (".png", ".csv")]
+    return out
+
+
+def check_outputs_apart(file_opts, source):
+    """No two outputs of a file write one path (a plot named like the leaderboard would replace its CSV)."""
+    seen = {}
+    try:
+        files = output_files(file_opts)
+    except BenchError as e:
+        raise ConfigError(str(e), source, "robustness") from None
+    for path, key in files:
+        first = seen.setdefault(os.path.normcase(os.path.abspath(path)), key)
+        if first != key:
+            raise ConfigError(f"writes {path}, which {first} writes too: give one of them another path", source,
+                              key)
+
+
 def load_config(path, overrides=()):
     """Load a config file into a list of validated experiments (one per entry of ``runs``, else one).
 
@@ -566,6 +592,7 @@ def load_config(path, overrides=()):
         check_output_dir(_check_type(new_dir[-1], (str,), source, "output_dir"), source)
         old_dir = raw.get("output_dir")
         rebase_outputs(file_opts, old_dir if isinstance(old_dir, str) else "results", new_dir[-1], given)
+    check_outputs_apart(file_opts, source)
     from .sweep import check_backend, expand_grid
 
     file_opts["backend"] = check_backend(file_opts.get("backend"), source)

@@ -46,6 +46,15 @@ def robustness_rows(results_dirs):
     return _order([r for r in rows if r.get("family") in QUERY_FAMILIES]), skipped
 
 
+def chart_path(out_csv):
+    """The chart's path next to the robustness CSV ``out_csv`` (its .png); a .png given as the CSV's path would be
+    overwritten by its own chart: a one-line error."""
+    if Path(out_csv).suffix.lower() == ".png":
+        raise BenchError(f"the robustness output is the CSV's path; its chart is written next to it as .png (got "
+                         f"{out_csv})")
+    return Path(out_csv).with_suffix(".png")
+
+
 def export(results_dirs, out_csv, png=None):
     """Write the robustness leaderboard CSV (and, when ``png`` is given and a query run was found, its bar chart);
     returns ``(rows, skipped)``."""

@@ -293,3 +293,12 @@ def test_robustness_chart_draws_every_run(tmp_path, monkeypatch):
             {"run": "b", "attack": "sq", "eps": 8 / 255, "norm": "linf", "defense": "none", "asr": 0.9, "aqn": 5}]
     robustness.chart(rows, tmp_path / "r.png")
     assert drawn[0] == [0.4, 0.9] and (tmp_path / "r.png").is_file()
+
+
+def test_robustness_output_is_the_csv_path(tmp_path, capsys):
+    """A .png as the robustness output would be the CSV and then its own chart: refused in one line."""
+    from blackboxbench.cli import main
+    assert main(["robustness", str(tmp_path), "-o", str(tmp_path / "r.png")]) == 2
+    assert capsys.readouterr().err == ("error: the robustness output is the CSV's path; its chart is written next to "
+                                       f"it as .png (got {tmp_path / 'r.png'})\n")
+    assert not (tmp_path / "r.png").exists()
