@@ -167,14 +167,18 @@ def section_board(args, ctx):
         keep = set(args.attacks.split(","))
         exps = [e for e in exps if (e["attack"] if isinstance(e["attack"], str) else e["attack"]["recipe"]) in keep]
     session, t0 = Session(), time.perf_counter()
-    for e in [] if args.export_only else exps:
-        r = Runner(e, session=session, progress=False)
+    runners = [Runner(e, session=session, progress=False) for e in exps]
+    for r in [] if args.export_only else runners:
         s = r.run()
         print(f"  {s['attack']:14s} {s['defense'][:20]:20s} asr {s['asr']} aqn {s['aqn']} "
               f"({s['wall_time']:.0f} s)", flush=True)
     wall = time.perf_counter() - t0
     out = Path(args.board_dir) / "robustness.csv"
-    rows, _ = export(args.board_dir, out, out.with_suffix(".png"))
+    every, _ = export(args.board_dir, out, out.with_suffix(".png"))  # the CSV and chart: every run, told apart
+    # the tables below: only this invocation's runs (its configs and --set), never an older run of other settings
+    wanted = {r.run_dir.name for r in runners}
+    rows = [r for r in every if r["run"] in wanted]
+    older = len(every) - len(rows)
     runs_s = sum(r["wall_time"] or 0.0 for r in rows)
 
     def f(v, spec):
@@ -187,7 +191,9 @@ def section_board(args, ctx):
     return (f"Robustness leaderboard: {len(rows)} runs of configs/cifar10_defenses.yaml in {args.board_dir} with "
             f"{' '.join(args.set)} ({'attacks ' + args.attacks if args.attacks else 'every attack'}); wall "
             f"{wall:.0f} s here, {runs_s:.0f} s summed over the runs' own wall times; {out} and "
-            f"{out.with_suffix('.png')}\n\n"
+            f"{out.with_suffix('.png')}"
+            + (f" (which also hold {older} older runs of other settings, left out of the tables below)" if older else "")
+            + "\n\n"
             + table(("attack", "norm", "target", "defense", "clean acc", "clean acc def.", "ASR", "AQN",
                      "mean queries (all)", "ASR re-eval def. (maj. 5)", "ASR re-eval undef.", "mean SSIM"), body)
             + "\n\n" + board_pivot(rows) + "\n\n" + board_claims(rows))
