@@ -391,7 +391,14 @@ def spec_to_dict(spec, source, key):
         return {"name": name, "arch": arch} if arch else {"name": name}
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ConfigError("expected a name or a mapping with 'name'", source, key)
-    return dict(spec)
+    spec = dict(spec)
+    name, _, arch = spec["name"].partition(":")
+    if arch:  # {name: "timm:resnet18", pretrained: true} as the string form
+        if "arch" in spec:
+            raise ConfigError(f"arch given twice: in name {spec['name']!r} and as arch {spec['arch']!r}", source,
+                              f"{key}.arch")
+        spec.update(name=name, arch=arch)
+    return spec
 
 
 def import_plugins(plugins, source, base_dir):

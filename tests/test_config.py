@@ -749,3 +749,18 @@ def test_a_bad_data_root_from_the_environment_blames_the_environment(tmp_path, c
     assert main(["run", str(path), "--quiet"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: environment variable BLACKBOXBENCH_DATA: data root "
                                                f"{tmp_path / 'nope'} is not a directory")
+
+
+def test_a_mapping_spec_takes_the_colon_form(tmp_path, capsys):
+    """``{name: "timm:resnet18", pretrained: false}`` is ``timm:resnet18`` with a parameter (it was an unknown
+    model 'timm:resnet18'); an arch given twice is a one-line error."""
+    from blackboxbench.config import load_config
+    path = tmp_path / "c.yaml"
+    path.write_text('dataset: {name: digits, n: 2}\nmodel: {name: "timm:resnet18", pretrained: false}\n'
+                    f"attack: square_linf\noutput_dir: {tmp_path / 'o'}\n")
+    (exp,), _ = load_config(path)
+    assert exp["model"] == {"name": "timm", "arch": "resnet18", "pretrained": False}
+    path.write_text(path.read_text().replace("pretrained: false", "arch: vgg11"))
+    assert main(["run", str(path), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "model.arch: arch given twice: in name 'timm:resnet18' and as arch 'vgg11'")

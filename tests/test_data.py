@@ -222,3 +222,14 @@ def test_images_of_different_sizes(tmp_path):
     root = make_nips(tmp_path / "nips", rows=2)
     (root / "images" / "im1.png").write_bytes(png_bytes(shape=(9, 7, 3)))
     one_line_error(lambda: nips17(tmp_path, path="nips"), "differ in size", str(root / "images" / "im1.png"))
+
+
+def test_16_bit_png_is_scaled_not_clipped(tmp_path):
+    """A 16-bit grayscale PNG (PIL mode I;16) keeps its contrast: value v reads as round(v / 257), not min(v, 255)."""
+    from blackboxbench.prep.data import _decode_image
+    v = np.array([[0, 257, 30000], [40000, 65535, 128 * 257]], dtype=np.uint16)
+    Image.fromarray(v).save(tmp_path / "g.png")
+    assert Image.open(tmp_path / "g.png").mode.startswith("I;16")
+    got = _decode_image(tmp_path / "g.png", None, "L")
+    assert got.tolist() == np.round(v / 257).astype(int).tolist()
+    assert _decode_image(tmp_path / "g.png", None, "RGB")[..., 0].tolist() == got.tolist()

@@ -132,6 +132,8 @@ def _decode_image(path, size, mode="RGB"):
 
     try:
         with Image.open(path) as im:
+            if im.mode.startswith("I;16"):  # 16-bit grayscale: PIL's convert would clip it to 255, not scale it
+                im = Image.fromarray((np.asarray(im, dtype=np.float64) / 257).round().astype(np.uint8))
             im = im.convert(mode)  # decodes the whole file: a truncated one raises here
             if size:
                 im = im.resize((size, size), Image.BILINEAR)
