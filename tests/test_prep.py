@@ -146,6 +146,25 @@ def test_digits_models_cached_and_deterministic(digits_models, monkeypatch):
                              for n in ("digits_mlp", "digits_cnn")))
 
 
+def test_bad_cache_is_one_line_before_training(tmp_path, monkeypatch):
+    """A BLACKBOXBENCH_CACHE that is a file, or lies under one, stops before any training with one line; a
+    garbage cached file names itself and how to make it again."""
+    monkeypatch.setattr(M, "train_digits", lambda *a, **k: pytest.fail("trained before the cache was checked"))
+    (tmp_path / "f").write_text("x")
+    for cache in (tmp_path / "f", tmp_path / "f" / "sub"):
+        monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(cache))
+        with pytest.raises(BenchError, match=f"cache folder {cache} cannot be used .*set BLACKBOXBENCH_CACHE to a "
+                                             "writable folder"):
+            M.build_model("digits_cnn")
+    good = tmp_path / "cache"
+    good.mkdir()
+    (good / f"digits_cnn-{M.DIGITS_VERSION}.pt").write_bytes(b"not a tensor file")
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(good))
+    with pytest.raises(BenchError, match=r"cached file .*digits_cnn-.*\.pt cannot be read .*delete it and it is "
+                                         "made again"):
+        M.build_model("digits_cnn")
+
+
 class Spy(nn.Module):
     def forward(self, x):
         self.seen = x

@@ -249,13 +249,39 @@ def train_digits(name, *, epochs=30, batch=64, lr=3e-3, seed=0):
     return net.eval()
 
 
+def cache_folder(path):
+    """Create the cache folder of ``path`` before anything is trained into it: a one-line error when it cannot be
+    (a file, not writable, a bad BLACKBOXBENCH_CACHE)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise BenchError(f"cache folder {path.parent} cannot be used ({e.strerror or e}); set BLACKBOXBENCH_CACHE to "
+                         "a writable folder") from None
+
+
+def load_cached(path):
+    """A cached file (``torch.save``); an unreadable one is a one-line error saying how to make it again."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything from KeyError to EOFError
+        detail = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise BenchError(f"cached file {path} cannot be read ({detail}); delete it and it is made again") from None
+
+
 def cached_or_trained(net, file, train):
     """``net`` with the weights cached as ``file`` in :func:`cache_dir`; on first use ``train()`` returns the trained
     net, whose weights are saved (atomically: a concurrent reader never sees a partial file)."""
     path = cache_dir() / file
     if path.is_file():
-        net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        try:
+            net.load_state_dict(load_cached(path))
+        except RuntimeError as e:
+            raise BenchError(f"cached file {path} does not fit the model ({str(e).splitlines()[0][:120]}); delete "
+                             "it and it is made again") from None
         return net
+    cache_folder(path)
     net = train_noted(train, path)
     save_atomic(net.state_dict(), path)
     return net
@@ -282,10 +308,13 @@ def train_noted(train, path):
 def save_atomic(obj, path):
     """``torch.save(obj)`` to ``path`` through a temporary file in its folder, so that a concurrent reader never
     sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-        torch.save(obj, f)
-    os.replace(f.name, path)
+    cache_folder(path)
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            torch.save(obj, f)
+        os.replace(f.name, path)
+    except OSError as e:
+        raise BenchError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _digits_model(name, pretrained):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BenchError
-from .models import cache_dir, save_atomic, train_noted
+from .models import cache_dir, cache_folder, load_cached, save_atomic, train_noted
 
 CACHE_VERSION = 1
 
@@ -53,7 +53,8 @@ def cached(kind, key, train):
     """The object ``train()`` returns (tensors, lists and dicts of them), cached as ``<kind>/<key>.pt``."""
     path = cache_dir() / kind / f"{key}.pt"
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load_cached(path)
+    cache_folder(path)
     out = train_noted(train, path)
     save_atomic(out, path)
     return out
