@@ -241,6 +241,16 @@ def test_imagenet_archs_offline(empty_caches, lib):
     empty_caches.mkdir(parents=True)
     torch.save(ref.net.state_dict(), empty_caches / url.rsplit("/", 1)[-1])
     assert_same_weights(M.build_model({"name": f"{lib}:resnet18", "pretrained": True}).net, ref.net)
+    # a corrupt file, or another architecture's weights, under that name: one line naming the file
+    for bad in (b"junk", None):
+        path = empty_caches / url.rsplit("/", 1)[-1]
+        path.unlink()
+        if bad is None:
+            torch.save(M.build_model(f"{lib}:resnet34").net.state_dict(), path)
+        else:
+            path.write_bytes(bad)
+        one_line_error(lambda: M.build_model({"name": f"{lib}:resnet18", "pretrained": True}),
+                       f"{lib}:resnet18: the cached pretrained weights", "cannot be loaded")
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit")  # TorchScript is deprecated in recent torch, still supported

@@ -18,7 +18,8 @@ from torch import nn
 
 from ..errors import BenchError
 from ..prep.data import data_path
-from ..prep.models import _load_into, cached_or_trained, load_state, torchvision_weights
+from ..prep.models import (_hub_checkpoint, _load_into, cached_or_trained, from_cached_weights, load_state,
+                           torchvision_weights)
 from ..registry import MODEL
 from .data import SHAPES, VOC_CLASSES, shapes
 
@@ -291,7 +292,8 @@ def torchvision_det(data_root, *, arch, pretrained=False, checkpoint=None, num_c
     if weights is None:
         kw["num_classes"] = num_classes
     try:  # random weights come from build_model's seeded stream
-        net = torchvision.models.get_model(arch, weights=weights, **kw)
+        net = from_cached_weights(lambda: torchvision.models.get_model(arch, weights=weights, **kw),
+                                  f"torchvision_det:{arch}", weights and _hub_checkpoint(weights.url))
     except (ValueError, TypeError) as err:
         raise BenchError(f"torchvision_det:{arch}: {err}") from None
     if checkpoint is not None:

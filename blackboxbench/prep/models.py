@@ -397,13 +397,28 @@ def timm_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoin
             raise BenchError(f"timm:{arch} pretrained weights are not available offline: {hint}, "
                              f"or pass checkpoint=<path>")
     overlay = {"file": str(file)} if file else None
-    net = timm.create_model(arch, pretrained=file is not None, num_classes=num_classes,
-                            pretrained_cfg_overlay=overlay)
+    net = from_cached_weights(lambda: timm.create_model(arch, pretrained=file is not None, num_classes=num_classes,
+                                                        pretrained_cfg_overlay=overlay), f"timm:{arch}", file)
     if checkpoint is not None:
         path = data_path(data_root, checkpoint)
         _load_into(net, load_state(path), path)
     cfg = getattr(net, "pretrained_cfg", {}) or {}
     return Normalized(net, mean or cfg.get("mean", IMAGENET_MEAN), std or cfg.get("std", IMAGENET_STD), resize)
+
+
+def from_cached_weights(build, what, file):
+    """``build()``, which loads pretrained weights cached as ``file`` (None: none): a corrupt or foreign file is a
+    one-line error naming it, not a traceback from the unpickler or raw size-mismatch lines."""
+    try:
+        return build()
+    except BenchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an unpickling error, a KeyError, a size mismatch...
+        if file is None:
+            raise
+        detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise BenchError(f"{what}: the cached pretrained weights {file} cannot be loaded ({detail}); delete or "
+                         "replace the file") from None
 
 
 def torchvision_weights(arch, names, kind, pretrained):
@@ -434,7 +449,8 @@ def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, ch
     weights = torchvision_weights(arch, torchvision.models.list_models(), "torchvision",
                                   pretrained and checkpoint is None)
     try:
-        net = torchvision.models.get_model(arch, weights=weights, num_classes=num_classes)
+        net = from_cached_weights(lambda: torchvision.models.get_model(arch, weights=weights, num_classes=num_classes),
+                                  f"torchvision:{arch}", weights and _hub_checkpoint(weights.url))
     except ValueError as err:
         raise BenchError(f"torchvision:{arch}: {err}") from None
     if checkpoint is not None:
