@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from PIL import Image
 import torch
 from torch import nn
 
@@ -287,7 +288,16 @@ def test_model_analysis_errors_are_one_line(saved_run, tmp_path, capsys):
          "model shapes_fcos answers a list, not one row of class scores per image: the model-level analyses"),
         (["-r", "fsm", "--model", "digits_cnn", "--dataset", "{name: shapes, n: 2}"],
          "model digits_cnn cannot take the images of dataset shapes (shape (3, 64, 64))"),
+        (["-r", "fsm", "--run", str(run_dir), "--dataset", "{name: digits, split: train}"],
+         "beyond the run's eps 0.3: the dataset is not the one the run attacked (another --dataset, or its files "
+         "changed)"),
+        (["-r", "fsm", "--model", "digits_cnn", "--dataset", f"{{name: imagefolder, path: {tmp_path / 'imf'}, "
+          "classes: {a: 15}, grayscale: true}"], "model digits_cnn outputs 10 classes but dataset imagefolder has "
+                                                  "labels up to 15"),
     ]
+    (tmp_path / "imf" / "a").mkdir(parents=True)  # two 8 x 8 grayscale images of class 15
+    for k in range(2):
+        Image.fromarray(np.full((8, 8), 40 * k, dtype=np.uint8)).save(tmp_path / "imf" / "a" / f"{k}.png")
     det = tmp_path / "det_run"  # a detection run's resolved config: no classifier to analyse
     det.mkdir()
     (det / "config.yaml").write_text("dataset: {name: shapes}\nattack: {name: tog_vanishing, family: detection}\n")

@@ -18,6 +18,7 @@ from ..config import check_spec, import_plugins, load_yaml
 from ..errors import BenchError
 from ..prep.data import resolve_data_root
 from ..prep.models import bare_spec, build_model
+from ..threat import flat_norm
 from ..registry import DATASET
 
 
@@ -119,6 +120,22 @@ def _saved_indices(run):
     return sorted(found)
 
 
+def _check_pairing(x_adv, x, index, threat, run):
+    """The run's adversarial images must lie in its threat's ball around these clean images (up to uint8 rounding):
+    else the dataset is not the run's (another ``--dataset``, a folder that gained files) and image i of one would
+    be analysed against image i of the other."""
+    eps, norm = threat.get("eps"), threat.get("norm")
+    if not isinstance(eps, (int, float)) or norm not in ("linf", "l2"):
+        return
+    slack = 1 / 255 if norm == "linf" else 0.5 / 255 * x[0].numel() ** 0.5
+    dist = flat_norm((x_adv - x).double(), norm)
+    far = (dist > eps + slack).nonzero().flatten().tolist()
+    if far:
+        raise BenchError(f"{run}/adv: the adversarial image of index {index[far[0]]} is {float(dist[far[0]]):.3g} "
+                         f"({norm}) from the clean image, beyond the run's eps {eps:.4g}: the dataset is not the one "
+                         "the run attacked (another --dataset, or its files changed)")
+
+
 def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indices=None, seed=0, device="cpu",
                 many=False):
     """:class:`Inputs` of a run directory (``model`` / ``dataset`` override what its config names) or of a model
@@ -169,11 +186,17 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
             got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
             raise BenchError(f"model {name} answers {got}, not one row of class scores per image: the model-level "
                              "analyses (decision surface, dbViz, FSM, FullGrad, ADM) take classifiers")
+        top = int(data.y[index].max())
+        if out.shape[1] <= top:
+            raise BenchError(f"model {name} outputs {out.shape[1]} classes but dataset {ds['name']} has labels up to "
+                             f"{top}")
     x_adv = _adv_images(run, index) if run is not None else None
     paths = _attack_paths(run, index) if run is not None else None
     if x_adv is not None and x_adv.shape != data.x[index].shape:
         raise BenchError(f"{run}/adv: images of shape {tuple(x_adv.shape[1:])}, the dataset's are "
                          f"{tuple(data.x.shape[1:])}")
+    if x_adv is not None:
+        _check_pairing(x_adv, data.x[index], index, cfg.get("threat") or {}, run)
     return Inputs(nets[0][1], ", ".join(names), data.x[index].to(device), data.y[index].to(device), index,
                   None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)), paths,
                   nets if many else None, None if root is None else str(root))
