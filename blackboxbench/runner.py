@@ -169,6 +169,8 @@ def prepare(exp):
         # where they are, for the tools that read the run later (analyze --run); not part of the hash
         resolved["plugin_paths"] = [str((Path(exp["_base_dir"]) / p).resolve()) if p.endswith(".py") else p
                                     for p in exp["plugins"]]
+    if exp.get("data_root") and not Path(exp["data_root"]).is_absolute():  # for tools run later from elsewhere
+        resolved["data_root_path"] = str(Path(exp["data_root"]).resolve())  # (analyze --run); not part of the hash
     return Plan(exp, recipe, family, threat, attack, resolved)
 
 
@@ -199,10 +201,13 @@ def safe_part(text):
     return part if part.strip(".") else part.replace(".", "_") or "_"
 
 
+# resolved-config keys outside the run hash: where results go, the label, where plugins and the data root are
+NOT_HASHED = ("output_dir", "name", "plugin_paths", "data_root_path")
+
+
 def run_dir_for(plan, device):
     exp, recipe, threat = plan.exp, plan.recipe, plan.threat
-    h = config_hash({k: v for k, v in plan.resolved.items() if k not in ("output_dir", "name", "plugin_paths")}
-                    | {"device": device.type})
+    h = config_hash({k: v for k, v in plan.resolved.items() if k not in NOT_HASHED} | {"device": device.type})
     models = [s for _, _, s in plan.family.roles(exp)]
     parts = [exp["name"] or recipe["name"], exp["dataset"]["name"], spec_label(models[0]).replace(":", "-"),
              threat["norm"], "targeted" if threat["targeted"] else "untargeted", h]

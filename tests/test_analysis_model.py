@@ -366,3 +366,21 @@ def test_plugin_analysis_tools_and_datasets_reach_plots_and_analyze(tmp_path, ca
                  str(tmp_path / "p.png")]) == 0, capsys.readouterr().err
     assert main(["analyze", "-r", str(tmp_path / "mean.yaml"), "--plugin", str(plug), "--model", "digits_mlp",
                  "--dataset", "flipped_digits_t", "--n", "2", "--device", "cpu", "-o", str(tmp_path / "a.png")]) == 0
+
+
+def test_analyze_finds_a_relative_data_root_from_elsewhere(tmp_path, monkeypatch):
+    """A run whose config gives a relative data_root records where it was; analyze --run from another directory
+    reads the same images (it used to say the data root is not a directory)."""
+    for k in range(3):
+        (tmp_path / "droot" / "imf" / "a").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8), 60 * k + 20, dtype=np.uint8)).save(tmp_path / "droot" / "imf" / "a" / f"{k}.png")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("data_root: droot\ndataset: {name: imagefolder, path: imf, classes: {a: 1}, grayscale: true}\n"
+                   "model: digits_cnn\nattack: square_linf\nsave_adv: true\nthreat: {norm: linf, eps: 0.3, "
+                   f"max_queries: 50}}\noutput_dir: {tmp_path / 'results'}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(cfg), "--quiet"]) == 0
+    (run,) = (tmp_path / "results").iterdir()
+    monkeypatch.chdir(tmp_path / "results")
+    assert main(["analyze", "-r", "fsm", "--run", str(run), "--device", "cpu", "-o", str(tmp_path / "f.png")]) == 0
+    assert (tmp_path / "f.png").exists()

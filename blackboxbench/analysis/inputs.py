@@ -155,7 +155,7 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     dataset = dataset if given else cfg.get("dataset")
     if model is None or dataset is None:
         raise BenchError("give a run directory (--run) or both a model (--model) and a dataset (--dataset)")
-    root = data_root or cfg.get("data_root")
+    root = data_root or cfg.get("data_root_path") or cfg.get("data_root")  # a relative one, as the run resolved it
     root = resolve_data_root(root) if root or os.environ.get("BLACKBOXBENCH_DATA") else None
     ds = dict(dataset) if isinstance(dataset, dict) else {"name": dataset}
     if not isinstance(ds.get("name"), str):
