@@ -277,6 +277,28 @@ def test_checkpoint_loader(tmp_path):
                    "not a TorchScript file")
 
 
+def test_checkpoint_of_a_zoo_model_and_its_errors(tmp_path):
+    """The state dict of a built zoo model (``net.*`` plus its normalization) loads as it was saved; a misfit names
+    missing and unexpected keys; an arch no state dict loads into, and a pickled whole model, are one line."""
+    src = M.build_model({"name": "cifar_resnet20", "pretrained": False})
+    torch.nn.init.normal_(src.net.conv1.weight)
+    src.mean.fill_(0.3)
+    torch.save(src.state_dict(), tmp_path / "zoo.pt")
+    got = M.build_model({"name": "checkpoint", "path": str(tmp_path / "zoo.pt"), "arch": "cifar_resnet20"})
+    assert_same_weights(got, src)
+    msg = one_line_error(lambda: M.build_model({"name": "checkpoint", "path": str(tmp_path / "zoo.pt"),
+                                                "arch": "cifar_resnet32"}), "does not fit the architecture")
+    assert "keys missing (net.layer1.3." in msg or "keys missing" in msg, msg
+    torch.save({"state_dict": src.net.state_dict()}, tmp_path / "bare.pt")
+    msg = one_line_error(lambda: M.build_model({"name": "checkpoint", "path": str(tmp_path / "bare.pt"),
+                                                "arch": "digits_mlp"}), "does not fit the architecture")
+    assert "keys missing (" in msg and "unexpected keys (conv1.weight" in msg, msg
+    torch.save(src, tmp_path / "whole.pt")  # a pickled module, refused by weights_only loading
+    msg = one_line_error(lambda: M.build_model({"name": "checkpoint", "path": str(tmp_path / "whole.pt"),
+                                                "arch": "cifar_resnet20"}), "cannot read checkpoint")
+    assert "\x1b" not in msg, msg
+
+
 # ---------------------------------------------------------------- target labels
 
 def target_call(mode, logits, y, seed, given=None):

@@ -96,6 +96,9 @@ def test_no_gradient_no_copy_and_one_line_errors(data_root, nips17, tmp_path):
     with pytest.raises(BenchError, match="cannot load") as e:
         build_model({"name": "tflite", "path": str(bad)}, data_root)
     assert "\n" not in str(e.value)
+    torch.save({}, tmp_path / "sd.pt")  # a state dict cannot load into an opaque model
+    with pytest.raises(BenchError, match="checkpoint arch 'tflite:.*': not an architecture a state dict loads into"):
+        build_model({"name": "checkpoint", "path": str(tmp_path / "sd.pt"), "arch": SMALL}, data_root)
 
 
 def test_missing_package_is_a_one_line_error(monkeypatch, data_root):

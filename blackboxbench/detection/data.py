@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import BenchError
-from ..prep.data import Dataset, _decode_image, _first_line, _need, data_path
+from ..prep.data import Dataset, _decode_image, _need, data_path, first_line
 from ..registry import ASSET, DATASET, check_params
 
 SHAPES = ("square", "circle", "triangle")
@@ -167,7 +167,7 @@ def _image_or_size(path, target, size, boxes_only):
         with Image.open(path) as im:
             w, h = im.size
     except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise BenchError(f"cannot read the size of image {path}: {_first_line(err)}") from None
+        raise BenchError(f"cannot read the size of image {path}: {first_line(err)}") from None
     return None, _scale(target, h, w, size)
 
 
@@ -186,7 +186,7 @@ def voc2007(data_root, *, root="VOC", image_set="test", year="2007", n=None, siz
     try:
         ds = torchvision.datasets.VOCDetection(str(path), year=year, image_set=image_set, download=False)
     except (RuntimeError, FileNotFoundError, ValueError) as err:
-        raise BenchError(f"voc2007: no VOC{year} {image_set} under {path} ({_first_line(err)})") from None
+        raise BenchError(f"voc2007: no VOC{year} {image_set} under {path} ({first_line(err)})") from None
     count = len(ds) if n is None else n
     if count > len(ds):
         raise BenchError(f"dataset voc2007: n = {n} but it has {len(ds)} images")
@@ -231,7 +231,7 @@ def coco_json(data_root, *, annotations, images, n=None, size=512, classes=None,
         anns = [(int(a["image_id"]), int(a["category_id"]), [float(v) for v in a["bbox"]], bool(a.get("iscrowd", 0)))
                 for a in doc["annotations"]]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-        raise BenchError(f"coco_json: cannot read {ann_path}: {type(err).__name__} {_first_line(err)}") from None
+        raise BenchError(f"coco_json: cannot read {ann_path}: {type(err).__name__} {first_line(err)}") from None
     names = list(classes) if classes is not None else [name for _, name in cats]
     unknown = [c for c in names if c not in {name for _, name in cats}]
     if unknown:

@@ -8,6 +8,7 @@ The embedded ``digits`` set needs no data root. File layouts follow the data REA
 """
 import csv
 import os
+import re
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -60,8 +61,11 @@ def _need(path, what="file"):
     return path
 
 
-def _first_line(err):
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+def first_line(err, limit=None):
+    """An exception's first line (its type when it has no text), terminal colour codes removed, at most ``limit``
+    characters: for one-line errors that quote a library's."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
+    return (text.splitlines() or [type(err).__name__])[0][:limit]
 
 
 def _count(n, total, name):
@@ -120,7 +124,7 @@ def _load_npz(path, name, num_classes, n):
                                  f"(keys: {', '.join(d.files) or 'none'})")
             x, y = d["x"], d["y"]
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise BenchError(f"dataset {name}: cannot read {path}: {_first_line(err)}") from None
+        raise BenchError(f"dataset {name}: cannot read {path}: {first_line(err)}") from None
     return _from_uint8(x, y, name, num_classes, n, source=path)
 
 
@@ -141,7 +145,7 @@ def _decode_image(path, size, mode="RGB"):
     except UnidentifiedImageError:
         raise BenchError(f"cannot decode image {path}: not an image file PIL can read") from None
     except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError) as err:
-        raise BenchError(f"cannot decode image {path}: {_first_line(err)}") from None
+        raise BenchError(f"cannot decode image {path}: {first_line(err)}") from None
 
 
 def _load_images(paths, size, name, mode="RGB"):
@@ -219,7 +223,7 @@ def _class_mapping(data_root, classes, labels_file, num_classes):
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as err:
-            raise BenchError(f"imagefolder: cannot read labels file {path}: {_first_line(err)}") from None
+            raise BenchError(f"imagefolder: cannot read labels file {path}: {first_line(err)}") from None
         pairs, where = [(name.strip(), k) for k, name in enumerate(lines) if name.strip()], f"labels file {path}"
     elif isinstance(classes, (list, tuple)):
         pairs, where = [(name, k) for k, name in enumerate(classes)], "classes"
@@ -300,7 +304,7 @@ def nips17(data_root, *, n=None, path="imagenet_nips17_subset100", size=None):
             reader = csv.DictReader(f)
             rows, columns = list(reader), reader.fieldnames or []
     except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise BenchError(f"dataset nips17: cannot read {csv_path}: {_first_line(err)}") from None
+        raise BenchError(f"dataset nips17: cannot read {csv_path}: {first_line(err)}") from None
     missing = [c for c in ("ImageId", "label_1000") if c not in columns]
     if missing:
         raise BenchError(f"dataset nips17: {csv_path} has no column {', '.join(missing)} "

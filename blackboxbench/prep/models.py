@@ -16,7 +16,7 @@ from torch import nn
 from ..errors import BenchError
 from ..registry import MODEL, block_params, check_params, close_matches
 from .cifar_resnet import DEPTH_BLOCKS, CifarResNet
-from .data import data_path, digits
+from .data import data_path, digits, first_line
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIGITS_MEAN, DIGITS_STD = (0.3,), (0.375,)  # digits train split: mean 0.306, std 0.375
@@ -144,9 +144,8 @@ def load_state(path, key="state_dict", strip_prefix="module."):
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything from KeyError to EOFError
-        detail = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise BenchError(f"cannot read checkpoint {path}: not a PyTorch / safetensors state dict ({detail})") \
-            from None
+        raise BenchError(f"cannot read checkpoint {path}: not a PyTorch / safetensors state dict "
+                         f"({first_line(e, 160)})") from None
     if isinstance(sd, dict) and key and key in sd:
         sd = sd[key]
     if isinstance(sd, (list, tuple)) and len(sd) == 1:
@@ -159,6 +158,14 @@ def load_state(path, key="state_dict", strip_prefix="module."):
 
 
 def _load_into(net, sd, path):
+    """Load state dict ``sd`` into ``net``; a misfit names the missing and the unexpected keys (a few of each) or
+    the first shape mismatch, in one line."""
+    own = net.state_dict()
+    missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
+    if missing or unexpected:
+        parts = [f"{len(v)} {what} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+                 for v, what in ((missing, "keys missing"), (unexpected, "unexpected keys")) if v]
+        raise BenchError(f"checkpoint {path} does not fit the architecture: {'; '.join(parts)}")
     try:
         net.load_state_dict(sd)
     except RuntimeError as err:
@@ -266,8 +273,8 @@ def load_cached(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything from KeyError to EOFError
-        detail = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise BenchError(f"cached file {path} cannot be read ({detail}); delete it and it is made again") from None
+        raise BenchError(f"cached file {path} cannot be read ({first_line(e, 120)}); delete it and it is made "
+                         "again") from None
 
 
 def cached_or_trained(net, file, train):
@@ -278,8 +285,8 @@ def cached_or_trained(net, file, train):
         try:
             net.load_state_dict(load_cached(path))
         except RuntimeError as e:
-            raise BenchError(f"cached file {path} does not fit the model ({str(e).splitlines()[0][:120]}); delete "
-                             "it and it is made again") from None
+            raise BenchError(f"cached file {path} does not fit the model ({first_line(e, 120)}); delete it and it "
+                             "is made again") from None
         return net
     cache_folder(path)
     net = train_noted(train, path)
@@ -416,9 +423,8 @@ def from_cached_weights(build, what, file):
     except Exception as e:  # noqa: BLE001 - an unpickling error, a KeyError, a size mismatch...
         if file is None:
             raise
-        detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise BenchError(f"{what}: the cached pretrained weights {file} cannot be loaded ({detail}); delete or "
-                         "replace the file") from None
+        raise BenchError(f"{what}: the cached pretrained weights {file} cannot be loaded ({first_line(e, 120)}); "
+                         "delete or replace the file") from None
 
 
 def torchvision_weights(arch, names, kind, pretrained):
@@ -479,7 +485,14 @@ def checkpoint(data_root, *, path, arch=None, mean=None, std=None, strip_prefix=
                              f"{str(err).splitlines()[0]}") from None
         return Normalized(net, mean, std, resize)
     model = _create(arch, data_root, pretrained=False)
-    _load_into(model.net, load_state(file, key, strip_prefix), file)
+    if not isinstance(getattr(model, "net", None), nn.Module):
+        raise BenchError(f"checkpoint arch {arch!r}: not an architecture a state dict loads into (a zoo name, "
+                         "timm:<arch> or torchvision:<arch>)")
+    sd = load_state(file, key, strip_prefix)
+    if any(k.startswith("net.") for k in sd) and all(k.startswith("net.") or k in ("mean", "std") for k in sd):
+        _load_into(model, sd, file)  # a zoo model's own state dict (build_model(...).state_dict()), normalization too
+    else:
+        _load_into(model.net, sd, file)
     if mean is not None:
         model.mean = _per_channel(mean)
     if std is not None:
