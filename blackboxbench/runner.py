@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from .oracle import forward_chunk
 from .prep.data import resolve_data_root
 from .prep.inference import inference_copy, is_randomized
 from .prep.layers import get_layer
-from .prep.models import bare_spec, build_model
+from .prep.models import bare_spec, build_model, trained_side
 from .prep.targets import choose_targets
 from .registry import ASSET, DATASET, block_label
 from .rng import Streams
@@ -421,6 +422,11 @@ class Runner:
             probe = data.x[:4] if exp["fuse"] and fam.model_keys[key].forward_only else None
             models.setdefault(key, []).append(self.session.model(bare, data_root, self.device, source, label,
                                                                  exp["compile"], probe))
+            side = trained_side(bare)
+            if side and data.x.shape[-2:] != (side, side):  # it runs (global pooling), but not as trained
+                warnings.warn(f"{source}: {label}: {spec_label(spec)} was trained on {side}x{side} images; dataset "
+                              f"{data.name} gives {data.x.shape[-2]}x{data.x.shape[-1]} (resize them: the dataset's "
+                              "size parameter)")
             names.setdefault(key, []).append(spec_label(spec))
         assets = {}
         for k, spec in exp["assets"].items():

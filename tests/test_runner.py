@@ -574,3 +574,19 @@ def test_one_target_average_interval_is_its_wilson_interval(tmp_path):
                              tmp_path / "o", TARGETED="false"))
     per = summary["per_target"]["digits_mlp"]
     assert (summary["asr"], summary["asr_low"], summary["asr_high"]) == (per["asr"], per["asr_low"], per["asr_high"])
+
+
+def test_zoo_model_on_images_of_another_size_warns(tmp_path):
+    """A CIFAR zoo model runs on 16 x 16 images (global pooling) but not as trained: one warning says so."""
+    from PIL import Image
+    import numpy as np
+    for k in range(2):
+        (tmp_path / "imf" / "a").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((16, 16, 3), 50 * k + 30, dtype=np.uint8)).save(tmp_path / "imf" / "a" / f"{k}.png")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: {{name: imagefolder, path: {tmp_path / 'imf'}, classes: {{a: 1}}}}\n"
+                   "model: {name: cifar_resnet20, pretrained: false}\nattack: square_linf\n"
+                   f"threat: {{norm: linf, eps: 0.03, max_queries: 5}}\noutput_dir: {tmp_path / 'o'}\n")
+    with pytest.warns(UserWarning, match="model: cifar_resnet20 was trained on 32x32 images; dataset imagefolder "
+                                         "gives 16x16"):
+        _run(cfg)

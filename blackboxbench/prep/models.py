@@ -223,6 +223,18 @@ DIGITS_ARCHS = {"digits_mlp": _digits_mlp, "digits_cnn": _digits_cnn, "digits_le
                 "digits_resnet": _digits_resnet}
 
 
+TRAINED_SIDE = {"cifar10": 32, "digits": 8, "mnist": 28}  # image side of the dataset a zoo model is trained on
+
+
+def trained_side(spec):
+    """The image side the zoo model of ``spec`` was trained on (its registry ``dataset``), or None."""
+    try:
+        name, _ = parse_spec(spec)
+        return TRAINED_SIDE.get(MODEL.get(name).registry_meta.get("dataset"))
+    except BenchError:
+        return None
+
+
 def cache_dir():
     return Path(os.environ.get("BLACKBOXBENCH_CACHE") or Path.home() / ".cache" / "blackboxbench")
 
