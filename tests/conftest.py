@@ -1,5 +1,6 @@
 """Shared fixtures. Tests needing the real offline assets skip when the data root is absent."""
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,16 @@ def _isolated_cache(tmp_path_factory):
     real, bmalloc.keep_freed_memory = bmalloc.keep_freed_memory, lambda: False
     yield
     bmalloc.keep_freed_memory = real
+
+
+@pytest.fixture
+def fresh_registries():
+    """Registrations a test's plugins make are undone afterwards, and their modules forgotten (a plugin metric
+    would otherwise be computed in every later run of this worker)."""
+    from blackboxbench.registry import restore, snapshot
+    before, modules = snapshot(), set(sys.modules)
+    yield
+    restore(before)
+    for name in set(sys.modules) - modules:
+        if name.startswith("bbb_plugin_"):
+            del sys.modules[name]

@@ -327,7 +327,7 @@ def test_fsm_adversarial_training_moves_attention_to_low_frequencies(data_root):
     assert max(normal) < 0.06 and min(robust) > 0.08, (normal, robust)
 
 
-def test_plugin_analysis_tools_and_datasets_reach_plots_and_analyze(tmp_path, capsys):
+def test_plugin_analysis_tools_and_datasets_reach_plots_and_analyze(tmp_path, capsys, fresh_registries):
     """A config's plugins are imported before its plots are checked (a plot may use a plugin tool); analyze --run
     imports the run's own plugins (its dataset came from one); plot and analyze take --plugin."""
     plug = tmp_path / "aplug.py"

@@ -458,19 +458,6 @@ def test_several_surrogates_without_a_fusing_block_fail_before_the_run(tmp_path,
     assert not (tmp_path / "res").exists()
 
 
-@pytest.fixture
-def fresh_registries():
-    """Registrations a test's plugins make are undone afterwards, and their modules forgotten (a plugin metric
-    would otherwise be computed in every later run of this worker)."""
-    from blackboxbench.registry import restore, snapshot
-    before, modules = snapshot(), set(sys.modules)
-    yield
-    restore(before)
-    for name in set(sys.modules) - modules:
-        if name.startswith("bbb_plugin_"):
-            del sys.modules[name]
-
-
 def _metric_plugin(tmp_path, name, body="return (x_adv - x).flatten(1).abs().sum(1)", better="'lower'"):
     path = tmp_path / f"{name}.py"
     path.write_text("from blackboxbench.registry import METRIC\n\n\n"

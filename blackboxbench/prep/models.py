@@ -160,17 +160,15 @@ def load_state(path, key="state_dict", strip_prefix="module."):
 def _load_into(net, sd, path):
     """Load state dict ``sd`` into ``net``; a misfit names the missing and the unexpected keys (a few of each) or
     the first shape mismatch, in one line."""
-    own = net.state_dict()
-    missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
-    if missing or unexpected:
-        parts = [f"{len(v)} {what} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-                 for v, what in ((missing, "keys missing"), (unexpected, "unexpected keys")) if v]
-        raise BenchError(f"checkpoint {path} does not fit the architecture: {'; '.join(parts)}")
-    try:
-        net.load_state_dict(sd)
-    except RuntimeError as err:
+    try:  # not strict here: torch's own leniencies (an old BatchNorm's num_batches_tracked) stay
+        result = net.load_state_dict(sd, strict=False)
+    except RuntimeError as err:  # shapes that differ
         lines = [s.strip() for s in str(err).splitlines() if s.strip()]
         raise BenchError(f"checkpoint {path} does not fit the architecture: {' '.join(lines[1:])[:300]}") from None
+    parts = [f"{len(v)} {what} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+             for v, what in ((result.missing_keys, "keys missing"), (result.unexpected_keys, "unexpected keys")) if v]
+    if parts:
+        raise BenchError(f"checkpoint {path} does not fit the architecture: {'; '.join(parts)}")
     return net
 
 
