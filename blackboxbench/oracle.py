@@ -26,6 +26,8 @@ def forward_chunk(device):
     return 4096 if device.type == "cuda" else 128
 
 
+PIXEL_TOL = 1e-6  # float slack on [0, 1] for query images (a clamp's output is exact)
+
 class Oracle:
     """Query access to ``model`` for a batch of ``n`` samples, each with budget ``max_queries``.
 
@@ -109,6 +111,11 @@ class Oracle:
                              f"got shape {tuple(x.shape)}")
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
             raise QueryError(f"oracle: query images must have shape {self.input_shape}, got {tuple(x.shape[1:])}")
+        if x.numel():
+            lo, hi = (float(v) for v in torch.aminmax(x.detach()))  # NaN fails both comparisons
+            if not (lo >= -PIXEL_TOL and hi <= 1 + PIXEL_TOL):
+                raise QueryError(f"oracle: query images must be finite and in [0, 1], got values in [{lo:.4g}, "
+                                 f"{hi:.4g}]")
         k = self.eot  # queries charged per image
         used = self.counts[idx] if distinct else self.counts[idx] + k * rank_within_group(idx)
         ok = used + k <= self.max_queries
@@ -161,7 +168,7 @@ class OracleView:
     Made by :meth:`Oracle.view`."""
 
     def __init__(self, oracle, idx):
-        self.oracle, self.idx = oracle, idx
+        self._oracle, self.idx = oracle, idx
         self.feedback, self.max_queries = oracle.feedback, oracle.max_queries
 
     @property
@@ -170,22 +177,22 @@ class OracleView:
 
     @property
     def counts(self):
-        return self.oracle.counts[self.idx]
+        return self._oracle.counts[self.idx]
 
     def remaining(self):
-        return self.oracle.max_queries - self.counts
+        return self._oracle.max_queries - self.counts
 
     def spent(self):
         """(n,) bool: the samples whose budget is used up."""
-        return self.counts >= self.oracle.max_queries
+        return self.counts >= self._oracle.max_queries
 
     def view(self, idx):
-        return self.oracle.view(self.idx[idx.to(self.idx.device)])
+        return self._oracle.view(self.idx[idx.to(self.idx.device)])
 
     def __call__(self, x, idx=None):
         if idx is None:  # one image per sample of the view: the indices are distinct
-            return self.oracle._ask(x, self.idx, distinct=True)
-        return self.oracle._ask(x, self.idx[idx.to(self.idx.device)], distinct=False)
+            return self._oracle._ask(x, self.idx, distinct=True)
+        return self._oracle._ask(x, self.idx[idx.to(self.idx.device)], distinct=False)
 
     def confirm(self, x, idx=None, draws=1):
-        return self.oracle.confirm(x, self.idx if idx is None else self.idx[idx.to(self.idx.device)], draws)
+        return self._oracle.confirm(x, self.idx if idx is None else self.idx[idx.to(self.idx.device)], draws)

@@ -20,6 +20,7 @@ on the same run directory fail with a one-line error naming the holder.
 """
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -43,9 +44,9 @@ from .oracle import forward_chunk
 from .prep.data import resolve_data_root
 from .prep.inference import inference_copy, is_randomized
 from .prep.layers import get_layer
-from .prep.models import bare_spec, build_model, trained_side
+from .prep.models import bare_spec, build_model, parse_spec, trained_side
 from .prep.targets import choose_targets
-from .registry import ASSET, DATASET, block_label
+from .registry import ASSET, DATASET, MODEL, block_label, block_params
 from .rng import Streams
 from .shared import SharedForward
 
@@ -112,9 +113,20 @@ def spec_label(spec):
     return label
 
 
+def _model_identity(spec):
+    """What a spec builds: its registry name and every parameter, the builder's defaults filled in (a label, a
+    defense or a default written out does not make another model)."""
+    name, params = parse_spec(bare_spec(spec))
+    try:
+        defaults = {k: v for k, v in block_params(MODEL.get(name)).items() if v is not inspect.Parameter.empty}
+    except BenchError:
+        defaults = {}
+    return json.dumps({"name": name, **defaults, **params}, sort_keys=True, default=str)
+
+
 def _same_model(a, b):
-    """Whether two specs build the same model (a label or a defense does not make another model)."""
-    return json.dumps(bare_spec(a), sort_keys=True) == json.dumps(bare_spec(b), sort_keys=True)
+    """Whether two specs build the same model."""
+    return _model_identity(a) == _model_identity(b)
 
 
 @dataclass

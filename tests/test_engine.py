@@ -385,3 +385,75 @@ def test_save_path_every_is_not_for_detection(capsys):
     assert main(["run", str(config), "--set", "save_path_every=5"]) == 2
     assert "save_path_every: not used by detection attacks (only by decision, score, transfer)" in \
         capsys.readouterr().err
+
+
+@pytest.fixture
+def vandal_init(fresh_registries):
+    """An init block that writes to everything the context lends it: the clean images and labels of its problem
+    and the attacker's pool; it claims success on its (moved) clean images."""
+    @INIT.register("vandal_init_t", paper="test")
+    def vandal_init_t(ctx):
+        ctx.problem.x.add_(0.3).clamp_(0, 1)
+        ctx.problem.y.add_(1).remainder_(10)
+        ctx.pool.x.zero_()
+        ctx.pool.y.zero_()
+        return {"x_adv": ctx.problem.x.clone(), "success": torch.ones(ctx.problem.n, dtype=torch.bool,
+                                                                    device=ctx.device)}
+
+
+def test_a_block_writing_to_its_context_changes_no_record(tmp_path, vandal_init):
+    """The blocks' problem and pool are copies: records keep the true labels and clean checks, distances are to the
+    true clean images (inside the ball), and success is confirmed against the true labels (the audit agrees)."""
+    from blackboxbench.registry import DATASET
+    recipe = {"name": "vandal", "family": "score", "norms": ["linf"], "targeted": False,
+              "blocks": {"init": "vandal_init_t", "perturb": "square_linf", "accept": "margin_greedy"}}
+    threat = {"norm": "linf", "eps": 0.1, "max_queries": 1}
+    run_dir, summary = run_experiment(_exp(tmp_path, attack=recipe, model="digits_mlp", threat=threat,
+                                           batch_size=4, save_adv=True), progress=False)
+    data = DATASET.get("digits")(None, n=30)
+    rec = _records(run_dir)
+    assert [r["label"] for r in rec] == data.y.tolist()
+    clean = build_model("digits_mlp")(data.x).argmax(1) == data.y
+    assert [r["clean_correct"] for r in rec] == clean.tolist()  # a later sample's clean check: the true images
+    for r in (r for r in rec if r["attacked"]):
+        assert r["linf"] <= 0.1 + 1e-6 and r["audit_adv"] == r["success"]
+    assert summary["n_audit_disagree"] == 0
+
+
+@pytest.mark.parametrize("body,error", [
+    ("ctx.oracle(torch.full_like(ctx.problem.x, 7.0))", "oracle: query images must be finite and in [0, 1], got "
+                                                         "values in [7, 7]"),
+    ("ctx.oracle(ctx.problem.x * float('nan'))", "oracle: query images must be finite and in [0, 1], got values in "
+                                                 "[nan, nan]"),
+    ("None", "returned state['x_adv'] of torch.float64, the images' is torch.float32")])
+def test_queries_outside_the_image_domain_and_wrong_dtypes_are_one_line(tmp_path, fresh_registries, body, error):
+    """The oracle refuses (and does not count) images that are not images; an init's x_adv of another dtype than
+    the images is refused at once, naming the block (it used to fail later, blamed on another block)."""
+    @INIT.register("odd_init_t", paper="test")
+    def odd_init_t(ctx):
+        eval(body)
+        return {"x_adv": ctx.problem.x.double() if body == "None" else ctx.problem.x.clone(),
+                "success": torch.zeros(ctx.problem.n, dtype=torch.bool, device=ctx.device)}
+
+    recipe = {"name": "odd", "family": "score", "norms": ["linf"], "targeted": False,
+              "blocks": {"init": "odd_init_t", "perturb": "square_linf", "accept": "margin_greedy"}}
+    with pytest.raises(BenchError, match="odd_init_t") as e:
+        run_experiment(_exp(tmp_path, attack=recipe, model="digits_mlp",
+                            threat={"norm": "linf", "eps": 0.1, "max_queries": 5}), progress=False)
+    assert error in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_surrogate_written_with_its_defaults_is_still_the_target(tmp_path, capsys):
+    cfg = tmp_path / "same.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 4}}\nmodel: digits_mlp\nsurrogates: [{{name: digits_mlp, "
+                   f"pretrained: true, label: s}}]\nattack: square_linf\noutput_dir: {tmp_path / 'never'}\n")
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    assert "surrogates[0]: the surrogate s is the target model" in capsys.readouterr().err
+
+
+def test_the_oracle_view_lends_no_oracle():
+    """A block's oracle view exposes asking, confirming and counts, not the oracle behind it (its forward, its
+    counters, its budget)."""
+    from blackboxbench.oracle import Oracle
+    view = Oracle(build_model("digits_mlp"), 4, 10, 10, "score", (1, 8, 8)).view(torch.arange(2))
+    assert not any(isinstance(v, Oracle) for k, v in vars(view).items() if not k.startswith("_"))

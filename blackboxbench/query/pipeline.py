@@ -38,7 +38,7 @@ deterministic one), from the evaluation streams, never counted as queries. **EOT
 sends k queries per logical evaluation and aggregates them (:class:`~blackboxbench.oracle.Oracle`).
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -89,6 +89,8 @@ def check_state(state, x, block, slots=None, kind="init"):
             bad = f"returned state['{wrong[0]}'] that is not a tensor with one row per sample ({n})"
         elif state["x_adv"].shape != x.shape:
             bad = f"returned state['x_adv'] of shape {tuple(state['x_adv'].shape)}, the images' is {tuple(x.shape)}"
+        elif state["x_adv"].dtype != x.dtype:
+            bad = f"returned state['x_adv'] of {state['x_adv'].dtype}, the images' is {x.dtype}"
         elif state["success"].dtype != torch.bool or state["success"].dim() != 1:
             bad = f"returned state['success'] of dtype {state['success'].dtype} and shape " \
                   f"{tuple(state['success'].shape)}: it is an (n,) bool tensor"
@@ -163,7 +165,7 @@ class QueryWorker:
         self.oracle = Oracle(self.model, n, t["max_queries"], data.num_classes, t["feedback"],
                              data.x.shape[1:], name=self.model_name, defense=self.defended, eot=self.attack.eot)
         self.surrogates = tuple(run.models.get("surrogates", ()))
-        self.pool = Pool(data.x, data.y)
+        self.pool = Pool(data.x.clone(), data.y.clone())  # the blocks' copy: writing to it changes no sample
         s, dev = self.slots, self.device
         self.gid = torch.full((s,), -1, dtype=torch.long, device=dev)
         self.sx = torch.zeros((s, *data.x.shape[1:]), dtype=data.x.dtype, device=dev)
@@ -172,7 +174,7 @@ class QueryWorker:
         self.state = None
         self.started = {}   # dataset index -> (perf_counter at admission, its record so far)
         self.ready = []     # clean-checked samples waiting for a slot: (their record so far, target)
-        self.ws = None      # working set: (slots, ctx, state), rebuilt when a sample enters or leaves
+        self.ws = None      # working set: (slots, ctx, own, state), rebuilt when a sample enters or leaves
         self.unaudited, self.audited = [], time.perf_counter()  # finished samples waiting for the audit forward
         self.path_every = run.save_path_every  # > 0: keep each sample's iterate every k queries (its path)
         self.paths = {}     # dataset index -> [(queries used, uint8 image)]
@@ -227,10 +229,15 @@ class QueryWorker:
         return done
 
     def _context(self, gids, x, y, target):
-        t = self.threat
-        problem = Problem(x, y, t["eps"], t["norm"], target, self.run.data.num_classes)
-        return BlockContext(problem=problem, rng=self.run.streams.view(gids), oracle=self.oracle.view(gids),
-                            surrogates=self.surrogates, assets=self.run.assets, pool=self.pool)
+        """``(ctx, own)``: the blocks' context, whose problem holds copies of the clean images, labels and targets
+        (a block that writes to them in place changes only its own view), and the worker's, alike but for the
+        problem, which verification, projection, the output check, the metrics and the audit read."""
+        t, k = self.threat, self.run.data.num_classes
+        copy = None if target is None else target.clone()
+        ctx = BlockContext(problem=Problem(x.clone(), y.clone(), t["eps"], t["norm"], copy, k),
+                           rng=self.run.streams.view(gids), oracle=self.oracle.view(gids),
+                           surrogates=self.surrogates, assets=self.run.assets, pool=self.pool)
+        return ctx, replace(ctx, problem=Problem(x, y, t["eps"], t["norm"], target, k))
 
     def _start(self, ready, slots):
         """``init`` for ready samples entering ``slots``; the ones decided at once finish here."""
@@ -239,24 +246,24 @@ class QueryWorker:
         gids = torch.tensor(index, dtype=torch.long, device=self.device)
         x, y = self.run.data.x[gids.cpu()].to(self.device), self.run.data.y[gids.cpu()].to(self.device)
         target = None if not self.threat["targeted"] else torch.tensor([t for _, t in ready], device=self.device)
-        ctx = self._context(gids, x, y, target)
+        ctx, own = self._context(gids, x, y, target)
         state = _call(self.attack.init, "init", ctx)
         check_state(state, x, self.attack.init, self.state)
         state = {k: v.clone() for k, v in state.items()}  # the worker's own copy
         for r, _ in ready:
             self.started[r["index"]] = (now, r)
-        ok, rows, images = verify(ctx, state, self.draws)
-        leaving = ctx.oracle.spent() if ok is None else ok | ctx.oracle.spent()
+        ok, rows, images = verify(own, state, self.draws)
+        leaving = own.oracle.spent() if ok is None else ok | own.oracle.spent()
         self._place(state, slots, x, y, target, gids)
         if self.path_every:  # a path starts at the clean image, then the iterate after init
             uint8 = to_uint8(x)
             self.paths.update({g: [(0, uint8[k])] for k, g in enumerate(index)})
             self.mark[slots] = 0
-            self._snapshot(slots, ctx, state)
+            self._snapshot(slots, own, state)
         self.ws = None
         if not bool(leaving.any()):
             return []
-        return self._finish(slots, leaving, state, ctx, rows, images, torch.zeros_like(leaving))
+        return self._finish(slots, leaving, state, own, rows, images, torch.zeros_like(leaving))
 
     def _place(self, state, slots, x, y, target, gids):
         if self.state is None:
@@ -275,9 +282,9 @@ class QueryWorker:
             if slots.numel() == 0:
                 return self._audit(force=True)
             target = self.starget[slots] if self.threat["targeted"] else None
-            ctx = self._context(self.gid[slots], self.sx[slots], self.sy[slots], target)
-            self.ws = (slots, ctx, _gather(self.state, slots))
-        slots, ctx, state = self.ws
+            ctx, own = self._context(self.gid[slots], self.sx[slots], self.sy[slots], target)
+            self.ws = (slots, ctx, own, _gather(self.state, slots))
+        slots, ctx, own, state = self.ws
         before = ctx.oracle.counts
         proposal = _call(self.attack.perturb, "perturb", ctx, state)
         state = _call(self.attack.accept, "accept", ctx, state, proposal)
@@ -285,22 +292,22 @@ class QueryWorker:
             raise BenchError(f"accept block {block_label(self.attack.accept)} returned "
                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}: it returns "
                              f"the state dict, with the keys init gave it ({', '.join(sorted(self.state))})")
-        check_state(state, ctx.problem.x, self.attack.accept, self.state, "accept")
-        self.ws = (slots, ctx, state)
+        check_state(state, own.problem.x, self.attack.accept, self.state, "accept")
+        self.ws = (slots, ctx, own, state)
         if self.path_every:
-            self._snapshot(slots, ctx, state)
+            self._snapshot(slots, own, state)
         stalled = ctx.oracle.counts == before  # nothing was asked for these samples: they cannot progress
         # One check (one sync) per iteration: did a sample claim success, use up its budget or stall?
         if not bool((state["success"] | ctx.oracle.spent() | stalled).any()):
             return []
-        ok, rows, images = verify(ctx, state, self.draws)
+        ok, rows, images = verify(own, state, self.draws)
         leaving = ctx.oracle.spent() | stalled if ok is None else ok | ctx.oracle.spent() | stalled
         if not bool(leaving.any()):
             return []
         for k, v in state.items():
             self.state[k][slots] = v
         self.ws = None
-        return self._finish(slots, leaving, state, ctx, rows, images, stalled)
+        return self._finish(slots, leaving, state, own, rows, images, stalled)
 
     def _snapshot(self, slots, ctx, state):
         """Add the iterate of every sample that has passed a multiple of ``path_every`` queries since its last

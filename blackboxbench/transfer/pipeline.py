@@ -70,11 +70,13 @@ def _chain_transforms(ctx, transforms, x):
 
 
 def _expect_like(out, ref, kind, block):
-    """``out`` if it is a tensor shaped like ``ref`` (a gradient, direction or update block's contract), else a
-    one-line error naming the block."""
-    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
-        raise BenchError(f"{kind} {block_label(block)} returned {describe(out)}: it returns a tensor shaped like the "
-                         f"images, {tuple(ref.shape)}")
+    """``out`` if it is a tensor shaped like ``ref``, of its dtype (a gradient, direction or update block's
+    contract), else a one-line error naming the block."""
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape or out.dtype != ref.dtype:
+        got = describe(out) if not isinstance(out, torch.Tensor) or out.shape != ref.shape else \
+            f"a tensor of {out.dtype}"
+        raise BenchError(f"{kind} {block_label(block)} returned {got}: it returns a tensor shaped like the images, "
+                         f"{tuple(ref.shape)}, of their dtype {ref.dtype}")
     return out
 
 
@@ -212,7 +214,7 @@ class TransferWorker(WholeBatchWorker):
         streams = defense_streams(run.streams.seed, len(run.data.y), run.device, EVAL_SALT)
         self.defended = [DefendedTarget(m, ds, streams) if ds else None for (_, m), ds in zip(self.targets, per)]
         self.labels = [label(ds, name.split("+")[0]) for (name, _), ds in zip(self.targets, per)]
-        self.pool = Pool(run.data.x, run.data.y)
+        self.pool = Pool(run.data.x.clone(), run.data.y.clone())  # the blocks' copy: writing to it changes no sample
         base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
                             surrogates=tuple(self.surrogates), assets=run.assets, pool=self.pool)
         self.model = self.attack.refine(base, list(self.surrogates))
@@ -231,7 +233,10 @@ class TransferWorker(WholeBatchWorker):
         correct = logits.argmax(1) == y
         given = None if run.data.given_target is None else run.data.given_target[idx].to(dev)
         target = pick_targets(t, logits, y, rng, given)
-        problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes)
+        # the blocks' problem holds copies: a block writing to them in place cannot change the clean images,
+        # labels or targets that the output check, the metrics, the records and the targets' evaluation read
+        problem = Problem(x.clone(), y.clone(), t["eps"], t["norm"], None if target is None else target.clone(),
+                          run.data.num_classes)
         ctx = BlockContext(problem=problem, rng=rng, surrogates=tuple(self.surrogates), assets=run.assets,
                            pool=self.pool, model=self.model, iterations=self.attack.iterations,
                            alpha=self.attack.alpha)
