@@ -254,7 +254,7 @@ def test_plugin_step_block_returning_another_shape_is_one_line(tmp_path, capsys,
     err = plugin_run_error(tmp_path, capsys, tmp_path / "splug.py", f"{{recipe: i_fgsm, blocks: {{{kind}: {listed}}}}}"
                            "\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]")
     assert err == (f"error: {kind} 'bad_{kind}' ({tmp_path / 'splug.py'}:4) returned {returned}: it returns a tensor "
-                   "shaped like the images, (8, 1, 8, 8)"), err
+                   "shaped like the images, (8, 1, 8, 8), of their dtype torch.float32"), err
 
 
 @pytest.mark.parametrize("kind,body,returned,rule", [

@@ -204,8 +204,10 @@ def prior_guided_directions(xi, v, lam):
 
 
 def _differences(ctx, images, idx, base):
-    """``L(images) - base`` for rows of local samples ``idx`` (one oracle call) and the rows answered."""
-    margin, _, ok = query_margin(ctx, images, idx)
+    """``L(images) - base`` for rows of local samples ``idx`` (one oracle call) and the rows answered. The probes
+    are clamped to [0, 1] first: a query is an image (the oracle refuses others), so a finite-difference step at a
+    saturated pixel is the part of it that stays inside."""
+    margin, _, ok = query_margin(ctx, images.clamp(0, 1), idx)
     diff = torch.where(ok, margin - base, torch.zeros_like(margin))
     return diff.double(), ok
 

@@ -96,6 +96,7 @@ def subspace(ctx, state, *, fd_eta=0.1, exploration=0.1, prior_lr=1.0, lr=1 / 25
     u = l2_normalize(surrogate_gradient(models, x, loss, choice=choice, wrap=wrap))
     q_plus, q_minus = v + exploration * u, v - exploration * u
     probes = torch.stack([x + fd_eta * l2_normalize(q_plus), x + fd_eta * l2_normalize(q_minus)], 1).flatten(0, 1)
+    probes = probes.clamp(0, 1)  # a query is an image: the oracle refuses values outside [0, 1]
     idx = torch.arange(n, device=dev).repeat_interleave(2)
     answer, ok = ctx.oracle(probes, idx)
     margin = p.sub(idx).margin(answer).view(n, 2)
