@@ -39,7 +39,7 @@ def distances(x_adv, x):
                 got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise BenchError(f"metric {block_label(fn)} must return a tensor of shape ({x.shape[0]},), one "
                                  f"value per image; got {got}")
-            out[name] = [x if math.isfinite(x) else None for x in v.float().cpu().tolist()]  # NaN: no value
+            out[name] = [d if math.isfinite(d) else None for d in v.float().cpu().tolist()]  # NaN: no value
     return out
 
 
