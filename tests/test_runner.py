@@ -579,3 +579,21 @@ def test_zoo_model_on_images_of_another_size_warns(tmp_path):
     with pytest.warns(UserWarning, match="model: cifar_resnet20 was trained on 32x32 images; dataset imagefolder "
                                          "gives 16x16"):
         _run(cfg)
+
+
+def test_a_transform_writing_to_its_input_leaves_the_iterate_alone(tmp_path, fresh_registries):
+    """A transform that zeroes ``x.data`` in place sees zero images, as one that returns ``x - x.detach()`` does
+    (same values, same gradient): the two runs' records are equal, so the attack's iterate was not touched."""
+    (tmp_path / "tplug.py").write_text(
+        "from blackboxbench.registry import TRANSFORM\n\n\n"
+        "@TRANSFORM.register('zero_inplace_t', paper='test')\ndef zero_inplace_t(ctx, x):\n"
+        "    x.data.zero_()\n    return x\n\n\n"
+        "@TRANSFORM.register('zero_graph_t', paper='test')\ndef zero_graph_t(ctx, x):\n    return x - x.detach()\n")
+    runs = []
+    for name in ("zero_inplace_t", "zero_graph_t"):
+        text = f"plugins: [{tmp_path / 'tplug.py'}]\n" + TRANSFER.replace(
+            "attack: {recipe: mi_fgsm, name: mi_fgsm_ce, blocks: {loss: {name: ce}}}",
+            f"attack: {{recipe: i_fgsm, name: t, blocks: {{transform: [{{name: {name}}}]}}}}")
+        run_dir, _ = _run(_write(tmp_path, text, tmp_path / name, f"{name}.yaml", TARGETED="false"))
+        runs.append(_records(run_dir))
+    assert runs[0] == runs[1]

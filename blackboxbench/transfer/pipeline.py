@@ -130,7 +130,7 @@ class TransferAttack:
         label = problem.target if problem.targeted else problem.y
 
         def fn(x):
-            x = x.detach().requires_grad_(True)
+            x = x.detach().clone().requires_grad_(True)  # a transform writing to x.data leaves the iterate alone
             xt = _chain_transforms(ctx, transforms, x)
             k = xt.shape[0] // x.shape[0]
             per = self.copies_per_forward or k
