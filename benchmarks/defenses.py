@@ -192,7 +192,8 @@ def section_board(args, ctx):
             f"{' '.join(args.set)} ({'attacks ' + args.attacks if args.attacks else 'every attack'}); wall "
             f"{wall:.0f} s here, {runs_s:.0f} s summed over the runs' own wall times; {out} and "
             f"{out.with_suffix('.png')}"
-            + (f" (which also hold {older} older runs of other settings, left out of the tables below)" if older else "")
+            + (f" (which also hold {older} older runs of other settings, left out of the tables below)" if older
+               else "")
             + "\n\n"
             + table(("attack", "norm", "target", "defense", "clean acc", "clean acc def.", "ASR", "AQN",
                      "mean queries (all)", "ASR re-eval def. (maj. 5)", "ASR re-eval undef.", "mean SSIM"), body)

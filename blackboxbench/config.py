@@ -325,8 +325,8 @@ def check_family_keys(exp, family, source):
     specs += [(f"{key}[{i}]" if family.model_keys[key].many else key, MODEL, bare_spec(spec))
               for key, i, spec in family.roles(exp)]  # a target's defense: checked by the runner
     for key, i, spec in family.roles(exp):
-        label = spec.get("label", "x")
-        if not isinstance(label, str) or not label.strip():
+        label = spec.get("label")
+        if "label" in spec and (not isinstance(label, str) or not label.strip()):
             raise ConfigError(f"expected a non-empty string, got {label!r}", source,
                               f"{key}[{i}].label" if family.model_keys[key].many else f"{key}.label")
     specs += [(f"assets.{k}", ASSET, spec) for k, spec in exp["assets"].items()]

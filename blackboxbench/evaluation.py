@@ -4,7 +4,7 @@ import statistics
 
 import torch
 
-from .errors import BenchError
+from .errors import BenchError, describe
 from .perceptual import lpips_distance, ssim
 from .registry import METRIC, block_label
 from .stats import averaged_rate_interval, mean_interval, median_interval, wilson
@@ -36,9 +36,8 @@ def distances(x_adv, x):
             fn = METRIC.get(name)
             v = fn(x_adv, x)
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != (x.shape[0],):
-                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise BenchError(f"metric {block_label(fn)} must return a tensor of shape ({x.shape[0]},), one "
-                                 f"value per image; got {got}")
+                                 f"value per image; got {describe(v)}")
             out[name] = [d if math.isfinite(d) else None for d in v.float().cpu().tolist()]  # NaN: no value
     return out
 
@@ -65,16 +64,17 @@ def check_metric_names(fields, columns, family):
     """A registered metric must not overwrite what a run writes: a field of the family's records (``queries``,
     ``index``...), the record checksum or an internal ``_`` field, or a summary column (``mean_drop_map``); a
     one-line error naming the metric and its file."""
-    builtin = {"l2", "linf"}
-    for name in METRIC.names():
-        summary = {f"mean_{name}", f"median_{name}"} & set(columns)
-        clash = (f"'{name}' is a field of the {family} family's records" if name in fields or name == "check"
-                 else f"'{name}' is not a plain name" if not name.isidentifier() or name.startswith("_")
-                 else f"its summary column '{sorted(summary)[0]}' is one of the {family} family's" if summary
-                 else None)
-        if clash and name not in builtin:
-            raise BenchError(f"metric {block_label(METRIC.get(name))}: {clash}; register the metric under "
-                             "another name")
+    for name in (n for n in METRIC.names() if n not in ("l2", "linf")):  # the built-in record fields
+        summary = sorted({f"mean_{name}", f"median_{name}"} & set(columns))
+        if name in fields or name == "check":
+            clash = f"'{name}' is a field of the {family} family's records"
+        elif not name.isidentifier() or name.startswith("_"):
+            clash = f"'{name}' is not a plain name"
+        elif summary:
+            clash = f"its summary column '{summary[0]}' is one of the {family} family's"
+        else:
+            continue
+        raise BenchError(f"metric {block_label(METRIC.get(name))}: {clash}; register the metric under another name")
 
 
 def distortion_summary(records):

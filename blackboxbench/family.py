@@ -44,6 +44,14 @@ TRAILING_COLUMNS = ("trained_on", "randomized_models", "wall_time", "seed", "bat
 DIRECTIONS = ("higher", "lower", None)
 
 
+def not_class_scores(out):
+    """None when a model's answer ``out`` is one row of class scores per image (a 2-D tensor), else what it is
+    instead (``a list``: a detector's boxes), for a one-line error."""
+    if isinstance(out, torch.Tensor):
+        return None if out.dim() == 2 else f"a tensor of shape {tuple(out.shape)}"
+    return f"a {type(out).__name__}"
+
+
 @dataclass(frozen=True)
 class BlockKind:
     """A kind of block a family's recipes name: its registry, whether a recipe lists several, the default."""

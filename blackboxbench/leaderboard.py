@@ -54,9 +54,10 @@ def columns(rows=()):
         out.setdefault(col, direction)
     for r in rows:
         names = r.get("metrics")
-        for m in names if isinstance(names, list) else ():
-            for stat in ("mean", "median") if isinstance(m, str) else ():
-                out.setdefault(f"{stat}_{m}", None)
+        for m in (names if isinstance(names, list) else []):
+            if isinstance(m, str):
+                out.setdefault(f"mean_{m}", None)
+                out.setdefault(f"median_{m}", None)
     out.update({c: None for c in TRAILING_COLUMNS if c not in out})
     return list(out.items())
 

@@ -111,15 +111,17 @@ class Oracle:
                              f"got shape {tuple(x.shape)}")
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
             raise QueryError(f"oracle: query images must have shape {self.input_shape}, got {tuple(x.shape[1:])}")
-        if x.numel():
-            lo, hi = (float(v) for v in torch.aminmax(x.detach()))  # NaN fails both comparisons
-            if not (lo >= -PIXEL_TOL and hi <= 1 + PIXEL_TOL):
-                raise QueryError(f"oracle: query images must be finite and in [0, 1], got values in [{lo:.4g}, "
-                                 f"{hi:.4g}]")
         k = self.eot  # queries charged per image
         used = self.counts[idx] if distinct else self.counts[idx] + k * rank_within_group(idx)
         ok = used + k <= self.max_queries
-        if bool(ok.all()):  # the common case: nothing refused
+        # one device sync for both checks: the images' value range (NaN fails both comparisons) and the budgets
+        span = torch.stack(torch.aminmax(x.detach())).float().to(ok.device) if x.numel() else \
+            torch.zeros(2, device=ok.device)
+        lo, hi, all_ok = torch.cat([span, ok.all().float()[None]]).tolist()
+        if not (lo >= -PIXEL_TOL and hi <= 1 + PIXEL_TOL):  # refused before anything is counted
+            raise QueryError(f"oracle: query images must be finite and in [0, 1], got values in [{lo:.4g}, "
+                             f"{hi:.4g}]")
+        if all_ok:  # the common case: nothing refused
             xs, who = x.to(self.device, copy=True), idx  # under no_grad: a copy with no history
         else:
             rows = ok.nonzero().squeeze(1)

@@ -39,7 +39,7 @@ from .config import ConfigError, check_family_keys, config_hash, finish_threat, 
 from .defense import DefendedTarget, build_defenses, defense_streams, parse_defenses
 from .errors import BenchError, describe
 from .evaluation import check_metric_names, distances
-from .family import RunInputs
+from .family import RunInputs, not_class_scores
 from .oracle import forward_chunk
 from .prep.data import resolve_data_root
 from .prep.inference import inference_copy, is_randomized
@@ -520,9 +520,7 @@ class Runner:
                     raise ConfigError(f"the model cannot take the images of dataset {data.name} (shape "
                                       f"{tuple(data.x.shape[1:])}): {str(e).splitlines()[0][:160]}", source,
                                       where) from None
-                if not isinstance(out, torch.Tensor) or out.dim() != 2:  # a detector answers a list of boxes
-                    got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else \
-                        f"a {type(out).__name__}"
+                if got := not_class_scores(out):  # a detector answers a list of boxes
                     raise ConfigError(f"a {self.family.name} attack needs a classifier answering one row of class "
                                       f"scores per image; this model answers {got} (a detector needs a detection "
                                       "recipe: blackboxbench list attacks)", source, where)

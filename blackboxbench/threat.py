@@ -3,7 +3,7 @@
 Images are NCHW float in [0, 1]; epsilon is in the same [0, 1] pixel units (a config may write ``8/255``).
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -125,6 +125,12 @@ class Problem:
     @property
     def n(self):
         return self.x.shape[0]
+
+    def copy(self):
+        """The same problem with clean images, labels and targets of its own: what blocks get, so that one writing
+        to them in place changes nothing the runner reads (verification, projection, output check, records)."""
+        return replace(self, x=self.x.clone(), y=self.y.clone(),
+                       target=None if self.target is None else self.target.clone())
 
     def sub(self, idx):
         """The same problem restricted to samples ``idx`` (a LongTensor)."""

@@ -373,7 +373,8 @@ def test_analyze_finds_a_relative_data_root_from_elsewhere(tmp_path, monkeypatch
     reads the same images (it used to say the data root is not a directory)."""
     for k in range(3):
         (tmp_path / "droot" / "imf" / "a").mkdir(parents=True, exist_ok=True)
-        Image.fromarray(np.full((8, 8), 60 * k + 20, dtype=np.uint8)).save(tmp_path / "droot" / "imf" / "a" / f"{k}.png")
+        image = np.full((8, 8), 60 * k + 20, dtype=np.uint8)
+        Image.fromarray(image).save(tmp_path / "droot" / "imf" / "a" / f"{k}.png")
     cfg = tmp_path / "run.yaml"
     cfg.write_text("data_root: droot\ndataset: {name: imagefolder, path: imf, classes: {a: 1}, grayscale: true}\n"
                    "model: digits_cnn\nattack: square_linf\nsave_adv: true\nthreat: {norm: linf, eps: 0.3, "

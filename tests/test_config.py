@@ -20,7 +20,8 @@ output_dir: OUT
 CASES = [
     # (description, yaml text, expected key in the message, expected text)
     ("unknown top-level key", GOOD + "seeed: 1\n", "seeed", "did you mean: seed"),
-    ("plot over the leaderboard", GOOD + "leaderboard: OUT/board.csv\nplots: [{recipe: aev_bar, output: OUT/board.png}]\n",
+    ("plot over the leaderboard",
+     GOOD + "leaderboard: OUT/board.csv\nplots: [{recipe: aev_bar, output: OUT/board.png}]\n",
      "plots[0].output", "which leaderboard writes too: give one of them another path"),
     ("robustness chart as its CSV", GOOD + "robustness: OUT/r.png\n", "robustness",
      "the robustness output is the CSV's path; its chart is written next to it as .png"),

@@ -172,7 +172,8 @@ def test_family_end_to_end_with_reports(tmp_path):
                                            "scores \\(fcos, retinanet, ssd\\); the fasterrcnn detector has none"),
                                           ({"attack": "phantom_sponges", "dataset": {"name": "shapes", "n": 4,
                                                                                      "size": 96},
-                                            "threat": {"norm": "l2"}, "assets": {"train": {"name": "detection_images"}}},
+                                            "threat": {"norm": "l2"},
+                                            "assets": {"train": {"name": "detection_images"}}},
                                            "assets.train: its images are 64x64, the dataset's 96x96: give the "
                                            "asset's spec the dataset's size")])
 def test_config_errors(tmp_path, change, match):

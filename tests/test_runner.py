@@ -494,7 +494,8 @@ def test_plugin_metric_reaches_summary_and_leaderboard(tmp_path, fresh_registrie
 
 @pytest.mark.parametrize("name,body,better,error", [
     ("rowsum", "return (x_adv - x).flatten(1).sum(1, keepdim=True)", "'lower'",
-     " must return a tensor of shape (2,), one value per image; got (2, 1)"),  # the pre-run probe: 2 images
+     # the pre-run probe: 2 images
+     " must return a tensor of shape (2,), one value per image; got a tensor of shape (2, 1)"),
     ("queries", "return (x_adv - x).flatten(1).abs().sum(1)", "'lower'",
      ": 'queries' is a field of the score family's records; register the metric under another name"),
     ("_image", "return (x_adv - x).flatten(1).abs().sum(1)", "None",

@@ -16,10 +16,11 @@ from PIL import Image
 
 from ..config import check_spec, import_plugins, load_yaml
 from ..errors import BenchError
-from ..prep.data import resolve_data_root
+from ..family import not_class_scores
+from ..prep.data import first_line, resolve_data_root
 from ..prep.models import bare_spec, build_model
-from ..threat import flat_norm
 from ..registry import DATASET
+from ..threat import flat_norm
 
 
 @dataclass
@@ -181,9 +182,8 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
                 out = net(data.x[index[:1]].to(device))
         except RuntimeError as e:  # e.g. 3-channel images into a 1-channel model
             raise BenchError(f"model {name} cannot take the images of dataset {ds['name']} (shape "
-                             f"{tuple(data.x.shape[1:])}): {str(e).splitlines()[0][:160]}") from None
-        if not isinstance(out, torch.Tensor) or out.dim() != 2:
-            got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+                             f"{tuple(data.x.shape[1:])}): {first_line(e, 160)}") from None
+        if got := not_class_scores(out):
             raise BenchError(f"model {name} answers {got}, not one row of class scores per image: the model-level "
                              "analyses (decision surface, dbViz, FSM, FullGrad, ADM) take classifiers")
         top = int(data.y[index].max())

@@ -27,7 +27,7 @@ detections are counted, the fabrication measure; None: every detection the detec
 interpolation (``map``, ``ap_loc``) and all-point (``map_area``, ``ap_loc_area``).
 """
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -322,13 +322,13 @@ class DetectionWorker(WholeBatchWorker):
         # one image at a time: the attacks' pseudo truth, whose box coordinates steer FCOS's target assignment
         # (a 1e-5 shift flips 4 % of a gradient's signs), must not move with the batch's conv numerics
         clean = forward_dets(self.model, x, "the surrogate", chunk=1)
-        # the blocks' copy of the images: the output check and the targets' evaluation read the worker's x
-        problem = DetProblem(x.clone(), y, t["eps"], t["norm"], None, data.num_classes, gt=gt, clean=clean)
+        # the blocks get a copy; the projection, the output check and the targets' evaluation read the worker's own
+        own = DetProblem(x, y, t["eps"], t["norm"], None, data.num_classes, gt=gt, clean=clean)
+        problem = own.copy()
         ctx = BlockContext(problem=problem, rng=run.streams.view(idx), surrogates=tuple(self.surrogates),
                            assets=run.assets, pool=self.pool, model=self.model)
         out = self.craft(ctx)
         goal = out if isinstance(out, Crafted) else None  # the attack's own goal per image (EBAD, CAA)
-        own = replace(problem, x=x)  # project around the clean images, whatever a block did to its copy
         x_adv = own.quantize(own.project((out.x if goal else out).detach()))
         check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
         per = (time.perf_counter() - t0) / len(index)  # the attack's time (evaluation excluded)

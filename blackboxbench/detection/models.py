@@ -39,7 +39,6 @@ def _rng_free(fn, *args, seed=0):
         return fn(*args)
 
 
-
 class Detector(nn.Module):
     """A torchvision detection model behind [0, 1] NCHW input, with labels mapped to the dataset's class ids.
 

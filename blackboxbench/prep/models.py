@@ -130,22 +130,30 @@ def build_model(spec, data_root=None, device="cpu"):
 
 # ---------------------------------------------------------------- checkpoints
 
+def read_or_explain(read, message, hint=""):
+    """``read()`` (a file load); anything it raises except a BenchError, from a KeyError to an unpickling error,
+    becomes the one line ``message (its first line)hint``."""
+    try:
+        return read()
+    except BenchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything
+        raise BenchError(f"{message} ({first_line(e, 160)}){hint}") from None
+
+
 def load_state(path, key="state_dict", strip_prefix="module."):
     """A state dict from a local file: ``ckpt[key]`` when present, else the file itself; a list holding one
     dict is unwrapped (ERAN files); ``strip_prefix`` is removed from the keys (DataParallel's ``module.``)."""
     path = Path(path)
     if not path.is_file():
         raise BenchError(f"missing checkpoint {path}")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
 
-            sd = load_file(str(path))
-        else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything from KeyError to EOFError
-        raise BenchError(f"cannot read checkpoint {path}: not a PyTorch / safetensors state dict "
-                         f"({first_line(e, 160)})") from None
+        sd = read_or_explain(lambda: load_file(str(path)), f"cannot read checkpoint {path}: not a safetensors file")
+    else:
+        sd = read_or_explain(lambda: torch.load(path, map_location="cpu", weights_only=True),
+                             f"cannot read checkpoint {path}: not a PyTorch / safetensors state dict")
     if isinstance(sd, dict) and key and key in sd:
         sd = sd[key]
     if isinstance(sd, (list, tuple)) and len(sd) == 1:
@@ -280,11 +288,8 @@ def cache_folder(path):
 
 def load_cached(path):
     """A cached file (``torch.save``); an unreadable one is a one-line error saying how to make it again."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything from KeyError to EOFError
-        raise BenchError(f"cached file {path} cannot be read ({first_line(e, 120)}); delete it and it is made "
-                         "again") from None
+    return read_or_explain(lambda: torch.load(path, map_location="cpu", weights_only=True),
+                           f"cached file {path} cannot be read", "; delete it and it is made again")
 
 
 def cached_or_trained(net, file, train):
@@ -426,15 +431,10 @@ def timm_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoin
 def from_cached_weights(build, what, file):
     """``build()``, which loads pretrained weights cached as ``file`` (None: none): a corrupt or foreign file is a
     one-line error naming it, not a traceback from the unpickler or raw size-mismatch lines."""
-    try:
+    if file is None:
         return build()
-    except BenchError:
-        raise
-    except Exception as e:  # noqa: BLE001 - an unpickling error, a KeyError, a size mismatch...
-        if file is None:
-            raise
-        raise BenchError(f"{what}: the cached pretrained weights {file} cannot be loaded ({first_line(e, 120)}); "
-                         "delete or replace the file") from None
+    return read_or_explain(build, f"{what}: the cached pretrained weights {file} cannot be loaded",
+                           "; delete or replace the file")
 
 
 def torchvision_weights(arch, names, kind, pretrained):

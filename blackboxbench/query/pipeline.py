@@ -232,12 +232,11 @@ class QueryWorker:
         """``(ctx, own)``: the blocks' context, whose problem holds copies of the clean images, labels and targets
         (a block that writes to them in place changes only its own view), and the worker's, alike but for the
         problem, which verification, projection, the output check, the metrics and the audit read."""
-        t, k = self.threat, self.run.data.num_classes
-        copy = None if target is None else target.clone()
-        ctx = BlockContext(problem=Problem(x.clone(), y.clone(), t["eps"], t["norm"], copy, k),
-                           rng=self.run.streams.view(gids), oracle=self.oracle.view(gids),
+        t = self.threat
+        own = Problem(x, y, t["eps"], t["norm"], target, self.run.data.num_classes)
+        ctx = BlockContext(problem=own.copy(), rng=self.run.streams.view(gids), oracle=self.oracle.view(gids),
                            surrogates=self.surrogates, assets=self.run.assets, pool=self.pool)
-        return ctx, replace(ctx, problem=Problem(x, y, t["eps"], t["norm"], target, k))
+        return ctx, replace(ctx, problem=own)
 
     def _start(self, ready, slots):
         """``init`` for ready samples entering ``slots``; the ones decided at once finish here."""

@@ -72,12 +72,11 @@ def _chain_transforms(ctx, transforms, x):
 def _expect_like(out, ref, kind, block):
     """``out`` if it is a tensor shaped like ``ref``, of its dtype (a gradient, direction or update block's
     contract), else a one-line error naming the block."""
-    if not isinstance(out, torch.Tensor) or out.shape != ref.shape or out.dtype != ref.dtype:
-        got = describe(out) if not isinstance(out, torch.Tensor) or out.shape != ref.shape else \
-            f"a tensor of {out.dtype}"
-        raise BenchError(f"{kind} {block_label(block)} returned {got}: it returns a tensor shaped like the images, "
-                         f"{tuple(ref.shape)}, of their dtype {ref.dtype}")
-    return out
+    shaped = isinstance(out, torch.Tensor) and out.shape == ref.shape
+    if shaped and out.dtype == ref.dtype:
+        return out
+    raise BenchError(f"{kind} {block_label(block)} returned {f'a tensor of {out.dtype}' if shaped else describe(out)}: "
+                     f"it returns a tensor shaped like the images, {tuple(ref.shape)}, of their dtype {ref.dtype}")
 
 
 def _checked_models(out, block):
@@ -233,10 +232,8 @@ class TransferWorker(WholeBatchWorker):
         correct = logits.argmax(1) == y
         given = None if run.data.given_target is None else run.data.given_target[idx].to(dev)
         target = pick_targets(t, logits, y, rng, given)
-        # the blocks' problem holds copies: a block writing to them in place cannot change the clean images,
-        # labels or targets that the output check, the metrics, the records and the targets' evaluation read
-        problem = Problem(x.clone(), y.clone(), t["eps"], t["norm"], None if target is None else target.clone(),
-                          run.data.num_classes)
+        # the blocks' copy: the output check, the metrics, the records and the targets' evaluation read x, y, target
+        problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes).copy()
         ctx = BlockContext(problem=problem, rng=rng, surrogates=tuple(self.surrogates), assets=run.assets,
                            pool=self.pool, model=self.model, iterations=self.attack.iterations,
                            alpha=self.attack.alpha)
