@@ -29,7 +29,7 @@ status=0
 devices=cpu,$device
 [ "$device" = cpu ] && devices=cpu
 timeout "${BUDGET_ASR_S:-200}" python3 benchmarks/device/asr_cuda_vs_cpu.py configs/cifar10_query_all.yaml \
-    configs/cifar10_transfer.yaml --n "${N:-32}" --devices "$devices" 2>&1 | tee "$out/asr.md"
+    configs/cifar10_transfer.yaml --n "${N:-32}" --devices "$devices" --first hsja_linf,hsja_l2,rays 2>&1 | tee "$out/asr.md"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout "${BUDGET_TP_S:-150}" python3 benchmarks/compare_peers.py --only throughput --device "$device" --eps 8/255 \
     --n-throughput "${N_TP:-300}" --n-hsja-throughput "${N_HSJA:-50}" --out "$out/RESULTS_device.md" 2>&1 \
