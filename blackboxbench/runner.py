@@ -54,11 +54,24 @@ FSYNC_EVERY_S = 1.0  # records are flushed at once (a killed process loses nothi
 
 
 def resolve_device(name):
+    """The torch device of a run's ``device`` key. On CUDA it also turns TF32 off (:func:`full_fp32`)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise BenchError("device: 'cuda' requested but no CUDA device is available (use auto or cpu)")
+    if name == "cuda":
+        full_fp32()
     return torch.device(name)
+
+
+def full_fp32():
+    """Float32 convolutions and matrix products in full precision on CUDA, for this process: cuDNN runs
+    convolutions in TF32 by default (inputs rounded to 10 mantissa bits), which makes a model's decision a rough
+    function of its input at the scales a decision attack probes. Measured on an H200 (torch 2.11, ResNet-20,
+    first 32 CIFAR-10 images, ``benchmarks/device/check.sh``): hsja_linf ASR 53-56 % with TF32, 100 % without it
+    and on CPU (``benchmarks/RESULTS.md``, "GPU run of 2026-12-04")."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 class Session:
@@ -623,6 +636,8 @@ def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_targe
     from .registry import FAMILY
 
     device = torch.device(device or x.device)
+    if device.type == "cuda":
+        full_fp32()
     data = Dataset("tensors", x.cpu().contiguous(), y.cpu(), num_classes,
                    None if given_target is None else given_target.cpu())
     family = FAMILY.get(attack.meta["family"])
