@@ -10,6 +10,7 @@ advances the counter of a sample that does not take part in it.
 Everything is vectorized over rows (int64 tensor arithmetic, wrapping on overflow); on CPU the hash runs in
 cache-sized chunks (one pass of ~10 elementwise ops per 64 K values, about the cost of ``torch.rand``).
 """
+import functools
 import math
 
 import torch
@@ -70,6 +71,12 @@ def rank_within_group(idx):
     return rank
 
 
+@functools.lru_cache(maxsize=64)
+def _steps(width, device):
+    """``(j + 1) * GOLDEN`` for j < width, (1, width) int64: the offsets of a draw's values from its call key."""
+    return torch.arange(1, width + 1, dtype=torch.int64, device=device).mul_(GOLDEN)[None]
+
+
 class Streams:
     """The random streams of ``n`` samples (dataset indices 0..n-1) of a run with ``seed``, on ``device``."""
 
@@ -114,18 +121,20 @@ class StreamView:
         if m == 0 or width == 0:
             return out
         s = self.streams
-        counter = s.counter[owner]
-        call_key = mix64_(counter + 1)
+        counter = s.counter[owner].add_(1)  # the draw's number, 1-based
+        call_key = mix64_(counter.clone())
         call_key.bitwise_xor_(s.key[owner])
         mix64_(call_key)
-        start = 1 if rows is None else rank_within_group(owner) * width + 1
-        base = call_key + start * GOLDEN  # value j of a row is mix64(base + j * GOLDEN)
-        s.counter.index_put_((owner,), counter + 1)  # repeated owners write the same value
-        steps = torch.arange(width, dtype=torch.int64, device=self.device).mul_(GOLDEN)
+        if rows is not None:  # value j of a row is mix64(call_key + (rank * width + 1 + j) * GOLDEN)
+            call_key.add_(rank_within_group(owner).mul_(_signed(width * GOLDEN)))
+        s.counter.index_put_((owner,), counter)  # repeated owners write the same value
+        steps = _steps(width, self.device)
         chunk = max(1, _CHUNK.get(self.device.type, 1 << 62) // width)
+        if chunk >= m:  # the usual draw: one pass, no slicing
+            return mix64_(torch.add(call_key[:, None], steps, out=out))
         for i in range(0, m, chunk):
             block = out[i:i + chunk]
-            torch.add(base[i:i + chunk, None], steps[None], out=block)
+            torch.add(call_key[i:i + chunk, None], steps, out=block)
             mix64_(block)
         return out
 
@@ -136,11 +145,10 @@ class StreamView:
         if dtype == torch.float64:
             b = self.bits(k, rows)
             return (b.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1).double() * 2.0 ** -53).view(-1, *shape)
-        b = self.bits((k + 1) // 2, rows)  # two 24-bit values per 64-bit pattern
-        u = torch.empty(b.shape + (2,), dtype=dtype, device=b.device)  # hi, lo of each pattern, interleaved
-        u[..., 0] = b.bitwise_right_shift(40).bitwise_and_(0xFFFFFF)
-        u[..., 1] = b.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
-        return u.mul_(2.0 ** -24).flatten(1)[:, :k].reshape(-1, *shape)
+        b = self.bits((k + 1) // 2, rows)  # two 24-bit values per 64-bit pattern: bits 40-63, then bits 8-31
+        words = b.view(torch.int32).view(len(b), -1, 2).flip(-1)  # (high, low) word of each (little-endian)
+        u = words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(dtype)
+        return u.mul_(2.0 ** -24).view(len(b), -1)[:, :k].reshape(-1, *shape)
 
     def normal(self, shape, rows=None):
         """Standard normal float32 draws, (m, *shape) (Box-Muller on pairs of 24-bit uniforms)."""
