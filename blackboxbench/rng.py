@@ -77,6 +77,24 @@ def _steps(width, device):
     return torch.arange(1, width + 1, dtype=torch.int64, device=device).mul_(GOLDEN)[None]
 
 
+def unit_float64(bits):
+    """Uniform [0, 1) float64 values from int64 random patterns (53 bits each), in place of ``bits``' shape."""
+    return bits.bitwise_right_shift(11).bitwise_and_((1 << 53) - 1).double().mul_(2.0 ** -53)
+
+
+def bit_planes(bits, k):
+    """The first ``k`` single bits of each row of int64 random patterns ``bits`` (m, w), as (m, k) bool (bit j
+    of a row is bit j % 64 of its pattern j // 64; needs k <= 64 w)."""
+    word, shift = _bit_index(k, bits.device)
+    return bits.gather(1, word.expand(len(bits), -1)).bitwise_right_shift_(shift).bitwise_and_(1).bool()
+
+
+@functools.lru_cache(maxsize=64)
+def _bit_index(k, device):
+    j = torch.arange(k, device=device)
+    return j.div(64, rounding_mode="floor")[None], (j % 64)[None]
+
+
 class Streams:
     """The random streams of ``n`` samples (dataset indices 0..n-1) of a run with ``seed``, on ``device``."""
 
@@ -143,8 +161,7 @@ class StreamView:
         """Uniform [0, 1) draws, (m, *shape): 24 random bits per float32 value, 53 per float64 value."""
         k = math.prod(shape)
         if dtype == torch.float64:
-            b = self.bits(k, rows)
-            return (b.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1).double() * 2.0 ** -53).view(-1, *shape)
+            return unit_float64(self.bits(k, rows)).view(-1, *shape)
         b = self.bits((k + 1) // 2, rows)  # two 24-bit values per 64-bit pattern: bits 40-63, then bits 8-31
         words = b.view(torch.int32).view(len(b), -1, 2).flip(-1)  # (high, low) word of each (little-endian)
         u = words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(dtype)

@@ -104,3 +104,15 @@ def test_integers_and_permutations():
     perm = rng.permutations(50, key)
     assert torch.equal(key[perm], key.expand(8, -1)) and not torch.equal(perm[0], torch.arange(50))
     assert math.isclose(float(rng.uniform(()).shape[0]), 8)
+
+
+def test_bit_planes_and_unit_float64_are_the_documented_formulas():
+    from blackboxbench.rng import bit_planes, unit_float64
+
+    b = Streams(3, 4, "cpu").view(torch.arange(4)).bits(2)
+    planes = bit_planes(b, 100)
+    for r in range(4):
+        words = [v & MASK for v in b[r].tolist()]
+        assert planes[r].tolist() == [bool(words[j // 64] >> (j % 64) & 1) for j in range(100)]
+        assert unit_float64(b[r:r + 1]).tolist()[0] == [(w >> 11) * 2.0 ** -53 for w in words]
+    assert torch.equal(unit_float64(b), Streams(3, 4, "cpu").view(torch.arange(4)).uniform((2,), dtype=torch.float64))

@@ -22,7 +22,7 @@ from blackboxbench.query.square import grid_patterns, l2_window_step as square_l
 from blackboxbench.registry import INIT
 from blackboxbench.rng import Streams
 
-from attack_utils import Linear, check_outputs, make_ctx, resnet20_images, run_query
+from attack_utils import Linear, check_output, check_outputs, make_ctx, resnet20_images, run_query
 
 RECIPES = Path(__file__).resolve().parent.parent / "attacks" / "score"
 SETTINGS = [("square_linf", "linf"), ("square_l2", "l2"), ("nes", "linf"), ("nes", "l2"),
@@ -312,6 +312,26 @@ def test_square_linf_confirms_success_without_an_extra_forward(toy, monkeypatch)
     problem, res = run_query("square_linf", model, x, y, eps, "linf", budget=2000, num_classes=5)
     assert res.success.all() and len(forwarded) >= 1 and sum(forwarded) == 0, forwarded
     check_outputs(problem, res, model, 2000)
+
+
+def test_square_linf_step_changes_the_window_whenever_it_can(toy):
+    """Every Square Linf step changes its window (one draw of 16 vertices, the first that changes it): from a
+    state at the vertices, 50 steps of 4 images on the toy model each give a candidate other than the current
+    image, inside the eps ball and on the uint8 grid; with eps 0 no vertex can change it and the step returns the
+    image as it is."""
+    from blackboxbench.query.square import square_init_linf, square_linf
+
+    model, x, y, need = toy
+    for eps in (8 / 255, 0.0):
+        ctx = make_ctx(model, x, y, eps, "linf", budget=10_000, num_classes=5)
+        state = square_init_linf(ctx)
+        for _ in range(50):
+            cand = square_linf(ctx, state)["x_adv"]
+            changed = (cand != state["x_adv"]).flatten(1).any(1)
+            assert bool(changed.all()) if eps else not bool(changed.any())
+            check_output(cand, x, eps, "linf")
+            assert torch.equal(cand, torch.round(cand * 255) / 255)
+            state = dict(state, x_adv=cand, it=state["it"] + 1)
 
 
 # ---------------------------------------------------------------- real CIFAR-10 ResNet-20

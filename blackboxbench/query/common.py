@@ -55,9 +55,14 @@ def window_mask(top, left, height, width, size_hw):
 def random_corner(rng, size, size_hw):
     """Top-left corners (top, left) of per-sample square windows of side ``size`` (n,) placed uniformly inside
     the image (one draw of two integers per sample)."""
+    return corner_at(rng.uniform((2,), dtype=torch.float64), size, size_hw)
+
+
+def corner_at(u, size, size_hw):
+    """:func:`random_corner` from given uniforms ``u`` (n, 2) float64 in [0, 1)."""
     h, w = size_hw
     span = torch.stack([(h + 1) - size, (w + 1) - size], 1)
-    corner = (rng.uniform((2,), dtype=torch.float64) * span.to(torch.float64)).long()  # see rng.randint_below
+    corner = (u * span.to(torch.float64)).long()  # see rng.randint_below
     return corner[:, 0], corner[:, 1]
 
 
