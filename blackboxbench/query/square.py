@@ -25,7 +25,7 @@ from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from ..threat import quantize
 from ..rng import bit_planes, unit_float64
-from .common import corner_at, per_sample, random_corner, start_state, window_index
+from .common import corner_at, per_sample, start_state, window_index
 
 PAPER = "Andriushchenko et al., Square Attack, ECCV 2020"
 # Linf: vertices drawn per step (16 sign bits per channel of one draw). The authors redraw a vertex that leaves the
@@ -235,16 +235,18 @@ def square_l2(ctx, state, *, p_init=0.05, n_iters=None):
     pseudo-Gaussian pattern (random sign per channel) so that the total stays on the L2 sphere of radius eps.
 
     ``p_init`` 0.05 (Table VI); the side is at least 3 and odd; ``n_iters`` as in :func:`square_linf`. The draws
-    (two corners, an orientation, a sign per channel) are made here and applied by :func:`l2_window_step`.
+    (two corners, an orientation, a sign per channel: one draw of the sample's stream) are made here and applied
+    by :func:`l2_window_step`.
     """
     x, x_adv, it = ctx.problem.x, state["x_adv"], state["it"]
     n, c, h, w = x.shape
     p = p_schedule(p_init, it, _budget(ctx, n_iters))
     s = square_side(p, h * w, 3, h * w)
     s = (s + (s % 2 == 0).long()).clamp(min=1, max=min(h, w) - 1)
-    corner1 = random_corner(ctx.rng, s, (h, w))
-    corner2 = random_corner(ctx.rng, s, (h, w))
-    transpose, signs = _random_transpose(ctx.rng), ctx.rng.signs((c, 1, 1))
+    b = ctx.rng.bits(4 + -(-(1 + c) // 64))  # one draw per step: two corners, then the orientation and signs
+    corner1, corner2 = (corner_at(unit_float64(b[:, k:k + 2]), s, (h, w)) for k in (0, 2))
+    flags = bit_planes(b[:, 4:], 1 + c)
+    transpose, signs = flags[:, 0], torch.where(flags[:, 1:], 1.0, -1.0).view(n, c, 1, 1)
     return {"x_adv": l2_window_step(x, x_adv, ctx.problem.eps, s, corner1, corner2, transpose, signs),
             "it": it + 1}
 
