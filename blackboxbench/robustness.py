@@ -5,7 +5,8 @@ A row is one (attack, norm, eps, targeted, defense) with its target model; the `
 (``none``, ``rnd(sigma=0.02)``, ``aaa_linear(...)``, ``at`` for an adversarially trained target, ...). Besides ASR
 and AQN (mean queries over successes) it keeps the mean queries over all attacked samples (a defense that makes an
 attack fail also spends its budget), the clean accuracy with and without the defense, the defended majority-of-5
-re-evaluation, and the perceptual cost (mean SSIM and LPIPS over successes). Its last columns name the run
+re-evaluation, the perceptual cost (mean SSIM and LPIPS over successes) and the mean of every other metric the
+summaries hold (L2, Linf, a plugin's). Its last columns name the run
 (``config_hash`` and the run directory), so that the runs of an older version of a recipe or config left in the
 same results directory are told apart from the current ones.
 """
@@ -39,6 +40,18 @@ def _order(rows):
                                        bool(r.get("targeted")), rank[r.get("defense") or "none"]))
 
 
+def columns(rows):
+    """:data:`COLUMNS`, with the mean of every other metric the ``rows``' summaries hold (a plugin's, e.g.
+    ``mean_l1dist``) before the three columns that name the run."""
+    extra = {}
+    for r in rows:
+        names = r.get("metrics")
+        for m in (names if isinstance(names, list) else []):
+            if isinstance(m, str) and f"mean_{m}" not in COLUMNS:
+                extra[f"mean_{m}"] = None
+    return COLUMNS[:-3] + tuple(extra) + COLUMNS[-3:]
+
+
 def robustness_rows(results_dirs):
     """``(rows, skipped)``: the query runs' summaries below the results directory (or directories), ordered by
     attack, then defense (``none`` first, adversarially trained targets last)."""
@@ -59,10 +72,11 @@ def export(results_dirs, out_csv, png=None):
     """Write the robustness leaderboard CSV (and, when ``png`` is given and a query run was found, its bar chart);
     returns ``(rows, skipped)``."""
     rows, skipped = robustness_rows(results_dirs)
+    names = columns(rows)
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(COLUMNS)
-    w.writerows([cell(r.get(k)) for k in COLUMNS] for r in rows)
+    w.writerow(names)
+    w.writerows([cell(r.get(k)) for k in names] for r in rows)
     out = Path(out_csv)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

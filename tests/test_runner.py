@@ -492,6 +492,24 @@ def test_plugin_metric_reaches_summary_and_leaderboard(tmp_path, fresh_registrie
     assert float(row["median_l2"]) == pytest.approx(summary["median_l2"])
 
 
+def test_plugin_metric_reaches_the_robustness_csv(tmp_path, fresh_registries):
+    """The robustness CSV keeps the mean of every metric a query run summarized: a plugin's (here exported by a
+    process that has not imported it), L2 and Linf, before the columns that name the run."""
+    import csv
+    from blackboxbench.registry import restore, snapshot
+    before = snapshot()
+    plugin = _metric_plugin(tmp_path, "l1dist")
+    _, summary = _run(_write(tmp_path, f"plugins: [{plugin}]\n" + QUERY, tmp_path / "res"))
+    restore(before)
+    out = tmp_path / "rob.csv"
+    assert main(["robustness", str(tmp_path / "res"), "-o", str(out)]) == 0
+    reader = csv.DictReader(out.open())
+    (row,) = list(reader)
+    assert reader.fieldnames[-3:] == ["wall_time", "config_hash", "run"]
+    assert set(reader.fieldnames[-6:-3]) == {"mean_l1dist", "mean_l2", "mean_linf"}
+    assert float(row["mean_l1dist"]) == pytest.approx(summary["mean_l1dist"]) and summary["mean_l1dist"] > 0
+
+
 @pytest.mark.parametrize("name,body,better,error", [
     ("rowsum", "return (x_adv - x).flatten(1).sum(1, keepdim=True)", "'lower'",
      # the pre-run probe: 2 images
