@@ -616,3 +616,22 @@ def test_a_transform_writing_to_its_input_leaves_the_iterate_alone(tmp_path, fre
         run_dir, _ = _run(_write(tmp_path, text, tmp_path / name, f"{name}.yaml", TARGETED="false"))
         runs.append(_records(run_dir))
     assert runs[0] == runs[1]
+
+
+def test_a_gradient_block_writing_to_its_input_leaves_the_iterate_alone(tmp_path, fresh_registries):
+    """A gradient block that zeroes its ``x`` in place and one that takes the gradient at a zero copy give equal
+    records: the attack's iterate was not touched."""
+    (tmp_path / "gplug.py").write_text(
+        "import torch\nfrom blackboxbench.registry import GRADIENT\n\n\n"
+        "@GRADIENT.register('zero_inplace_g', paper='test')\ndef zero_inplace_g(ctx, grad_fn, x, state):\n"
+        "    x.zero_()\n    return grad_fn(x)\n\n\n"
+        "@GRADIENT.register('zero_copy_g', paper='test')\ndef zero_copy_g(ctx, grad_fn, x, state):\n"
+        "    return grad_fn(torch.zeros_like(x))\n")
+    runs = []
+    for name in ("zero_inplace_g", "zero_copy_g"):
+        text = f"plugins: [{tmp_path / 'gplug.py'}]\n" + TRANSFER.replace(
+            "attack: {recipe: mi_fgsm, name: mi_fgsm_ce, blocks: {loss: {name: ce}}}",
+            f"attack: {{recipe: i_fgsm, name: g, blocks: {{gradient: [{{name: {name}}}]}}}}")
+        run_dir, _ = _run(_write(tmp_path, text, tmp_path / name, f"{name}.yaml", TARGETED="false"))
+        runs.append(_records(run_dir))
+    assert runs[0] == runs[1]

@@ -190,7 +190,7 @@ class TransferAttack:
             x_adv = problem.project(x_adv + self.random_start * noise)
         for t in range(self.iterations):
             c = ctx.at(t=t)
-            d = self.grad_fn(c, state)(x_adv)
+            d = self.grad_fn(c, state)(x_adv.clone() if self.gradients else x_adv)  # a block may write to x
             if self.gradients:
                 _expect_like(d, x_adv, "gradient", self.gradients[-1])
             for direction in self.directions:
