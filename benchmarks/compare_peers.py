@@ -16,8 +16,10 @@ Sections (``--only`` runs one; otherwise all run and ``--out`` is rewritten):
 * ``throughput``: all ``--n-throughput`` images (default the 300 of the data root), untargeted, 10,000 queries:
   Square Linf and NES Linf (ours, ``--slots`` slots of continuous batching) vs torchattacks' Square in batches of
   ``--slots``; HSJA Linf on the first ``--n-hsja-throughput`` images vs ART's HopSkipJump (hits that survive
-  uint8 rounding). Each row: wall s, images forwarded, images/s, and images/s as a fraction of a bare forward at
-  the slot size measured in the same run. Rows are printed as they finish.
+  uint8 rounding; ``--n-hsja-peer k``: ART on the first k of those images only, ``--hsja-peer-same off``: no
+  like-for-like ART row, both for a GPU, where ART's one-image-at-a-time calls are the slow part). Each row: wall
+  s, images forwarded, images/s, and images/s as a fraction of a bare forward at the slot size measured in the same
+  run. Rows are printed as they finish.
 
 Our attacks are built from the recipes with the builder and run by the runner's worker and scheduler
 (``blackboxbench.runner.run_tensors``: continuous batching, oracle, verification), without writing files. Peers count queries through :class:`Counting`, an ``nn.Module`` around the same
@@ -649,9 +651,14 @@ def section_throughput(args, ctx):
                   f"{min(slots, m)} slots; successes still adversarial as uint8 images, each forwarded alone: "
                   f"{still:.0%}"))
     keep = keep[:m]
-    for forward, same in peer_models(model):
-        r = art_hsja(args, forward, x[:m][keep], y[:m][keep], EPS, args.seed, " (uint8 hits)", uint8=True)
-        emit(dict(r, attack=same + "HSJA Linf", note=("on our inference copy; " if same else "") + r["note"]))
+    xa, ya = x[:m][keep], y[:m][keep]
+    k = len(ya) if args.n_hsja_peer is None else min(args.n_hsja_peer, len(ya))
+    sample = "" if k == len(ya) else (f"the first {k} of the {len(ya)} correctly classified images ours ran "
+                                      "(--n-hsja-peer; compare wall per image); ")
+    for forward, same in peer_models(model)[:None if args.hsja_peer_same == "on" else 1]:
+        r = art_hsja(args, forward, xa[:k], ya[:k], EPS, args.seed, " (uint8 hits)", uint8=True)
+        emit(dict(r, attack=same + "HSJA Linf",
+                  note=sample + ("on our inference copy; " if same else "") + r["note"]))
     return out, bare
 
 
@@ -671,15 +678,25 @@ def throughput_ratios(rows):
     out = []
     for attack, peer in (("Square Linf", "torchattacks"), ("HSJA Linf", "ART")):
         ours, theirs, same = by.get((attack, "ours")), by.get((attack, peer)), by.get((SAME + attack, peer))
-        if ours and same:
-            out.append(f"- {attack}: like for like ({peer} forwarding our inference copy too): our wall time "
-                       f"{ours['wall'] / same['wall']:.2f}x {peer}'s")
-        if ours and theirs:
-            out.append(f"- {attack}: our wall time {ours['wall'] / theirs['wall']:.2f}x {peer}'s; ASR "
+        if not ours:
+            continue
+
+        def per(r):
+            """A peer run on fewer images (--n-hsja-peer) compares per image (ART attacks one at a time)."""
+            return ("", 1.0) if r["n"] == ours["n"] else \
+                (f" per image ({peer} on {r['n']} of the {ours['n']} images)", r["n"] / ours["n"])
+
+        if same:
+            label, k = per(same)
+            out.append(f"- {attack}: like for like ({peer} forwarding our inference copy too): our wall time{label} "
+                       f"{ours['wall'] * k / same['wall']:.2f}x {peer}'s")
+        if theirs:
+            label, k = per(theirs)
+            out.append(f"- {attack}: our wall time{label} {ours['wall'] * k / theirs['wall']:.2f}x {peer}'s; ASR "
                        f"{ours['asr'] * 100:.1f} vs {theirs['asr'] * 100:.1f}%; mean queries {ours['mean_q']:.0f} vs "
                        f"{theirs['mean_q']:.0f}; images/s {ours['of_bare']:.0%} vs {theirs['of_bare']:.0%} of the "
                        f"bare forward; model calls (the cost on a launch-bound GPU) {ours['calls']} vs "
-                       f"{theirs['calls']} ({ours['calls'] / theirs['calls']:.2f}x)")
+                       f"{theirs['calls']} ({ours['calls'] * k / theirs['calls']:.2f}x{' per image' if label else ''})")
     return out
 
 
@@ -918,6 +935,13 @@ def main(argv=None):
     ap.add_argument("--n-hsja", type=int, default=20, help="images for HSJA")
     ap.add_argument("--n-throughput", type=int, default=300, help="images for the throughput section")
     ap.add_argument("--n-hsja-throughput", type=int, default=50, help="images for HSJA in the throughput section")
+    ap.add_argument("--n-hsja-peer", type=int, default=None,
+                    help="ART's HopSkipJump in the throughput section on only the first k correctly classified of "
+                    "the --n-hsja-throughput images (default: all of them), stated in its row: ART attacks one image "
+                    "at a time in small launch-bound calls, the slow part of the section on a GPU")
+    ap.add_argument("--hsja-peer-same", default="on", choices=("on", "off"),
+                    help="off: no like-for-like ART HopSkipJump row (ART on our inference copy) in the throughput "
+                    "section")
     ap.add_argument("--slots", type=int, default=100, help="our slots (batch_size) in the throughput section")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

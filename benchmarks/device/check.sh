@@ -1,17 +1,41 @@
 #!/usr/bin/env bash
 # Run ON THE DEVICE MACHINE, as one call of the device tool (after benchmarks/device/prepare.sh here):
-#   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 540
-# Prints every row as it finishes; targets: within 8 minutes (timeout_s 540).
-# 1. Every query and transfer recipe of the CIFAR-10 configs on the same N images with device cpu and cuda:
-#    ASR on each and the difference (bar: 3 points); the runner checks every output and budget on both.
-# 2. The benchmark's throughput section on the GPU (wall time, images/s as a share of the bare forward, model
-#    calls) against torchattacks' Square and ART's HopSkipJump. Results also land in $OUT.
-# 3. SI / Admix / SIA with hyper.copies_per_forward 1 (the default) and 0 (all copies in one forward).
-# 4. Three query attacks on one target one after the other and sharing its forwards (share_forwards).
-# 5. Seconds per image of OSFD, EBAD and CAA on torchvision's Faster R-CNN at 512 px with random weights (FCOS as
-#    the ensembles' second surrogate): the issue's GPU figure against the od benchmark's 44 / 17 / 84 s.
+#   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 420
+# Prints every row as it finishes. Bar: the whole script within 6 minutes (360 s). Each section runs under a time
+# budget (BUDGET_*_S; defaults 135 + 70 + 18 + 20 + 62 = 305 s, plus about 15 s of installs and start = 320 s).
+# Expected on the H200 machine (16 cores), estimated from the run of 2026-12-04 (benchmarks/RESULTS.md, "GPU run of
+# 2026-12-04": 431 s, sections 1 and 2 cut by their budgets) and the CPU times in README's query table: about
+# 245 s in all (15 + 95 + 60 + 10 + 13 + 50).
+# 1. (budget 135 s, expected 80-110 s) Every query and transfer recipe of the CIFAR-10 configs (29 + 7 runs) on
+#    the same N images with device cpu and cuda: ASR on each and the difference (bar: 3 points); the runner checks
+#    every output and budget on both. Run one after the other (cpu then cuda) only 9 runs had finished at 190 s.
+#    Now the CPU runs go to 12 spawned worker processes (one torch thread a run; 3 for the forward-heavy runs,
+#    zo_signsgd and the L2 runs of ppba and nes, whose failing samples use the whole 10,000 queries) and the
+#    CUDA runs to 4 processes sharing the GPU (one thread each), all at once (asr_cuda_vs_cpu.py --cpu-workers,
+#    --wide, --cuda-workers). A row prints when both sides of its run are done; a run's seconds are measured
+#    beside the others. The longest CPU runs (zo_signsgd L2: 247 s on one thread of a 2-core VM, README) and the
+#    decision attacks start first: zo_signsgd L2 at ~60-90 s on 3 threads is the expected critical path; the
+#    CUDA side (69 s for the 9 runs of 2026-12-04, ~190 s for all 36 one after the other) takes ~50-80 s on 4.
+# 2. (budget 70 s, expected 55-65 s) The benchmark's throughput section on the GPU (wall time, images/s as a
+#    share of the bare forward, model calls) against torchattacks' Square and ART's HopSkipJump. ART attacks one
+#    image at a time in ~120 small calls per image (on the CPU: 6,096 calls for 49 images), each a host-to-GPU
+#    copy, a launch-bound forward and the counting wrapper's syncs; on 2026-12-04 it also ran with TF32 (its
+#    hits failed on many images, which then ran all 27 iterations) and twice (on the model, and like for like on
+#    our inference copy): cut at 140 s. On the GPU, ART now runs once, on the first N_HSJA_PEER (20) correctly
+#    classified HSJA images, with no like-for-like ART row (compare_peers.py --n-hsja-peer, --hsja-peer-same off)
+#    and a 15 s cap per peer run (--peer-cap; a capped row says so); its row states the sample and the ratio line
+#    compares wall per image. compare_peers.py's CPU defaults (RESULTS.md's CPU tables) are unchanged. Results
+#    also land in $OUT.
+# 3. (budget 18 s, expected 10 s) SI / Admix / SIA with hyper.copies_per_forward 1 (the default) and 0 (all
+#    copies in one forward).
+# 4. (budget 20 s, expected 13 s) Three query attacks on one target one after the other and sharing its forwards
+#    (share_forwards).
+# 5. (budget 62 s, expected 50 s) Seconds per image of OSFD, EBAD and CAA on torchvision's Faster R-CNN at 512 px
+#    (resized to 800 by torchvision) with random weights (FCOS as the ensembles' second surrogate): the issue's
+#    GPU figure against the od benchmark's 44 / 17 / 84 s.
 # DEVICE=cpu and N/N_TP/N_HSJA/N_COPIES/N_SHARED (and DET_MODEL=shapes_fcos DET_EXTRA=shapes_fcos_b DET_SIZE=64)
-# let the script itself be tried on a CPU machine.
+# let the script itself be tried on a CPU machine (section 1 then runs the cpu side only, in min(12, nproc)
+# workers; CPU_WORKERS sets it; the budgets are then BUDGET_SCALE = 4 times the above).
 set -uo pipefail
 device=${DEVICE:-cuda}
 out=${OUT:-/tmp/bbb_device_out}
@@ -26,24 +50,32 @@ export BLACKBOXBENCH_CACHE=/tmp/bbb_cache
 python3 -c "import torch; print('torch', torch.__version__, 'cuda available:', torch.cuda.is_available())"
 [ "$device" = cpu ] || nvidia-smi -L
 status=0
+scale=${BUDGET_SCALE:-1}  # the budgets fit the device machine; a CPU dry run gets 4 times them
+[ "$device" = cpu ] && scale=${BUDGET_SCALE:-4}
+budget() { echo $(( $1 * scale )); }
 devices=cpu,$device
 [ "$device" = cpu ] && devices=cpu
-timeout "${BUDGET_ASR_S:-200}" python3 benchmarks/device/asr_cuda_vs_cpu.py configs/cifar10_query_all.yaml \
-    configs/cifar10_transfer.yaml --n "${N:-32}" --devices "$devices" --first hsja_linf,hsja_l2,rays 2>&1 | tee "$out/asr.md"
+cpu_workers=${CPU_WORKERS:-$(( $(nproc) < 12 ? $(nproc) : 12 ))}
+timeout "$(budget "${BUDGET_ASR_S:-135}")" python3 benchmarks/device/asr_cuda_vs_cpu.py \
+    configs/cifar10_query_all.yaml configs/cifar10_transfer.yaml --n "${N:-32}" --devices "$devices" \
+    --cpu-workers "$cpu_workers" --cpu-threads 1 --wide zo_signsgd,ppba:l2,nes:l2 --wide-threads 3 \
+    --cuda-workers "${CUDA_WORKERS:-4}" \
+    --first zo_signsgd,hsja_linf,hsja_l2,nes,ppba,rays,bases,bandits_l2,babies 2>&1 | tee "$out/asr.md"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout "${BUDGET_TP_S:-150}" python3 benchmarks/compare_peers.py --only throughput --device "$device" --eps 8/255 \
-    --n-throughput "${N_TP:-300}" --n-hsja-throughput "${N_HSJA:-50}" --out "$out/RESULTS_device.md" 2>&1 \
+timeout "$(budget "${BUDGET_TP_S:-70}")" python3 benchmarks/compare_peers.py --only throughput --device "$device" \
+    --eps 8/255 --n-throughput "${N_TP:-300}" --n-hsja-throughput "${N_HSJA:-50}" --n-hsja-peer "${N_HSJA_PEER:-20}" \
+    --hsja-peer-same off --peer-cap "${PEER_CAP_S:-15}" --out "$out/RESULTS_device.md" 2>&1 \
     | tee "$out/throughput.log" | grep '^|\|^-'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout "${BUDGET_COPIES_S:-60}" python3 benchmarks/transfer_copies.py --device "$device" --n "${N_COPIES:-100}" \
-    --repeats 2 2>&1 | tee "$out/copies.md"
+timeout "$(budget "${BUDGET_COPIES_S:-18}")" python3 benchmarks/transfer_copies.py --device "$device" \
+    --n "${N_COPIES:-100}" --repeats 2 2>&1 | tee "$out/copies.md"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout "${BUDGET_SHARED_S:-45}" python3 benchmarks/shared_forwards.py --device "$device" --n "${N_SHARED:-32}" \
-    --attacks square_linf,simba_dct,signhunter 2>&1 | tee "$out/shared.md" | grep '^|'
+timeout "$(budget "${BUDGET_SHARED_S:-20}")" python3 benchmarks/shared_forwards.py --device "$device" \
+    --n "${N_SHARED:-32}" --attacks square_linf,simba_dct,signhunter 2>&1 | tee "$out/shared.md" | grep '^|'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 rcnn="{name: torchvision_det, arch: fasterrcnn_resnet50_fpn, num_classes: 4, label_map: identity}"
 fcos="{name: torchvision_det, arch: fcos_resnet50_fpn, num_classes: 4, label_map: identity}"
-timeout "${BUDGET_DET_S:-100}" python3 benchmarks/detection_speed.py --device "$device" --n "${N_DET:-1}" \
+timeout "$(budget "${BUDGET_DET_S:-62}")" python3 benchmarks/detection_speed.py --device "$device" --n "${N_DET:-1}" \
     --size "${DET_SIZE:-512}" --score-thr 0.0 --max-det 20 --only osfd,ebad_10,caa_10 \
     --model "${DET_MODEL:-$rcnn}" --extra "${DET_EXTRA:-$fcos}" 2>&1 | tee "$out/detection.md" | grep '^|\|^model'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
