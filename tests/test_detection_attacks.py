@@ -100,9 +100,12 @@ def test_tog_fabrication_on_a_two_stage_detector(setup, frcnn):
     assert p["adv_n_det"] >= 1.3 * p["clean_n_det"], p
 
 
-def test_dag_mislabels(setup):
+@pytest.mark.parametrize("kind", ["fcos", "frcnn"])
+def test_dag_mislabels(setup, frcnn, kind):
+    """On the tiny FCOS's candidates and on the tiny Faster R-CNN's RPN proposals (fixed from the clean image and
+    classified by its RoI head on every iterate, as DAG does on Faster R-CNN)."""
     model, data = setup
-    records, s, _ = run_recipe("dag", model, data)
+    records, s, _ = run_recipe("dag", model if kind == "fcos" else frcnn, data)
     p = s["per_target"]["m"]
     assert p["drop_map"] >= 0.3 and p["drop_csr"] > 0, p
     assert max(r["linf"] for r in records) < 0.5  # unbounded in principle, small in practice
@@ -166,10 +169,12 @@ def test_family_end_to_end_with_reports(tmp_path):
                                           ({"attack": "mi_fgsm"}, r"surrogates\[0\]: a transfer attack needs a "
                                            "classifier answering one row of class scores per image; this model "
                                            "answers a list"),
-                                          ({"attack": "dag", "surrogates": [{"name": "shapes_frcnn",
-                                                                             "pretrained": False}]},
-                                           r"surrogates\[0\]: dag reads a one-stage head's per-candidate class "
-                                           "scores \\(fcos, retinanet, ssd\\); the fasterrcnn detector has none"),
+                                          ({"attack": "phantom_sponges", "threat": {"norm": "l2"},
+                                            "surrogates": [{"name": "shapes_frcnn", "pretrained": False}],
+                                            "assets": {"train": {"name": "detection_images"}}},
+                                           r"surrogates\[0\]: phantom_sponges reads a one-stage head's "
+                                           "per-candidate class scores \\(fcos, retinanet, ssd\\); the fasterrcnn "
+                                           "detector has none"),
                                           ({"attack": "phantom_sponges", "dataset": {"name": "shapes", "n": 4,
                                                                                      "size": 96},
                                             "threat": {"norm": "l2"},

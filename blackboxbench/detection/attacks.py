@@ -185,16 +185,22 @@ def tog_mislabel(ctx, x, *, conf_thr=0.2, mode="ml"):
 # ---------------------------------------------------------------- DAG
 
 @DET_CRAFT.register("dag", paper="Xie et al., ICCV 2017 (DAG); reference port yizhe-ang/detectron2-1 adv.py",
-                    heads=ONE_STAGE,
                     ranges={"iterations": "int [1, inf)", "gamma": "(0, 1]", "score_thr": "[0, 1)"})
 def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1):
-    """Dense Adversary Generation on a one-stage head's candidates: the targets are the candidates whose best
-    class score exceeds ``score_thr`` on the clean image, each with a random wrong label (the sample's stream);
-    while some target of an image is not yet predicted as its label, x += gamma * r / ||r||_inf with
-    r = grad sum over active targets (log p_adv - log p_true). ``objective`` is unused (DAG has its own)."""
+    """Dense Adversary Generation. The targets are the candidates whose best class score exceeds ``score_thr`` on
+    the clean image, each with a random wrong label (the sample's stream): a one-stage head's candidates, or a
+    two-stage head's RPN proposals on the clean image, kept fixed and classified by its RoI head on every iterate
+    (DAG's own setting: Faster R-CNN's proposals). While some target of an image is not yet predicted as its
+    label, x += gamma * r / ||r||_inf with r = grad sum over active targets (log p_adv - log p_true).
+    ``objective`` is unused (DAG has its own)."""
     model, x = ctx.model, ctx.problem.x
+    if model.kind in ONE_STAGE:
+        scores = model.candidates
+    else:
+        proposals = model.proposals(x)
+        scores = lambda xi: model.proposal_scores(xi, proposals)  # noqa: E731  (an image's padding rows: 0)
     with torch.no_grad():
-        p0 = model.candidates(x)
+        p0 = scores(x)
     n, a, c = p0.shape
     true = p0.argmax(-1)
     target = p0.amax(-1) > score_thr
@@ -204,7 +210,7 @@ def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1):
     for _ in range(iterations):
         xg = x_adv.detach().requires_grad_(True)
         with torch.enable_grad():
-            logp = torch.log(model.candidates(xg).clamp_min(1e-8))
+            logp = torch.log(scores(xg).clamp_min(1e-8))
             active = target & (logp.argmax(-1) != adv)
             if not bool(active.any()):
                 break

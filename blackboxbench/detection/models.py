@@ -125,18 +125,45 @@ class Detector(nn.Module):
         """Two-stage (R-CNN) heads: per image, the RPN objectness logit of every anchor, (N, A), and the RoI head's
         class logits (background first) of the RPN's proposals, a list of (P_i, C + 1); differentiable in ``x``
         (the proposals' boxes are not, as in torchvision's RPN)."""
-        if self.kind not in TWO_STAGE:
-            raise BenchError(f"this attack needs a two-stage head's RPN and RoI scores; the {self.kind} detector "
-                             "has none")
+        self._two_stage()
         net = self.net
         images, _ = net.transform(list(x))
-        feats = net.backbone(images.tensors)
-        feats = feats if isinstance(feats, dict) else OrderedDict([("0", feats)])
+        feats = self._backbone(images)
         objectness, _ = net.rpn.head(list(feats.values()))
         proposals, _ = net.rpn(images, feats)
         pooled = net.roi_heads.box_roi_pool(feats, proposals, images.image_sizes)
         logits, _ = net.roi_heads.box_predictor(net.roi_heads.box_head(pooled))
         return torch.cat([o.flatten(1) for o in objectness], 1), list(logits.split([len(p) for p in proposals]))
+
+    def proposals(self, x):
+        """Two-stage (R-CNN) heads: the RPN's proposals on images ``x``, a list of (P_i, 4) boxes in the resized
+        images' pixels (no gradient): fixed targets that :meth:`proposal_scores` classifies on other images."""
+        self._two_stage()
+        with torch.no_grad():
+            images, _ = self.net.transform(list(x))
+            proposals, _ = self.net.rpn(images, self._backbone(images))
+        return proposals
+
+    def proposal_scores(self, x, proposals):
+        """Two-stage heads: the RoI head's class probabilities (softmax with the background) of the given
+        ``proposals`` on images ``x``, over the dataset's classes, (N, P, C) with P the most proposals of an image
+        (rows past an image's own: 0); differentiable in ``x``."""
+        self._two_stage()
+        net = self.net
+        images, _ = net.transform(list(x))
+        pooled = net.roi_heads.box_roi_pool(self._backbone(images), proposals, images.image_sizes)
+        logits, _ = net.roi_heads.box_predictor(net.roi_heads.box_head(pooled))
+        probs = torch.softmax(logits, -1)[:, (self.label_map >= 0).nonzero().flatten()]
+        return nn.utils.rnn.pad_sequence(list(probs.split([len(p) for p in proposals])), batch_first=True)
+
+    def _backbone(self, images):
+        feats = self.net.backbone(images.tensors)
+        return feats if isinstance(feats, dict) else OrderedDict([("0", feats)])
+
+    def _two_stage(self):
+        if self.kind not in TWO_STAGE:
+            raise BenchError(f"this attack needs a two-stage head's RPN and RoI scores; the {self.kind} detector "
+                             "has none")
 
     def candidates(self, x, boxes=False):
         """Pre-NMS per-candidate class scores over the dataset's classes, (N, A, C), differentiable; ``boxes``:
