@@ -600,38 +600,27 @@ def test_zoo_model_on_images_of_another_size_warns(tmp_path):
         _run(cfg)
 
 
-def test_a_transform_writing_to_its_input_leaves_the_iterate_alone(tmp_path, fresh_registries):
-    """A transform that zeroes ``x.data`` in place sees zero images, as one that returns ``x - x.detach()`` does
-    (same values, same gradient): the two runs' records are equal, so the attack's iterate was not touched."""
-    (tmp_path / "tplug.py").write_text(
-        "from blackboxbench.registry import TRANSFORM\n\n\n"
-        "@TRANSFORM.register('zero_inplace_t', paper='test')\ndef zero_inplace_t(ctx, x):\n"
-        "    x.data.zero_()\n    return x\n\n\n"
-        "@TRANSFORM.register('zero_graph_t', paper='test')\ndef zero_graph_t(ctx, x):\n    return x - x.detach()\n")
-    runs = []
-    for name in ("zero_inplace_t", "zero_graph_t"):
-        text = f"plugins: [{tmp_path / 'tplug.py'}]\n" + TRANSFER.replace(
-            "attack: {recipe: mi_fgsm, name: mi_fgsm_ce, blocks: {loss: {name: ce}}}",
-            f"attack: {{recipe: i_fgsm, name: t, blocks: {{transform: [{{name: {name}}}]}}}}")
-        run_dir, _ = _run(_write(tmp_path, text, tmp_path / name, f"{name}.yaml", TARGETED="false"))
-        runs.append(_records(run_dir))
-    assert runs[0] == runs[1]
+WRITING_BLOCKS = {  # kind: (a block writing to its input x, an equivalent one that does not)
+    "transform": ("from blackboxbench.registry import TRANSFORM as R\n\n\n"
+                  "@R.register('writes', paper='test')\ndef writes(ctx, x):\n    x.data.zero_()\n    return x\n\n\n"
+                  "@R.register('copies', paper='test')\ndef copies(ctx, x):\n    return x - x.detach()\n"),
+    "gradient": ("import torch\nfrom blackboxbench.registry import GRADIENT as R\n\n\n"
+                 "@R.register('writes', paper='test')\ndef writes(ctx, grad_fn, x, state):\n    x.zero_()\n"
+                 "    return grad_fn(x)\n\n\n"
+                 "@R.register('copies', paper='test')\ndef copies(ctx, grad_fn, x, state):\n"
+                 "    return grad_fn(torch.zeros_like(x))\n")}
 
 
-def test_a_gradient_block_writing_to_its_input_leaves_the_iterate_alone(tmp_path, fresh_registries):
-    """A gradient block that zeroes its ``x`` in place and one that takes the gradient at a zero copy give equal
-    records: the attack's iterate was not touched."""
-    (tmp_path / "gplug.py").write_text(
-        "import torch\nfrom blackboxbench.registry import GRADIENT\n\n\n"
-        "@GRADIENT.register('zero_inplace_g', paper='test')\ndef zero_inplace_g(ctx, grad_fn, x, state):\n"
-        "    x.zero_()\n    return grad_fn(x)\n\n\n"
-        "@GRADIENT.register('zero_copy_g', paper='test')\ndef zero_copy_g(ctx, grad_fn, x, state):\n"
-        "    return grad_fn(torch.zeros_like(x))\n")
+@pytest.mark.parametrize("kind", sorted(WRITING_BLOCKS))
+def test_a_block_writing_to_its_input_leaves_the_iterate_alone(tmp_path, fresh_registries, kind):
+    """A transform (gradient block) that zeroes its input ``x`` in place and one that computes the same from a
+    zero copy give equal records: the attack's iterate was not touched."""
+    (tmp_path / "wplug.py").write_text(WRITING_BLOCKS[kind])
     runs = []
-    for name in ("zero_inplace_g", "zero_copy_g"):
-        text = f"plugins: [{tmp_path / 'gplug.py'}]\n" + TRANSFER.replace(
+    for name in ("writes", "copies"):
+        text = f"plugins: [{tmp_path / 'wplug.py'}]\n" + TRANSFER.replace(
             "attack: {recipe: mi_fgsm, name: mi_fgsm_ce, blocks: {loss: {name: ce}}}",
-            f"attack: {{recipe: i_fgsm, name: g, blocks: {{gradient: [{{name: {name}}}]}}}}")
+            f"attack: {{recipe: i_fgsm, name: w, blocks: {{{kind}: [{{name: {name}}}]}}}}")
         run_dir, _ = _run(_write(tmp_path, text, tmp_path / name, f"{name}.yaml", TARGETED="false"))
         runs.append(_records(run_dir))
     assert runs[0] == runs[1]
