@@ -36,7 +36,7 @@ class Oracle:
     """
 
     def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=None,
-                 name="model", defense=None, eot=1):
+                 name="model", defense=None, eot=1, device=None):
         if feedback not in FEEDBACKS:
             raise BenchError(f"feedback must be one of {FEEDBACKS}, got '{feedback}'")
         if int(eot) < 1:
@@ -45,8 +45,11 @@ class Oracle:
         self.n, self.max_queries, self.feedback = n, int(max_queries), feedback
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape) if input_shape is not None else None
-        self.device = next(iter(model.parameters()), torch.zeros(())).device if hasattr(model, "parameters") \
-            else torch.device("cpu")
+        if device is not None:  # the run's device: a model without parameters (TFLite) says nothing about it
+            self.device = torch.device(device)
+        else:
+            self.device = next(iter(model.parameters()), torch.zeros(())).device if hasattr(model, "parameters") \
+                else torch.device("cpu")
         self.chunk = chunk or forward_chunk(self.device)
         self.counts = torch.zeros(n, dtype=torch.long, device=self.device)
         self.forwarded = 0  # images actually forwarded, all samples together

@@ -189,7 +189,8 @@ class StreamView:
         ``u * high`` stays below ``high`` for every float64 ``u`` < 1 (the largest, 1 - 2^-53, times an integer
         rounds to at most ``high`` - ulp), so the floor never reaches ``high``.
         """
-        return (self.uniform((), rows, torch.float64) * high.to(torch.float64)).long()
+        u = self.uniform((), rows, torch.float64)
+        return (u * high.to(u.device, torch.float64)).long()  # ``high`` may live on another device
 
     def permutations(self, d, key=None, rows=None):
         """A random permutation of ``range(d)`` per row, (m, d) long (argsort of uniforms). With ``key`` (d,)
