@@ -614,7 +614,7 @@ class Runner:
             by_role.setdefault(fam.model_keys[key].role, []).append(spec_label(spec))
         s.update(run=self.run_dir.name, attack=self.recipe["name"], name=exp["name"], family=fam.name,
                  paper=self.recipe.get("paper"), category=self.recipe.get("category"), year=self.recipe.get("year"),
-                 dataset=exp["dataset"]["name"],
+                 dataset=exp["dataset"]["name"], dataset_params=dataset_params(exp["dataset"]),
                  target_model="+".join(by_role.get("target", [])) or None,
                  surrogates="+".join(by_role.get("surrogate", [])) or None,
                  norm=t["norm"], eps=t["eps"], targeted=t["targeted"], budget=t.get("max_queries"),
@@ -623,6 +623,13 @@ class Runner:
                  randomized_models=", ".join(self.randomized) or None, shared_forwards=self.shared_with,
                  trained_on=self.trained_on)
         return s
+
+
+def dataset_params(spec):
+    """A dataset spec's parameters other than its name and ``n`` as text (``size 64, split train``), None if it has
+    none: the leaderboard tells runs on differently made images apart by it."""
+    parts = [f"{k} {v}" for k, v in sorted(spec.items()) if k not in ("name", "n") and v is not None]
+    return ", ".join(parts) or None
 
 
 def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_target=None, num_classes=10,

@@ -278,6 +278,8 @@ def test_run_labels_keep_every_run_apart():
     both = [{**rows[0], "targeted": t, "eot": k} for t in (False, True) for k in (1, 4)]
     assert run_labels(both, clash=lambda x: None) == \
         ["sq EOT 1 untargeted", "sq EOT 4 untargeted", "sq EOT 1 targeted", "sq EOT 4 targeted"]
+    sizes = [{**rows[0], "dataset": "imagefolder", "dataset_params": p} for p in ("size 32", "size 64", None)]
+    assert run_labels(sizes, clash=lambda x: None) == ["sq data size 32", "sq data size 64", "sq"]
 
 
 def test_robustness_chart_draws_every_run(tmp_path, monkeypatch):
