@@ -10,6 +10,7 @@ advances the counter of a sample that does not take part in it.
 Everything is vectorized over rows (int64 tensor arithmetic, wrapping on overflow); on CPU the hash runs in
 cache-sized chunks (one pass of ~10 elementwise ops per 64 K values, about the cost of ``torch.rand``).
 """
+import contextlib
 import functools
 import math
 
@@ -75,6 +76,18 @@ def rank_within_group(idx):
 def _steps(width, device):
     """``(j + 1) * GOLDEN`` for j < width, (1, width) int64: the offsets of a draw's values from its call key."""
     return torch.arange(1, width + 1, dtype=torch.int64, device=device).mul_(GOLDEN)[None]
+
+
+@contextlib.contextmanager
+def seeded(seed=None):
+    """Run a block under torch's global generators forked (the CPU's and every CUDA device's) and, unless ``seed``
+    is None, seeded with it: a seeded initialisation or training is the same in every run, and the caller's
+    global streams are left as they were. (``fork_rng(devices=[])`` alone keeps only the CPU's, while
+    ``torch.manual_seed`` reseeds every CUDA device's as well.)"""
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield
 
 
 def unit_float64(bits):

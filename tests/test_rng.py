@@ -116,3 +116,20 @@ def test_bit_planes_and_unit_float64_are_the_documented_formulas():
         assert planes[r].tolist() == [bool(words[j // 64] >> (j % 64) & 1) for j in range(100)]
         assert unit_float64(b[r:r + 1]).tolist()[0] == [(w >> 11) * 2.0 ** -53 for w in words]
     assert torch.equal(unit_float64(b), Streams(3, 4, "cpu").view(torch.arange(4)).uniform((2,), dtype=torch.float64))
+
+
+def test_seeded_forks_the_global_streams():
+    """``seeded(s)`` draws as after ``torch.manual_seed(s)`` and leaves the caller's global stream where it was
+    (on CUDA machines every device's stream is forked too)."""
+    from blackboxbench.rng import seeded
+
+    torch.manual_seed(5)
+    expected_next = torch.rand(3)
+    torch.manual_seed(5)
+    with seeded(7):
+        inside = torch.rand(3)
+    with seeded():
+        torch.rand(10)  # an unseeded block's draws do not advance the caller's stream either
+    assert torch.equal(torch.rand(3), expected_next)
+    torch.manual_seed(7)
+    assert torch.equal(inside, torch.rand(3))

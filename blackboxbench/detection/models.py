@@ -21,6 +21,7 @@ from ..prep.data import data_path
 from ..prep.models import (_hub_checkpoint, _load_into, cached_or_trained, from_cached_weights, load_state,
                            torchvision_weights)
 from ..registry import MODEL
+from ..rng import seeded
 from .data import SHAPES, VOC_CLASSES, shapes
 
 TWO_STAGE = ("fasterrcnn", "maskrcnn", "keypointrcnn")
@@ -34,8 +35,7 @@ VOC_TO_COCO = (5, 2, 16, 9, 44, 6, 3, 17, 62, 21, 67, 18, 19, 4, 1, 64, 20, 63, 
 def _rng_free(fn, *args, seed=0):
     """Run ``fn`` under a forked global RNG seeded with ``seed`` (R-CNN heads sample proposals from it; a
     random init draws from it), leaving the caller's stream untouched."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return fn(*args)
 
 
@@ -245,8 +245,7 @@ def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
     threshold and a mislabel attack could not lower CSR; at 800: 91 %, gap 0.45 (64 test images)."""
     kind, width, seed = TINY[name]
     data = shapes(None, n=images, size=size, split="train")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         net = _tiny_net(kind, width, len(SHAPES) + 1, size)
         gen = torch.Generator().manual_seed(seed)
         opt = torch.optim.Adam(net.parameters(), lr=lr)

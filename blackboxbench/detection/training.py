@@ -18,6 +18,7 @@ import torch
 from ..errors import BenchError
 from ..prep.models import build_model, cached_or_trained
 from ..registry import MODEL
+from ..rng import seeded
 from .context import detection_context
 from .data import detection_images, shapes
 from .models import TINY_VERSION, Detector
@@ -90,8 +91,7 @@ def finetune(base, x, targets, *, steps, lr, seed, batch=8):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             for _ in range(steps):
                 idx = torch.randint(0, len(x), (batch,), generator=gen).tolist()
                 model._train_mode()

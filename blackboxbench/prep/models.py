@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import BenchError
 from ..registry import MODEL, block_params, check_params, close_matches
+from ..rng import seeded
 from .cifar_resnet import DEPTH_BLOCKS, CifarResNet
 from .data import data_path, digits, first_line
 
@@ -120,8 +121,7 @@ def build_model(spec, data_root=None, device="cpu"):
     """Build a zoo model from ``spec``: frozen, in eval mode, on ``device``; ``model.arch_id`` names its
     architecture (:func:`arch_name`) for per-architecture parameters (:func:`blackboxbench.prep.layers.per_arch`).
     Random weights (``pretrained: false``, an architecture without a checkpoint) come from seed 0."""
-    with torch.random.fork_rng(devices=[]):  # a random init is the same in every run; the caller's stream is kept
-        torch.manual_seed(0)
+    with seeded(0):  # a random init is the same in every run; the caller's stream is kept
         model = _create(spec, data_root)
     model.arch_id = arch_name(spec)
     model.requires_grad_(False)
@@ -252,8 +252,7 @@ def train_digits(name, *, epochs=30, batch=64, lr=3e-3, seed=0):
     1-4 s per model. Test accuracy (last 500 digits): mlp 94.2 %, cnn 95.8 %, lenet 94.6 %."""
     data = digits(None, split="train")
     x = (data.x - torch.tensor(DIGITS_MEAN).view(1, -1, 1, 1)) / torch.tensor(DIGITS_STD).view(1, -1, 1, 1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         net = DIGITS_ARCHS[name]()
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(net.parameters(), lr=lr)

@@ -61,6 +61,7 @@ from torch import nn
 from ..errors import BenchError
 from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import ACCEPT, INIT, PERTURB
+from ..rng import seeded
 from ..threat import margin_loss, project
 from .common import keep_better, merge_proposal, query_margin, start_state
 from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
@@ -365,8 +366,7 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
     ``pretrain_epochs`` > 0 (MCG's stage 1, Linf): first :func:`pretrain_nll` at ``pretrain_lr`` on the
     :func:`pseudo_labels` (``pseudo_iters``, ``pseudo_step``) of ``x`` against ``models``."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         flow = CondGlow(x.shape[1:], **arch).to(x.device)
     opt = torch.optim.Adam(flow.parameters(), lr=lr, betas=(0.9, 0.9999))
 

@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import BenchError
 from ..prep.trained import augment, trained_model
 from ..registry import INIT, PERTURB
+from ..rng import seeded
 from .common import query_margin, start_state
 
 PAPER = ("Bai, Zeng, Jiang, Wang, Xia, Guo, Improving Query Efficiency of Black-box Adversarial Attack, "
@@ -146,8 +147,7 @@ def train_anp(x, arch, *, epochs, views, np_lr, batch, seed):
     """The state dict of an :class:`ANP` of ``arch`` trained on ``x`` on its device, deterministic in ``seed``, and
     its final negative log-likelihood in nats per pixel on ``x``."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         net = ANP(x.shape[1:], **arch).to(x.device)
     opt = torch.optim.Adam(net.parameters(), lr=np_lr)
     for _ in range(epochs):
@@ -166,7 +166,7 @@ def train_anp(x, arch, *, epochs, views, np_lr, batch, seed):
 def trained_anp(ctx, data, arch, hp):
     """The frozen ANP of ``arch`` trained with ``hp`` on the ``train_images`` asset ``data``, on the run's device:
     cached on disk and built once per run."""
-    with torch.random.fork_rng(devices=[]):  # the shell's initialisation is overwritten by the state
+    with seeded():  # the shell's initialisation is overwritten by the state
         return trained_model(ctx, "np_attack", "np", data, {**arch, **hp}, lambda shape: ANP(shape, **arch),
                              lambda x: train_anp(x, arch, **hp))
 

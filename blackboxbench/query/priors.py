@@ -33,6 +33,7 @@ from torch import nn
 from ..errors import BenchError
 from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import INIT, PERTURB
+from ..rng import seeded
 from ..threat import per_sample
 from .hsja import hsja_init, hsja_step
 from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
@@ -108,8 +109,7 @@ def train_ae(grads, side, *, epochs, lr, batch, seed):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             net = GradientAE(target.shape[1], side)
         gen = torch.Generator().manual_seed(seed)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
