@@ -328,3 +328,41 @@ def test_sponge_max_objects_term_by_hand(setup):
             assert float(sponge_loss(model, x, 0.25, target_class=tc)) == pytest.approx(float(expected), rel=1e-6)
         with pytest.raises(BenchError, match="target_class 3 is not a class"):
             sponge_loss(model, x, 0.25, target_class=3)
+
+
+def _relabel_reference(boxes, labels, dets, c, mode):
+    """The per-detection loop :func:`relabel` replaced (an independent reference)."""
+    from torchvision.ops import box_iou
+
+    labels = labels.clone()
+    if len(labels):
+        same = box_iou(boxes, dets["boxes"]) >= 0.9
+        for k in range(len(labels)):
+            score = torch.full((c,), -1.0).scatter_reduce(0, dets["labels"][same[k]], dets["scores"][same[k]], "amax")
+            others = [j for j in range(c) if j != int(labels[k])]
+            if mode == "ml":
+                found = [j for j in others if score[j] >= 0]
+                labels[k] = max(found, key=lambda j: float(score[j])) if found else (int(labels[k]) + 1) % c
+            else:
+                absent = [j for j in others if score[j] < 0]
+                labels[k] = absent[-1] if absent else min(others, key=lambda j: float(score[j]))
+    return labels
+
+
+@pytest.mark.parametrize("mode", ["ml", "ll"])
+def test_relabel_matches_the_per_detection_loop(mode):
+    """Random images of 0-12 detections on 5 box positions (so several detections share a box), 3-6 classes, scores
+    on a coarse grid (ties): the vectorized relabelling equals the per-detection loop."""
+    from blackboxbench.detection.attacks import relabel
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        c, m = int(torch.randint(3, 7, (1,), generator=g)), int(torch.randint(0, 13, (1,), generator=g))
+        spots = torch.tensor([[0, 0, 10, 10], [20, 20, 30, 30], [0, 20, 10, 30], [20, 0, 30, 10], [5, 5, 15, 15]],
+                             dtype=torch.float32)
+        dets = {"boxes": spots[torch.randint(0, 5, (m,), generator=g)],
+                "labels": torch.randint(0, c, (m,), generator=g),
+                "scores": torch.randint(1, 5, (m,), generator=g).float() / 4}
+        keep = torch.rand(m, generator=g) < 0.6
+        boxes, labels = dets["boxes"][keep], dets["labels"][keep]
+        assert torch.equal(relabel(boxes, labels, dets, c, mode), _relabel_reference(boxes, labels, dets, c, mode))

@@ -132,29 +132,35 @@ def tog_untargeted(ctx, x, *, conf_thr=0.2):
 
 def mislabel_targets(ctx, conf_thr, mode):
     """The clean detections relabelled: ``ml`` the best other class among detections on (nearly) the same box
-    (the same candidate, IoU >= 0.9), ``ll`` a class absent there (else the lowest-scored other one); with no
-    other class on the box, ``ml`` takes the next class id and ``ll`` the previous one."""
+    (the same candidate, IoU >= 0.9), ``ll`` a class absent there (the highest absent id; else the lowest-scored
+    other one); with no other class on the box, ``ml`` takes the next class id. Ties go to the lowest class id.
+    Vectorized over an image's detections and the classes (no host sync)."""
+    return [{"boxes": t["boxes"], "labels": relabel(t["boxes"], t["labels"], d, ctx.problem.num_classes, mode)}
+            for d, t in zip(ctx.problem.clean, pseudo_truth(ctx, conf_thr))]
+
+
+def relabel(boxes, labels, dets, c, mode):
+    """:func:`mislabel_targets` for one image: kept ``boxes`` (k, 4) with ``labels`` (k,), all its clean
+    detections ``dets`` (boxes, labels, scores), ``c`` classes."""
     from torchvision.ops import box_iou
 
-    out, c = [], ctx.problem.num_classes
-    for d, t in zip(ctx.problem.clean, pseudo_truth(ctx, conf_thr)):
-        labels = t["labels"].clone()
-        if len(labels):
-            same = box_iou(t["boxes"], d["boxes"]) >= 0.9  # (kept, all)
-            for k in range(len(labels)):
-                cls = d["labels"][same[k]]
-                sc = d["scores"][same[k]]
-                score = torch.full((c,), -1.0, device=sc.device).scatter_reduce(0, cls, sc, "amax")
-                score[labels[k]] = float("nan")
-                others = [j for j in range(c) if j != int(labels[k])]
-                if mode == "ml":
-                    found = [j for j in others if score[j] >= 0]
-                    labels[k] = max(found, key=lambda j: float(score[j])) if found else (int(labels[k]) + 1) % c
-                else:
-                    absent = [j for j in others if score[j] < 0]
-                    labels[k] = absent[-1] if absent else min(others, key=lambda j: float(score[j]))
-        out.append({"boxes": t["boxes"], "labels": labels})
-    return out
+    if not len(labels):
+        return labels.clone()
+    same = box_iou(boxes, dets["boxes"]) >= 0.9  # (k, all)
+    k = len(labels)
+    src = torch.where(same, dets["scores"][None].to(torch.float32), torch.full_like(same, -1.0, dtype=torch.float32))
+    score = torch.full((k, c), -1.0, device=labels.device).scatter_reduce_(
+        1, dets["labels"][None].expand(k, -1), src, "amax")  # (k, c): the best score of each class on the box
+    ids = torch.arange(c, device=labels.device)
+    other = ids[None] != labels[:, None]
+    if mode == "ml":
+        best = torch.where(other, score, -2.0)
+        found = (best >= 0).any(1)
+        return torch.where(found, best.argmax(1), (labels + 1) % c)
+    absent = (score < 0) & other
+    last_absent = torch.where(absent, ids[None], -1).amax(1)
+    lowest = torch.where(other, score, float("inf")).argmin(1)
+    return torch.where(absent.any(1), last_absent, lowest)
 
 
 def candidate_targets(model, x, conf_thr, mode):
