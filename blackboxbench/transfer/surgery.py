@@ -249,8 +249,8 @@ class GhostAdd(ResidualAdd):
         self.r, self.rng = r, rng
 
     def forward(self, branch, skip):
-        lam = 1 - self.r + 2 * self.r * float(self.rng.uniform((1,), dtype=torch.float64)[0, 0])
-        return branch + lam * skip
+        u = self.rng.uniform((1,), dtype=torch.float64)[0, 0]  # a 0-dim tensor: no host sync per forward
+        return branch + (1 - self.r + 2 * self.r * u).to(branch.dtype) * skip
 
 
 class GhostDropout(nn.Module):
