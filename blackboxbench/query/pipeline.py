@@ -169,6 +169,8 @@ class QueryWorker:
         self.pool = Pool(data.x.clone(), data.y.clone())  # the blocks' copy: writing to it changes no sample
         s, dev = self.slots, self.device
         self.gid = torch.full((s,), -1, dtype=torch.long, device=dev)
+        self.occupied = 0  # slots holding a sample, kept on the host: fill and busy then need no device sync
+        self.drained = False  # fill found no more samples to feed
         self.sx = torch.zeros((s, *data.x.shape[1:]), dtype=data.x.dtype, device=dev)
         self.sy = torch.zeros(s, dtype=torch.long, device=dev)
         self.starget = torch.zeros(s, dtype=torch.long, device=dev)
@@ -184,17 +186,18 @@ class QueryWorker:
     # ------------------------------------------------------------------------------------------ admission
     @property
     def busy(self):
-        return bool((self.gid >= 0).any()) or bool(self.unaudited)
+        return self.occupied > 0 or bool(self.unaudited)
 
     def fill(self, feed):
         done = []
-        while True:
+        while self.occupied < self.slots and (self.ready or not self.drained):
             free = (self.gid < 0).nonzero().squeeze(1)
             if free.numel() == 0:
                 break
             if not self.ready:
                 chunk = [i for _, i in zip(range(self.slots), feed)]
                 if not chunk:
+                    self.drained = True  # the dataset is drained: later calls return at once
                     break
                 done += self._screen(chunk)
                 continue
@@ -272,6 +275,7 @@ class QueryWorker:
         for k, v in state.items():
             self.state[k][slots] = v
         self.sx[slots], self.sy[slots], self.gid[slots] = x, y, gids
+        self.occupied += len(slots)
         if target is not None:
             self.starget[slots] = target
 
@@ -354,6 +358,7 @@ class QueryWorker:
                     [(int(queries[j]), final[j])]
             records.append(r)
         self.gid[slots[go]] = -1
+        self.occupied -= len(go)
         self.unaudited.append((records, x_out, sub))
         return self._audit()
 
