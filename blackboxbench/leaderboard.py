@@ -129,7 +129,8 @@ SETTING_KEYS = ("eps", "target_model", "surrogates", "defense", "success_rule", 
                 "targeted", "seed", "dataset", "dataset_params", "n")
 
 
-SETTING_NAMES = {"success_rule": "rule", "target_model": "target", "eot": "EOT", "dataset_params": "data"}  # a setting's name in a label
+# a setting's name in a label
+SETTING_NAMES = {"success_rule": "rule", "target_model": "target", "eot": "EOT", "dataset_params": "data"}
 
 
 def _setting(key, value):

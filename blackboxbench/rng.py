@@ -91,7 +91,7 @@ def seeded(seed=None):
 
 
 def unit_float64(bits):
-    """Uniform [0, 1) float64 values from int64 random patterns (53 bits each), in place of ``bits``' shape."""
+    """Uniform [0, 1) float64 values from int64 random patterns (53 bits of each), in ``bits``' shape."""
     return bits.bitwise_right_shift(11).bitwise_and_((1 << 53) - 1).double().mul_(2.0 ** -53)
 
 
