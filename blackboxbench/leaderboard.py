@@ -52,14 +52,20 @@ def columns(rows=()):
             out.setdefault(col, direction)
     for col, direction in metric_columns():
         out.setdefault(col, direction)
-    for r in rows:
-        names = r.get("metrics")
-        for m in (names if isinstance(names, list) else []):
-            if isinstance(m, str):
-                out.setdefault(f"mean_{m}", None)
-                out.setdefault(f"median_{m}", None)
+    for m in summarized_metrics(rows):
+        out.setdefault(f"mean_{m}", None)
+        out.setdefault(f"median_{m}", None)
     out.update({c: None for c in TRAILING_COLUMNS if c not in out})
     return list(out.items())
+
+
+def summarized_metrics(rows):
+    """The metric names the ``rows``' summaries list (their ``metrics``), each once, in order of appearance."""
+    names = {}
+    for r in rows:
+        listed = r.get("metrics")
+        names.update((m, None) for m in (listed if isinstance(listed, list) else []) if isinstance(m, str))
+    return list(names)
 
 
 def run_dirs(results_dirs):

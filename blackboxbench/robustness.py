@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from .errors import BenchError
-from .leaderboard import cell, collect, run_labels
+from .leaderboard import cell, collect, run_labels, summarized_metrics
 from .plotting import error_bars
 
 COLUMNS = ("attack", "name", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr",
@@ -43,13 +43,8 @@ def _order(rows):
 def columns(rows):
     """:data:`COLUMNS`, with the mean of every other metric the ``rows``' summaries hold (a plugin's, e.g.
     ``mean_l1dist``) before the three columns that name the run."""
-    extra = {}
-    for r in rows:
-        names = r.get("metrics")
-        for m in (names if isinstance(names, list) else []):
-            if isinstance(m, str) and f"mean_{m}" not in COLUMNS:
-                extra[f"mean_{m}"] = None
-    return COLUMNS[:-3] + tuple(extra) + COLUMNS[-3:]
+    extra = tuple(f"mean_{m}" for m in summarized_metrics(rows) if f"mean_{m}" not in COLUMNS)
+    return COLUMNS[:-3] + extra + COLUMNS[-3:]
 
 
 def robustness_rows(results_dirs):

@@ -148,7 +148,7 @@ def relabel(boxes, labels, dets, c, mode):
         return labels.clone()
     same = box_iou(boxes, dets["boxes"]) >= 0.9  # (k, all)
     k = len(labels)
-    src = torch.where(same, dets["scores"][None].to(torch.float32), torch.full_like(same, -1.0, dtype=torch.float32))
+    src = torch.where(same, dets["scores"][None].float(), -1.0)
     score = torch.full((k, c), -1.0, device=labels.device).scatter_reduce_(
         1, dets["labels"][None].expand(k, -1), src, "amax")  # (k, c): the best score of each class on the box
     ids = torch.arange(c, device=labels.device)
