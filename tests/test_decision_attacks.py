@@ -141,3 +141,39 @@ def test_tiny_budget_ends_without_false_success(cifar, name, norm):
     check_outputs(problem, res, model, 20)  # any success is real (checked by a fresh forward)
     assert (res.queries[~res.success] == 20).all() and not res.stalled.any()  # the others spend the budget
     assert (~res.success).sum() >= 3  # 20 queries are too few for most images (init + binary search)
+
+
+# ---------------------------------------------------------------- per-sample sums of the estimates
+
+
+def _rows_and_owner(device="cpu"):
+    gen = torch.Generator().manual_seed(3)
+    owner = torch.repeat_interleave(torch.tensor([0, 2, 3]), torch.tensor([700, 5, 300]))  # as the probes' calls
+    values = torch.randn(len(owner), 3, 4, 4, generator=gen) * torch.logspace(-6, 2, len(owner))[:, None, None, None]
+    return owner.to(device), values.to(device)
+
+
+def test_add_rows_adds_each_samples_rows_in_order():
+    """HSJA's, GeoDA's and the priors' per-sample sums: on CPU exactly the row-by-row sum in row order (so records
+    are those of ``index_add_``); the other devices' branch (``index_put_`` with accumulate) adds the same rows."""
+    from blackboxbench.query.common import add_rows_
+
+    owner, values = _rows_and_owner()
+    ref = torch.zeros(4, *values.shape[1:])
+    for j in range(len(owner)):
+        ref[owner[j]] += values[j]
+    assert torch.equal(add_rows_(torch.zeros_like(ref), owner, values), ref)
+    other = torch.zeros_like(ref).index_put_((owner,), values, accumulate=True)
+    torch.testing.assert_close(other, ref, rtol=1e-6, atol=1e-5)
+    assert torch.equal(ref[1], torch.zeros_like(ref[1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA's index_add_ is atomic)")
+def test_add_rows_is_the_same_sum_on_every_cuda_run():
+    from blackboxbench.query.common import add_rows_
+
+    owner, values = _rows_and_owner("cuda")
+    sums = [add_rows_(torch.zeros(4, *values.shape[1:], device="cuda"), owner, values) for _ in range(5)]
+    assert all(torch.equal(s, sums[0]) for s in sums[1:])
+    cpu = add_rows_(torch.zeros(4, *values.shape[1:]), owner.cpu(), values.cpu())
+    torch.testing.assert_close(sums[0].cpu(), cpu, rtol=1e-5, atol=1e-4)

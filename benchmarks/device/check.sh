@@ -2,10 +2,10 @@
 # Run ON THE DEVICE MACHINE, as one call of the device tool (after benchmarks/device/prepare.sh here):
 #   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 420
 # Prints every row as it finishes. Bar: the whole script within 6 minutes (360 s). Each section runs under a time
-# budget (BUDGET_*_S; defaults 135 + 70 + 18 + 20 + 62 = 305 s, plus about 15 s of installs and start = 320 s).
+# budget (BUDGET_*_S; defaults 135 + 70 + 18 + 20 + 62 + 20 = 325 s, plus about 15 s of installs and start = 340 s).
 # Expected on the H200 machine (16 cores), estimated from the run of 2026-12-04 (benchmarks/RESULTS.md, "GPU run of
 # 2026-12-04": 431 s, sections 1 and 2 cut by their budgets) and the CPU times in README's query table: about
-# 245 s in all (15 + 95 + 60 + 10 + 13 + 50).
+# 260 s in all (15 + 95 + 60 + 10 + 13 + 50 + 15).
 # 1. (budget 135 s, expected 80-110 s) Every query and transfer recipe of the CIFAR-10 configs (29 + 7 runs) on
 #    the same N images with device cpu and cuda: ASR on each and the difference (bar: 3 points); the runner checks
 #    every output and budget on both. Run one after the other (cpu then cuda) only 9 runs had finished at 190 s.
@@ -33,8 +33,10 @@
 # 5. (budget 62 s, expected 50 s) Seconds per image of OSFD, EBAD and CAA on torchvision's Faster R-CNN at 512 px
 #    (resized to 800 by torchvision) with random weights (FCOS as the ensembles' second surrogate): the issue's
 #    GPU figure against the od benchmark's 44 / 17 / 84 s.
-# DEVICE=cpu and N/N_TP/N_HSJA/N_COPIES/N_SHARED (and DET_MODEL=shapes_fcos DET_EXTRA=shapes_fcos_b DET_SIZE=64)
-# let the script itself be tried on a CPU machine (section 1 then runs the cpu side only, in min(12, nproc)
+# 6. (budget 20 s, expected 15 s) hsja_linf, hsja_l2 and qeba twice each on the same 16 images: identical records
+#    (their estimates' per-sample sums no longer use CUDA's atomic index_add_; repeat_records.py).
+# DEVICE=cpu and N/N_TP/N_HSJA/N_COPIES/N_SHARED/N_REPEAT (and DET_MODEL=shapes_fcos DET_EXTRA=shapes_fcos_b
+# DET_SIZE=64) let the script itself be tried on a CPU machine (section 1 then runs the cpu side only, in min(12, nproc)
 # workers; CPU_WORKERS sets it; the budgets are then BUDGET_SCALE = 4 times the above).
 set -uo pipefail
 device=${DEVICE:-cuda}
@@ -78,5 +80,8 @@ fcos="{name: torchvision_det, arch: fcos_resnet50_fpn, num_classes: 4, label_map
 timeout "$(budget "${BUDGET_DET_S:-62}")" python3 benchmarks/detection_speed.py --device "$device" --n "${N_DET:-1}" \
     --size "${DET_SIZE:-512}" --score-thr 0.0 --max-det 20 --only osfd,ebad_10,caa_10 \
     --model "${DET_MODEL:-$rcnn}" --extra "${DET_EXTRA:-$fcos}" 2>&1 | tee "$out/detection.md" | grep '^|\|^model'
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout "$(budget "${BUDGET_REPEAT_S:-20}")" python3 benchmarks/device/repeat_records.py --device "$device" \
+    --n "${N_REPEAT:-16}" hsja_linf:linf:0.03 hsja_l2:l2:1 qeba:linf:0.03 2>&1 | tee "$out/repeat.md" | grep '^|'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status

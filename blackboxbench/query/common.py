@@ -33,6 +33,18 @@ def bounded_calls(rows, values):
         yield torch.nonzero((call == k) & (rows > 0)).flatten()
 
 
+def add_rows_(out, owner, values):
+    """``out[owner[j]] += values[j]`` for every row j, a sample's rows added in their order, in place; returns
+    ``out``. The estimates' per-sample sums (HSJA's, GeoDA's, the priors' scale check) go through it so that they
+    are the same float sums on every run: on CPU ``index_add_`` adds row by row; on CUDA it adds with atomics, in
+    whatever order the threads run, so the last bits of a sum (and, near a tie, a sign step or an accepted point)
+    changed from run to run. There ``index_put_`` with ``accumulate`` sorts the rows by index (a stable sort) and
+    adds each index's rows in order."""
+    if out.device.type == "cpu":
+        return out.index_add_(0, owner, values)
+    return out.index_put_((owner,), values, accumulate=True)
+
+
 # --------------------------------------------------------------------------- windows
 def window_mask(top, left, height, width, size_hw):
     """Per-sample rectangular windows as a bool mask (n, 1, H, W).

@@ -148,7 +148,7 @@ def estimate_normal(ctx, x_b, num, alpha, sub_dim, batch):
             eta = low_frequency_noise(ctx, owner, x_b.shape[1:], sub_dim).to(x_b.dtype)
             adv, ok = query_adv(ctx, (x_b[owner] + alpha * eta).clamp(0.0, 1.0), owner)
             sign = torch.where(adv, 1.0, -1.0).to(x_b.dtype) * ok.to(x_b.dtype)
-            total.index_add_(0, owner, per_sample(sign, eta) * eta)
+            common.add_rows_(total, owner, per_sample(sign, eta) * eta)
             count.index_add_(0, owner, ok.long())
             frozen.index_fill_(0, owner[~ok], True)  # a refused probe: the sample's budget is spent
     return total / per_sample(count.clamp_min(1), total), count

@@ -112,10 +112,10 @@ def estimate_direction(ctx, x_bd, num, delta, draw, balance=1.0):
             adv, ok = query_adv(ctx, probes, owner)
             okf = ok.to(x_bd.dtype)
             fval = (2 * adv.to(x_bd.dtype) - 1) * okf
-            count.index_add_(0, owner, okf)
+            count.index_add_(0, owner, okf)  # sums of 0 / +-1: exact in any order
             f_sum.index_add_(0, owner, fval)
-            f_u.index_add_(0, owner, per_sample(fval, rv) * rv)
-            ok_u.index_add_(0, owner, per_sample(okf, rv) * rv)
+            common.add_rows_(f_u, owner, per_sample(fval, rv) * rv)
+            common.add_rows_(ok_u, owner, per_sample(okf, rv) * rv)
     mean = f_sum / count.clamp_min(1)
     mixed = mean.abs() < 1
     grad = torch.where(per_sample(mixed, x_bd) > 0, f_u - per_sample(mean, x_bd) * ok_u, f_u)

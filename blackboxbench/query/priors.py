@@ -35,6 +35,7 @@ from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import INIT, PERTURB
 from ..rng import seeded
 from ..threat import per_sample
+from .common import add_rows_
 from .hsja import hsja_init, hsja_step
 from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
 
@@ -215,7 +216,7 @@ def pick_scale(ctx, nets, x, probes):
     for net in nets:
         u = l2_normalize(decode(net, ctx, owner, x.shape[1:]))
         s = torch.sign((u.flatten(1) * g[owner].flatten(1)).sum(1))
-        est = torch.zeros_like(g).index_add_(0, owner, per_sample(s, u) * u)
+        est = add_rows_(torch.zeros_like(g), owner, per_sample(s, u) * u)
         cos.append((l2_normalize(est) * g).flatten(1).sum(1))
     cos = torch.stack(cos, 1)
     stop = cos[:, 1:] <= cos[:, :-1]

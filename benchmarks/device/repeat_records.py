@@ -1,0 +1,71 @@
+"""Run each given run twice on one device with the same seed and compare the records: on a deterministic path they
+are identical (wall time and checksum aside). On CUDA this checks the per-sample sums of the decision estimates
+(``query/common.py``, ``add_rows_``: HSJA, GeoDA, QEBA, the learned priors), which CUDA's ``index_add_`` made
+differ from run to run; prints one row per run as it finishes.
+
+    python benchmarks/device/repeat_records.py --device cuda --n 16 hsja_linf:linf:0.03 geoda_linf:linf:0.03
+
+Runs are ``attack:norm:eps`` on the first ``--n`` CIFAR-10 test images against ResNet-20 (the data root's), budget
+``--budget``. Exit status 1 when a run's records differ or a run fails.
+"""
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from blackboxbench.config import load_config  # noqa: E402
+from blackboxbench.runner import Session, run_experiment  # noqa: E402
+
+VOLATILE = ("time", "check")  # a record's wall time, and the checksum that covers it
+
+
+def records(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "records.jsonl").read_text().splitlines()]
+    return sorted(({k: v for k, v in r.items() if k not in VOLATILE} for r in rows), key=lambda r: r["index"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="attack:norm:eps")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=10_000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    out = Path(args.out or tempfile.mkdtemp(prefix="bbb_repeat_"))
+    session, bad = Session(), 0
+    print("| run | n | records differing | seconds (first, second) | ok |\n|---|---|---|---|---|", flush=True)
+    for spec in args.runs:
+        attack, norm, eps = spec.split(":")
+        config = {"dataset": {"name": "cifar10", "n": args.n}, "model": "cifar_resnet20", "device": args.device,
+                  "seed": 0, "batch_size": args.n, "attack": attack,
+                  "threat": {"norm": norm, "eps": eps, "max_queries": args.budget}}
+        path = out / f"{attack}_{norm}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        seen, seconds, error = [], [], None
+        for rep in range(2):
+            exp = load_config(path, [f"output_dir={out / f'rep{rep}'}"])[0][0]
+            t0 = time.perf_counter()
+            try:
+                run_dir, _ = run_experiment(exp, session=session, fresh=True, progress=False)
+            except Exception as e:  # noqa: BLE001 -- a failed run is a row saying so
+                error = f"{type(e).__name__}: {e}"
+                break
+            seconds.append(time.perf_counter() - t0)
+            seen.append(records(run_dir))
+        differing = "-" if error else sum(a != b for a, b in zip(*seen)) + abs(len(seen[0]) - len(seen[1]))
+        ok = error is None and differing == 0
+        bad += not ok
+        print(f"| {spec} | {args.n} | {differing} | {', '.join(f'{s:.1f}' for s in seconds)} | "
+              f"{'yes' if ok else 'NO'}{f' ({error})' if error else ''} |", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
