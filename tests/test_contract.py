@@ -204,3 +204,19 @@ def test_recipes_carry_the_papers_taxonomy():
         assert r.get("category") in CATEGORIES[r["family"]], (name, r.get("category"))
         if r["category"] != "composite":
             assert isinstance(r.get("year"), int) and 2014 <= r["year"] <= 2026 and str(r["year"]) in r["paper"], name
+
+
+QUERY_MODULES = sorted({inspect.getmodule(reg.get(n)) for reg in QUERY_KINDS for n in reg.names()}, key=str)
+
+
+@pytest.mark.parametrize("module", QUERY_MODULES, ids=[m.__name__ for m in QUERY_MODULES])
+def test_query_blocks_reach_the_target_only_through_the_oracle(module):
+    """The oracle view keeps its oracle private (``_oracle``) and the oracle its forward (``_forward``): Python
+    cannot hide them, so no module of query blocks may name a private attribute of the oracle, or the model of
+    the context (which a query run leaves None: its models are the declared surrogates)."""
+    import re
+
+    source = inspect.getsource(module)
+    found = re.findall(r"\.oracle\._\w+|\b_oracle\b|\._forward\b|\bctx\.model\b|\._last\b|\.counts\s*\[[^]]*\]\s*=",
+                       source)
+    assert not found, f"{module.__name__} reaches past the oracle: {sorted(set(found))}"
