@@ -138,6 +138,7 @@ def _runner(exp, i, n, args):
 
 
 def _robustness(results, out):
+    from . import worst_case
     from .robustness import chart_path, export
     png = str(chart_path(out))
     rows, skipped = export(results, out, png)
@@ -148,6 +149,9 @@ def _robustness(results, out):
         print(f"note: no finished query run; {out} holds only the header and no chart was drawn", file=sys.stderr)
     for s in skipped:
         print(str(s), file=sys.stderr)
+    worst = worst_case.worst_case_path(out)
+    groups = worst_case.export(results, worst)
+    print(f"worst case per sample: {worst} ({_count(len(groups), 'group')} of runs on the same images and threat)")
 
 
 def cmd_robustness(args):
@@ -301,7 +305,8 @@ def main(argv=None):
     p.add_argument("run_b")
     p.add_argument("--json", action="store_true", help="the numbers as JSON")
     p.set_defaults(fn=cmd_compare)
-    p = sub.add_parser("robustness", help="ASR and mean queries per attack x defense: a CSV and a PNG chart")
+    p = sub.add_parser("robustness", help="ASR and mean queries per attack x defense: a CSV and a PNG chart, and "
+                                          "the worst case per sample over the attacks (<output>_worst_case.csv)")
     p.add_argument("results")
     p.add_argument("-o", "--output", default="robustness.csv")
     p.set_defaults(fn=cmd_robustness)

@@ -547,12 +547,14 @@ def config_hash(obj):
 
 
 def output_files(file_opts):
-    """[(file, key)] of what the whole-file outputs write: the leaderboard CSV, the robustness CSV and its chart,
-    each plot's PNG and CSV."""
+    """[(file, key)] of what the whole-file outputs write: the leaderboard CSV, the robustness CSV, its chart and
+    its worst-case CSV, each plot's PNG and CSV."""
     from .robustness import chart_path
+    from .worst_case import worst_case_path
     out = [(Path(file_opts["leaderboard"]), "leaderboard")] if file_opts.get("leaderboard") else []
     if file_opts.get("robustness"):
-        out += [(Path(file_opts["robustness"]), "robustness"), (chart_path(file_opts["robustness"]), "robustness")]
+        r = file_opts["robustness"]
+        out += [(Path(r), "robustness"), (chart_path(r), "robustness"), (worst_case_path(r), "robustness")]
     for i, p in enumerate(file_opts.get("plots") or []):
         out += [(Path(p["output"]).with_suffix(s), f"plots[{i}].output") for s in (".png", ".csv")]
     return out

@@ -1,0 +1,103 @@
+"""Worst case per sample over the attacks (AutoAttack's robust accuracy): a sample is robust only if no attack
+fooled it.
+
+One attack's ASR says how often that attack wins; an evaluator asks how many images survive every attack at the
+same threat. The query runs below a results directory are grouped by what they attacked: the same images
+(dataset and its parameters), the same target model and defense, the same norm, eps, targeted mode, query budget
+and success rule. Runs that differ in the attack, its settings, the seed or the EOT option fall into one group; a
+group of one run is kept (its worst case is its own). Within a group the samples are the indices every run
+recorded, and per sample:
+
+* **correct**: every run attacked it (the target, defended if so, classified it correctly on the clean check);
+* **robust**: correct, and no run's success (the oracle's confirmation on the returned image) fooled it.
+
+A row gives the group's robust accuracy ``robust / n`` with its Wilson 95 % interval (a misclassified sample counts
+as not robust, as in AutoAttack), the clean accuracy ``correct / n``, the ASR of the union ``fooled by any /
+correct``, the best single run's ASR on the same samples and what the others add to it (``complement``), and per
+run the samples only it fooled. For a randomized target (``randomized``), a one-draw success (success rule
+``single``) overstates the attack: read the worst case of a ``majority`` run.
+"""
+import csv
+import io
+import json
+from pathlib import Path
+
+from .compare import load_run
+from .errors import BenchError
+from .leaderboard import cell, label, run_dirs, read_summary
+from .robustness import QUERY_FAMILIES
+from .stats import wilson
+
+GROUP = ("dataset", "dataset_params", "target_model", "defense", "norm", "eps", "targeted", "budget", "success_rule")
+COLUMNS = (*GROUP, "n", "n_runs", "clean_acc", "robust_acc", "robust_acc_low", "robust_acc_high", "asr_any",
+           "best_run", "best_asr", "complement", "only_fooled_by", "randomized", "runs")
+
+
+def worst_case(runs):
+    """The worst case over ``runs``, pairs ``(name, records)`` with records keyed by sample index (dicts with
+    ``attacked`` and ``success``), on the indices every run recorded. Returns a dict of the :data:`COLUMNS` after
+    :data:`GROUP` (``only_fooled_by``: {name: samples only that run fooled}); rates are None without samples."""
+    names = [name for name, _ in runs]
+    common = sorted(set.intersection(*(set(records) for _, records in runs))) if runs else []
+    correct = [i for i in common if all(records[i]["attacked"] for _, records in runs)]
+    fooled = {name: {i for i in correct if records[i]["success"]} for name, records in runs}
+    any_fooled = set().union(*fooled.values())
+    n, robust = len(common), len(correct) - len(any_fooled)
+    low, high = wilson(robust, n)
+    best = max(names, key=lambda m: len(fooled[m]), default=None)
+    rate = (lambda k: k / len(correct)) if correct else (lambda k: None)
+    only = {m: len(fooled[m] - set().union(*(fooled[o] for o in names if o != m))) for m in names}
+    return {"n": n, "n_runs": len(runs), "clean_acc": len(correct) / n if n else None,
+            "robust_acc": robust / n if n else None, "robust_acc_low": low, "robust_acc_high": high,
+            "asr_any": rate(len(any_fooled)), "best_run": best, "best_asr": rate(len(fooled[best])) if best else None,
+            "complement": rate(len(any_fooled) - len(fooled[best])) if best else None, "only_fooled_by": only}
+
+
+def _key(summary):
+    return tuple(json.dumps(summary.get(k), sort_keys=True) for k in GROUP)
+
+
+def worst_case_rows(results_dirs):
+    """One row per group of the finished query runs below the results directory (or directories), in the order of
+    their first run directory; each row the group's settings, :func:`worst_case` and ``runs`` (the runs' names:
+    the config's ``name`` else the attack, with the run directory where two share one)."""
+    groups = {}
+    for d in run_dirs(results_dirs):
+        summary, reason = read_summary(d)
+        if reason or summary.get("family") not in QUERY_FAMILIES:
+            continue
+        summary, records = load_run(d)
+        groups.setdefault(_key(summary), []).append((summary, records, d))
+    rows = []
+    for members in groups.values():
+        taken = [label(s) for s, _, _ in members]
+        names = [m if taken.count(m) == 1 else f"{m} ({d.name})" for m, (_, _, d) in zip(taken, members)]
+        row = {k: members[0][0].get(k) for k in GROUP}
+        row.update(worst_case([(m, records) for m, (_, records, _) in zip(names, members)]))
+        row["only_fooled_by"] = "; ".join(f"{m} {k}" for m, k in row["only_fooled_by"].items())
+        row["randomized"] = any(s.get("randomized_models") for s, _, _ in members)
+        row["runs"] = "; ".join(names)
+        rows.append(row)
+    return rows
+
+
+def worst_case_path(out_csv):
+    """The worst-case CSV written beside the robustness CSV ``out_csv``: ``<stem>_worst_case.csv``."""
+    out = Path(out_csv)
+    return out.with_name(f"{out.stem}_worst_case.csv")
+
+
+def export(results_dirs, out_csv):
+    """Write the worst-case CSV; returns its rows."""
+    rows = worst_case_rows(results_dirs)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(COLUMNS)
+    w.writerows([cell(r.get(k)) for k in COLUMNS] for r in rows)
+    out = Path(out_csv)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(buf.getvalue(), encoding="utf-8")
+    except OSError as e:
+        raise BenchError(f"cannot write the worst-case table {out}: {e.strerror or e}") from None
+    return rows
