@@ -152,6 +152,12 @@ def _robustness(results, out):
     worst = worst_case.worst_case_path(out)
     groups = worst_case.export(results, worst)
     print(f"worst case per sample: {worst} ({_count(len(groups), 'group')} of runs on the same images and threat)")
+    for g in groups:
+        if g["robust_acc"] is not None and g["n_runs"] > 1:
+            print(f"  {g['target_model']} ({g['defense'] or 'none'}) {g['norm']} {g['eps']:.4g}: robust accuracy "
+                  f"{g['robust_acc']:.3f} ({g['robust_acc_low']:.3f}-{g['robust_acc_high']:.3f}) under "
+                  f"{g['n_runs']} runs on {g['n']} images; the best alone ({g['best_run']}) leaves "
+                  f"{g['clean_acc'] * (1 - (g['best_asr'] or 0)):.3f}")
 
 
 def cmd_robustness(args):

@@ -5,8 +5,9 @@ One attack's ASR says how often that attack wins; an evaluator asks how many ima
 same threat. The query runs below a results directory are grouped by what they attacked: the same images
 (dataset and its parameters), the same target model and defense, the same norm, eps, targeted mode, query budget
 and success rule. Runs that differ in the attack, its settings, the seed or the EOT option fall into one group; a
-group of one run is kept (its worst case is its own). Within a group the samples are the indices every run
-recorded, and per sample:
+group of one run is kept (its worst case is its own). A transfer run joins one group per target (its budget and
+success rule are empty, so transfer and query runs form separate groups), whatever its surrogates. Within a group
+the samples are the indices every run recorded, and per sample:
 
 * **correct**: every run attacked it (the target, defended if so, classified it correctly on the clean check);
 * **robust**: correct, and no run's success (the oracle's confirmation on the returned image) fooled it.
@@ -28,6 +29,7 @@ from .leaderboard import cell, label, run_dirs, read_summary
 from .robustness import QUERY_FAMILIES
 from .stats import wilson
 
+FAMILIES = (*QUERY_FAMILIES, "transfer")
 GROUP = ("dataset", "dataset_params", "target_model", "defense", "norm", "eps", "targeted", "budget", "success_rule")
 COLUMNS = (*GROUP, "n", "n_runs", "clean_acc", "robust_acc", "robust_acc_low", "robust_acc_high", "asr_any",
            "best_run", "best_asr", "complement", "only_fooled_by", "randomized", "runs")
@@ -57,17 +59,34 @@ def _key(summary):
     return tuple(json.dumps(summary.get(k), sort_keys=True) for k in GROUP)
 
 
+def _views(summary, records):
+    """``[(settings, records)]``: a query run's summary and records as they are; a transfer run once per target,
+    as if that target had been attacked alone (the target's clean check for ``attacked``, its answer on the
+    returned image for ``success``)."""
+    if summary["family"] in QUERY_FAMILIES:
+        return [(summary, records)]
+    views = []
+    for target in summary.get("per_target") or {}:
+        per = {i: r["targets"].get(target) or {"clean_correct": False, "success": False} for i, r in records.items()}
+        views.append(({**summary, "target_model": target, "defense": summary["per_target"][target].get("defense")},
+                      {i: {"attacked": records[i]["attacked"] and t["clean_correct"],
+                           "success": records[i]["attacked"] and t["clean_correct"] and t["success"]}
+                       for i, t in per.items()}))
+    return views
+
+
 def worst_case_rows(results_dirs):
-    """One row per group of the finished query runs below the results directory (or directories), in the order of
-    their first run directory; each row the group's settings, :func:`worst_case` and ``runs`` (the runs' names:
-    the config's ``name`` else the attack, with the run directory where two share one)."""
+    """One row per group of the finished query and transfer runs below the results directory (or directories), in
+    the order of their first run directory (a transfer run joins one group per target); each row the group's
+    settings, :func:`worst_case` and ``runs`` (the runs' names: the config's ``name`` else the attack, with the run
+    directory where two share one)."""
     groups = {}
     for d in run_dirs(results_dirs):
         summary, reason = read_summary(d)
-        if reason or summary.get("family") not in QUERY_FAMILIES:
+        if reason or summary.get("family") not in FAMILIES:
             continue
-        summary, records = load_run(d)
-        groups.setdefault(_key(summary), []).append((summary, records, d))
+        for view, records in _views(*load_run(d)):
+            groups.setdefault(_key(view), []).append((view, records, d))
     rows = []
     for members in groups.values():
         taken = [label(s) for s, _, _ in members]

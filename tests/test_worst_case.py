@@ -90,3 +90,36 @@ def test_worst_case_path_is_an_output_of_the_config(tmp_path):
     with pytest.raises(ConfigError, match="robustness: writes .*board_worst_case.csv, which leaderboard writes too"):
         load_config(path)
     assert worst_case_path("a/b.csv").as_posix() == "a/b_worst_case.csv"
+
+
+TRANSFER = """
+dataset: {name: digits, n: 10}
+surrogates: [digits_cnn]
+targets: [digits_mlp, digits_resnet]
+threat: {norm: linf, eps: 0.1}
+batch_size: 10
+device: cpu
+output_dir: OUT
+runs:
+  - {attack: i_fgsm}
+  - {attack: mi_fgsm}
+"""
+
+
+def test_transfer_runs_group_per_target(tmp_path, capsys):
+    out = tmp_path / "out"
+    path = tmp_path / "t.yaml"
+    path.write_text(TRANSFER.replace("OUT", str(out)))
+    assert main(["run", str(path), "--quiet"]) == 0
+    assert main(["robustness", str(out), "-o", str(tmp_path / "r.csv")]) == 0
+    rows = {r["target_model"]: r for r in csv.DictReader((tmp_path / "r_worst_case.csv").open())}
+    assert sorted(rows) == ["digits_mlp", "digits_resnet"]
+    runs = [[json.loads(x) for x in (d / "records.jsonl").open()] for d in out.iterdir() if d.is_dir()]
+    assert len(runs) == 2
+    for target, row in rows.items():
+        assert row["n_runs"] == "2" and row["budget"] == ""
+        per = [{r["index"]: r["targets"][target] for r in recs} for recs in runs]
+        robust = [i for i in range(10) if all(p[i]["clean_correct"] and not p[i]["success"] for p in per)]
+        assert float(row["robust_acc"]) == pytest.approx(len(robust) / 10)
+        correct = [i for i in range(10) if all(p[i]["clean_correct"] for p in per)]
+        assert float(row["clean_acc"]) == pytest.approx(len(correct) / 10)
