@@ -84,12 +84,19 @@ def random_window(rng, size, size_hw):
     return window_mask(top, left, size, size, size_hw), top, left
 
 
-def window_index(top, left, size, shape):
+def side_range(size):
+    """``(smallest, largest)`` of the window sides ``size`` (n,), as Python ints: one host sync, which a step that
+    places several windows of these sides makes once (:func:`window_index`'s ``sides``)."""
+    return tuple(torch.stack(torch.aminmax(size)).tolist())
+
+
+def window_index(top, left, size, shape, sides=None):
     """Flat indices into a (C*H*W) image of each sample's ``size`` x ``size`` window, in every channel:
     (n, C, S, S) long, S the largest side. A sample with a smaller side repeats its window's top-left pixel in the
-    extra positions, so gathering or scattering through them only duplicates that pixel (same value, no race)."""
+    extra positions, so gathering or scattering through them only duplicates that pixel (same value, no race).
+    ``sides``: :func:`side_range` of ``size`` when the caller has it (else it is read here)."""
     c, h, w = shape
-    smallest, side = torch.stack(torch.aminmax(size)).tolist()
+    smallest, side = sides or side_range(size)
     offsets, reach, corner = _window_offsets(side, c, h, w, top.device)
     if smallest < side:  # mixed sides: positions past a sample's side repeat its top-left pixel
         offsets = torch.where(reach < size.view(-1, 1, 1, 1), offsets, corner)

@@ -25,7 +25,7 @@ from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from ..threat import quantize
 from ..rng import bit_planes, unit_float64
-from .common import corner_at, per_sample, start_state, window_index
+from .common import corner_at, per_sample, side_range, start_state, window_index
 
 PAPER = "Andriushchenko et al., Square Attack, ECCV 2020"
 # Linf: vertices drawn per step (16 sign bits per channel of one draw). The authors redraw a vertex that leaves the
@@ -147,10 +147,10 @@ def _inv_square_cumsum(k, device):
     return _TAIL[key]
 
 
-def pseudo_gaussian_windows(top, left, size, transpose, size_hw):
+def pseudo_gaussian_windows(top, left, size, transpose, size_hw, largest=None):
     """The paper's L2 window pattern (Alg. 3: two opposite-signed pseudo-Gaussian bumps), one per sample,
     placed at (``top``, ``left``) with side ``size`` (n,) and transposed where ``transpose`` (n,): (n, 1, H, W),
-    unit L2 norm, zero outside the window.
+    unit L2 norm, zero outside the window. ``largest``: ``size.max()`` when the caller has it (else it is read).
 
     Each half (rows ``< s//2`` and the rest) is the authors' rectangle bump: pixel (i, j) of an x-by-y rectangle
     holds ``sum_{k >= d} 1/(k+1)^2`` over ``k < y//2 + 1``, ``d`` the Chebyshev distance to (x//2, y//2);
@@ -177,7 +177,7 @@ def pseudo_gaussian_windows(top, left, size, transpose, size_hw):
     d = torch.maximum(torch.where(flip, col_term(r), row_r), torch.where(flip, row_q, col_term(q)))
     upper = torch.where(flip, up_q, up_r)  # (n, H, W)
     inside = ((r >= 0) & (r < s)) & ((q >= 0) & (q < s))
-    tail = _inv_square_cumsum(int(size.max()) + 1, dev)
+    tail = _inv_square_cumsum((int(size.max()) if largest is None else largest) + 1, dev)
     k_max = s // 2 + 1
     val = (tail[k_max] - tail[d.clamp(max=tail.numel() - 1)]) * inside  # d is arbitrary outside the window
     norm_up = (val.square() * upper).flatten(1).sum(1).sqrt().clamp_min(1e-12)[:, None, None]
@@ -264,10 +264,11 @@ def l2_window_step(x, x_adv, eps, size, corner1, corner2, transpose, signs):
     left out here: that is what keeps the step local.
     """
     n, c, h, w = x.shape
-    side = int(size.max())
+    sides = side_range(size)  # the step's one host sync for its windows' shapes
+    side = sides[1]
     flat_x, flat_adv = x.reshape(n, -1), x_adv.reshape(n, -1)
-    idx1 = window_index(*corner1, size, (c, h, w)).view(n, -1)
-    idx2 = window_index(*corner2, size, (c, h, w)).view(n, -1)
+    idx1 = window_index(*corner1, size, (c, h, w), sides).view(n, -1)
+    idx2 = window_index(*corner2, size, (c, h, w), sides).view(n, -1)
     ar = torch.arange(side, device=x.device)
     rows, cols = ar.view(1, 1, side, 1), ar.view(1, 1, 1, side)
     s = size.view(n, 1, 1, 1)
@@ -282,7 +283,7 @@ def l2_window_step(x, x_adv, eps, size, corner1, corner2, transpose, signs):
     norm_both2 = sq(d1) + sq(d2)  # squared perturbation of both windows (their overlap counted once)
     norm_image = per_sample((flat_adv - flat_x).norm(dim=1), x)
     zero = torch.zeros_like(size)
-    bump = pseudo_gaussian_windows(zero, zero, size, transpose, (side, side))
+    bump = pseudo_gaussian_windows(zero, zero, size, transpose, (side, side), side)
     new = bump * signs + d1 / (1e-10 + norm_win1)
     budget = ((eps ** 2 - norm_image.square()).clamp_min(0) / c + norm_both2).sqrt()
     new = new / sq(new).sqrt().clamp_min(1e-12) * budget
