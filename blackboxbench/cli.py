@@ -97,6 +97,12 @@ def cmd_run(args):
         backend = check_backend({**keep, **over}, "command line")
     runners = [_runner(e, i, len(experiments), args) for i, e in enumerate(experiments)]  # validate all first
     share = args.share_forwards or opts.get("share_forwards", False)
+    if opts.get("cascade"):
+        from .runner import link_cascade
+        if share or backend["name"] != "serial":
+            raise BenchError("cascade runs the runs one after another, in the file's order: not with "
+                             "--share-forwards, --workers or --backend")
+        link_cascade(runners)
     if backend["name"] == "serial":
         summaries = run_all(runners, Session(), share, lambda r: print(f"run {r.run_dir}", file=sys.stderr))
     elif share:

@@ -272,10 +272,12 @@ COMMON_KEYS = {
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
 # robustness: CSV (+ .png chart); share_forwards: runs on one target model share its forwards (shared.py);
+# cascade: each query run attacks only the samples the file's earlier runs on the same images, target and threat
+# left robust (runner.link_cascade);
 # plots: analysis figures of the runs' results after they finish (analysis/recipes.py); grid: every combination of
 # values per dotted key, times the runs; backend: where the runs execute, serial | processes | ray (sweep.py)
 FILE_KEYS = {"runs": (list,), "leaderboard": (str, type(None)), "robustness": (str, type(None)),
-             "share_forwards": (bool,),
+             "share_forwards": (bool,), "cascade": (bool,),
              "plots": (list,), "grid": (dict,), "backend": (str, dict)}
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -607,6 +609,12 @@ def load_config(path, overrides=()):
     file_opts["backend"] = check_backend(file_opts.get("backend"), source)
     if file_opts["backend"]["name"] != "serial" and file_opts.get("share_forwards"):
         raise ConfigError("share_forwards needs the runs in one process: backend serial", source, "share_forwards")
+    if file_opts["backend"]["name"] != "serial" and file_opts.get("cascade"):
+        raise ConfigError("cascade runs the runs one after another, in the file's order: backend serial", source,
+                          "cascade")
+    if file_opts.get("share_forwards") and file_opts.get("cascade"):
+        raise ConfigError("cascade runs the runs one after another; share_forwards runs them together: choose one",
+                          source, "cascade")
     runs = expand_grid(file_opts.get("runs") or [{}], file_opts.get("grid"), source)
     experiments = []
     for i, run in enumerate(runs):

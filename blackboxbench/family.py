@@ -39,8 +39,8 @@ COMMON_FIELDS = {"index": (int,), "label": (int,), "target": (int, type(None)), 
                  "ssim": (float, int), "lpips": (float, int, type(None))}
 COMMON_COLUMNS = ("attack", "name", "family", "category", "year", "dataset", "dataset_params", "target_model",
                   "defense", "surrogates", "norm", "eps", "targeted", "n", "clean_acc")
-TRAILING_COLUMNS = ("trained_on", "randomized_models", "wall_time", "seed", "batch_size", "device", "config_hash", "version",
-                    "run")
+TRAILING_COLUMNS = ("trained_on", "randomized_models", "cascade_after", "wall_time", "seed", "batch_size", "device",
+                    "config_hash", "version", "run")
 DIRECTIONS = ("higher", "lower", None)
 
 
@@ -90,6 +90,7 @@ class RunInputs:
     save_path_every: int = 0  # > 0: each sample's iterates every k queries (query) or iterations (transfer)
     defenses: dict = field(default_factory=dict)  # config key -> list (per model) of defense lists (defense.py)
     lpips: Any = None        # the LPIPS network of the perceptual metrics, None when its weights are absent
+    skip: dict = field(default_factory=dict)  # sample index -> the earlier run of a cascade that fooled it
 
 
 class Family:

@@ -415,6 +415,7 @@ class Runner:
         self.bar_position = None  # the progress bar's line when several runs show theirs at once
         self.shared_with = None   # runs in this run's share_forwards group (its wall time covers their turns)
         self.trained_on = None    # the images its attack trains on (train_images assets), set with its inputs
+        self.after = []           # the earlier runs of its cascade (link_cascade): it skips what they fooled
 
     def _data(self):
         exp, source = self.exp, self.exp["_source"]
@@ -479,7 +480,22 @@ class Runner:
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
-                         save_path_every=exp.get("save_path_every", 0), defenses=defenses, lpips=self.session.lpips(exp["lpips_path"], self.device, source))
+                         save_path_every=exp.get("save_path_every", 0), defenses=defenses,
+                         lpips=self.session.lpips(exp["lpips_path"], self.device, source), skip=self.fooled_before())
+
+    def fooled_before(self):
+        """{sample index: label of the first earlier run of this run's cascade that fooled it}; the earlier runs
+        must have finished (a one-line error names the first that has not)."""
+        fooled = {}
+        for p in self.after:
+            if not (p.run_dir / "summary.json").exists():
+                raise BenchError(f"cascade: the earlier run {p.run_dir} has not finished; this run attacks only the "
+                                 "samples the earlier ones left robust (run the config again: it resumes in order)")
+            label = p.exp["name"] or p.recipe["name"]
+            for i, r in read_records(p.run_dir / "records.jsonl", p.family.schema(), p.hash).items():
+                if r["success"]:
+                    fooled.setdefault(i, label)
+        return fooled
 
     def _check_layers(self, models):
         """A block that hooks a layer by name (``layer_param`` at registration) must find it on the surrogate it
@@ -621,7 +637,8 @@ class Runner:
                  feedback=t.get("feedback"), seed=exp["seed"], batch_size=exp["batch_size"],
                  config_hash=self.hash, version=__version__, device=self.device.type, wall_time=wall,
                  randomized_models=", ".join(self.randomized) or None, shared_forwards=self.shared_with,
-                 trained_on=self.trained_on)
+                 trained_on=self.trained_on,
+                 cascade_after=", ".join(p.exp["name"] or p.recipe["name"] for p in self.after) or None)
         return s
 
 
@@ -665,6 +682,39 @@ def _progress(total, initial, enabled, desc, position=None):
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="img", leave=False,
                 position=position)
+
+
+# the threat keys a cascade's runs share (with the images, the target and its defense): AutoAttack's "same threat"
+CASCADE_THREAT = ("norm", "eps", "targeted", "target_label", "max_queries", "success_rule")
+
+
+def cascade_group(runner):
+    """What a query run attacked, as text (runs of one cascade group attack the same samples under the same threat
+    model); None for the other families, which no cascade skips."""
+    from .robustness import QUERY_FAMILIES
+
+    if runner.family.name not in QUERY_FAMILIES:
+        return None
+    exp, t = runner.exp, runner.threat
+    return json.dumps([exp["dataset"], exp.get("model"), exp.get("defense"), exp.get("data_root"),
+                       {k: t.get(k) for k in CASCADE_THREAT}], sort_keys=True, default=str)
+
+
+def link_cascade(runners):
+    """The config's ``cascade`` (AutoAttack's order of attacks): each query run attacks only the samples that the
+    earlier runs of the file on the same images, target, defense and threat left robust; the others get a record
+    with ``attacked`` false and ``fooled_by`` (the earlier run that fooled it). The earlier runs' folders become
+    part of a run's config (``cascade_after``), hence of its hash: a cascaded run never resumes a run made alone."""
+    groups = {}
+    for r in runners:
+        key = cascade_group(r)
+        if key is None:
+            continue
+        r.after = list(groups.get(key, []))
+        if r.after:
+            r.plan.resolved["cascade_after"] = [p.run_dir.name for p in r.after]
+            r.run_dir, r.hash = run_dir_for(r.plan, r.device)
+        groups.setdefault(key, []).append(r)
 
 
 def run_all(runners, session, share=False, done=lambda runner: None):

@@ -63,8 +63,9 @@ def _views(summary, records):
     """``[(settings, records)]``: a query run's summary and records as they are; a transfer run once per target,
     as if that target had been attacked alone (the target's clean check for ``attacked``, its answer on the
     returned image for ``success``)."""
-    if summary["family"] in QUERY_FAMILIES:
-        return [(summary, records)]
+    if summary["family"] in QUERY_FAMILIES:  # a sample a cascade's earlier run fooled counts as attacked here
+        return [(summary, {i: {"attacked": r["attacked"] or bool(r.get("fooled_by")), "success": r["success"]}
+                           for i, r in records.items()})]
     views = []
     for target in summary.get("per_target") or {}:
         per = {i: r["targets"].get(target) or {"clean_correct": False, "success": False} for i, r in records.items()}

@@ -123,3 +123,82 @@ def test_transfer_runs_group_per_target(tmp_path, capsys):
         assert float(row["robust_acc"]) == pytest.approx(len(robust) / 10)
         correct = [i for i in range(10) if all(p[i]["clean_correct"] for p in per)]
         assert float(row["clean_acc"]) == pytest.approx(len(correct) / 10)
+
+
+CASCADE = """
+dataset: {name: digits, n: 20}
+model: test_digits_mlp_f64
+threat: {norm: linf, eps: 0.12, max_queries: 300}
+batch_size: 20
+device: cpu
+seed: 0
+output_dir: OUT
+robustness: OUT/board.csv
+CASCADE
+runs:
+  - {attack: simba_dct}
+  - {attack: square_linf}
+  - {attack: rays}
+  - {attack: square_linf, threat: {eps: 0.2}}
+"""
+
+
+def _cascade_run(tmp_path, name, cascade):
+    import test_engine  # noqa: F401  (registers test_digits_mlp_f64, a batch-invariant target)
+
+    out = tmp_path / name
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(CASCADE.replace("OUT", str(out)).replace("CASCADE", f"cascade: {str(cascade).lower()}"))
+    assert main(["run", str(path), "--quiet"]) == 0
+    runs = {}
+    for d in out.iterdir():
+        if (d / "summary.json").exists():
+            s = json.loads((d / "summary.json").read_text())
+            runs[(s["attack"], s["eps"])] = (s, {r["index"]: r for r in map(json.loads, (d / "records.jsonl").open())})
+    rows = {r["eps"]: r for r in csv.DictReader((out / "board_worst_case.csv").open())}
+    return runs, rows
+
+
+def test_cascade_attacks_only_what_earlier_runs_left_robust(tmp_path):
+    """AutoAttack's order: a run skips the samples an earlier run of the same images, target and threat fooled.
+    On a batch-invariant target the worst case is the one of the runs made alone (a sample's result does not
+    depend on which others are attacked with it), for fewer queries; a run of another eps is not in the cascade."""
+    alone, rows_alone = _cascade_run(tmp_path, "alone", False)
+    cascade, rows_cascade = _cascade_run(tmp_path, "cascade", True)
+    assert rows_cascade["0.12"]["robust_acc"] == rows_alone["0.12"]["robust_acc"]
+    assert rows_cascade["0.12"]["asr_any"] == rows_alone["0.12"]["asr_any"]
+    assert 0 < float(rows_alone["0.12"]["robust_acc"]) < float(rows_alone["0.12"]["clean_acc"])
+    fooled = {}  # sample -> the first run (in the file's order) that fooled it alone
+    after = {"simba_dct": None, "square_linf": "simba_dct", "rays": "simba_dct, square_linf"}
+    for attack in ("simba_dct", "square_linf", "rays"):
+        s, records = cascade[(attack, 0.12)]
+        _, records_alone = alone[(attack, 0.12)]
+        assert s["cascade_after"] == after[attack]
+        assert sum("fooled_by" in r for r in records.values()) == len(fooled)
+        for i, r in records.items():
+            if i in fooled:
+                assert not r["attacked"] and r["fooled_by"] == fooled[i]
+            else:
+                assert "fooled_by" not in r
+                assert {k: v for k, v in r.items() if k not in ("time", "check")} == \
+                    {k: v for k, v in records_alone[i].items() if k not in ("time", "check")}
+        for i, r in records_alone.items():
+            if r["success"]:
+                fooled.setdefault(i, attack)
+    spent = lambda runs: sum(r["queries"] for (a, e), (_, recs) in runs.items() if e == 0.12 for r in recs.values())  # noqa: E731
+    assert spent(cascade) < spent(alone)
+    assert len(fooled) > 1 and float(rows_cascade["0.12"]["n_runs"]) == 3
+    s, records = cascade[("square_linf", 0.2)]  # another threat: its own group, the run made alone
+    assert s["cascade_after"] is None and s["run"] == alone[("square_linf", 0.2)][0]["run"]
+    same = lambda recs: {i: {k: v for k, v in r.items() if k not in ("time", "check")} for i, r in recs.items()}  # noqa: E731
+    assert same(records) == same(alone[("square_linf", 0.2)][1])
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("backend: processes\n", "cascade runs the runs one after another, in the file's order: backend serial"),
+    ("share_forwards: true\n", "cascade runs the runs one after another; share_forwards runs them together")])
+def test_cascade_needs_the_runs_in_order(tmp_path, extra, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(CASCADE.replace("OUT", str(tmp_path / "o")).replace("CASCADE", "cascade: true\n" + extra))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)

@@ -220,15 +220,17 @@ class QueryWorker:
         attack = correct if target is None else correct & (target != y)
         records = base_records(index, y, target, correct)
         targets = [None] * len(index) if target is None else target.tolist()
-        done = []
-        for r, a, tg, d in zip(records, attack.tolist(), targets, defended_ok):
+        done, skip = [], self.run.skip
+        for i, r, a, tg, d in zip(index, records, attack.tolist(), targets, defended_ok):
             r.update(clean_correct_defended=d, defense=self.defense, eot=self.attack.eot)
-            if a:
+            if a and i not in skip:
                 self.ready.append((r, tg))
             else:
                 r.update(attacked=False, success=False, queries=0, l2=0.0, linf=0.0, ssim=1.0, lpips=None,
                          time=0.0, audit_adv=None, reeval_adv=None, reeval_votes=None, stalled=False,
                          success_rule=rule_label(t["success_rule"]))
+                if a:  # a cascade's earlier run fooled it (runner.link_cascade)
+                    r["fooled_by"] = skip[i]
                 done.append(r)
         return done
 
