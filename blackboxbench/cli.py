@@ -160,10 +160,11 @@ def _robustness(results, out):
     print(f"worst case per sample: {worst} ({_count(len(groups), 'group')} of runs on the same images and threat)")
     for g in groups:
         if g["robust_acc"] is not None and g["n_runs"] > 1:
+            best = "" if g["best_run"] is None else \
+                f"; the best alone ({g['best_run']}) leaves {g['clean_acc'] * (1 - (g['best_asr'] or 0)):.3f}"
             print(f"  {g['target_model']} ({g['defense'] or 'none'}) {g['norm']} {g['eps']:.4g}: robust accuracy "
                   f"{g['robust_acc']:.3f} ({g['robust_acc_low']:.3f}-{g['robust_acc_high']:.3f}) under "
-                  f"{g['n_runs']} runs on {g['n']} images; the best alone ({g['best_run']}) leaves "
-                  f"{g['clean_acc'] * (1 - (g['best_asr'] or 0)):.3f}")
+                  f"{g['n_runs']} runs{' (cascade)' if g['cascade'] else ''} on {g['n']} images{best}")
 
 
 def cmd_robustness(args):

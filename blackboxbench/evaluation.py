@@ -132,7 +132,7 @@ def summarize_query(records):
     attacked = [r for r in records if r["attacked"]]
     wins = [r for r in attacked if r["success"]]
     q = [r["queries"] for r in wins]
-    rules = sorted({r["success_rule"] for r in attacked})
+    rules = sorted({r["success_rule"] for r in records})  # every record states it (a run may attack none)
     defended = [r for r in records if r.get("clean_correct_defended") is not None]
     reeval = [r for r in attacked if r.get("reeval_adv") is not None]
     n_reeval = sum(r["reeval_adv"] for r in reeval)

@@ -16,7 +16,10 @@ A row gives the group's robust accuracy ``robust / n`` with its Wilson 95 % inte
 as not robust, as in AutoAttack), the clean accuracy ``correct / n``, the ASR of the union ``fooled by any /
 correct``, the best single run's ASR on the same samples and what the others add to it (``complement``), and per
 run the samples only it fooled. For a randomized target (``randomized``), a one-draw success (success rule
-``single``) overstates the attack: read the worst case of a ``majority`` run.
+``single``) overstates the attack: read the worst case of a ``majority`` run. In a group of a config's ``cascade``
+(``cascade`` true: a later run attacked only what the earlier ones left robust, its skipped samples counted as
+fooled by them) the robust accuracy is the same, and the best run, ``complement`` and ``only_fooled_by`` are left
+empty: no run there attacked every sample.
 """
 import csv
 import io
@@ -32,7 +35,7 @@ from .stats import wilson
 FAMILIES = (*QUERY_FAMILIES, "transfer")
 GROUP = ("dataset", "dataset_params", "target_model", "defense", "norm", "eps", "targeted", "budget", "success_rule")
 COLUMNS = (*GROUP, "n", "n_runs", "clean_acc", "robust_acc", "robust_acc_low", "robust_acc_high", "asr_any",
-           "best_run", "best_asr", "complement", "only_fooled_by", "randomized", "runs")
+           "best_run", "best_asr", "complement", "only_fooled_by", "randomized", "cascade", "runs")
 
 
 def worst_case(runs):
@@ -96,6 +99,9 @@ def worst_case_rows(results_dirs):
         row.update(worst_case([(m, records) for m, (_, records, _) in zip(names, members)]))
         row["only_fooled_by"] = "; ".join(f"{m} {k}" for m, k in row["only_fooled_by"].items())
         row["randomized"] = any(s.get("randomized_models") for s, _, _ in members)
+        row["cascade"] = any(s.get("cascade_after") for s, _, _ in members)
+        if row["cascade"]:  # a later run attacked only what the earlier left: no run's own ASR to compare
+            row.update(best_run=None, best_asr=None, complement=None, only_fooled_by=None)
         row["runs"] = "; ".join(names)
         rows.append(row)
     return rows

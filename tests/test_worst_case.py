@@ -188,6 +188,8 @@ def test_cascade_attacks_only_what_earlier_runs_left_robust(tmp_path):
     spent = lambda runs: sum(r["queries"] for (a, e), (_, recs) in runs.items() if e == 0.12 for r in recs.values())  # noqa: E731
     assert spent(cascade) < spent(alone)
     assert len(fooled) > 1 and float(rows_cascade["0.12"]["n_runs"]) == 3
+    assert rows_cascade["0.12"]["cascade"] == "True" and rows_cascade["0.12"]["best_run"] == ""
+    assert rows_alone["0.12"]["cascade"] == "False" and rows_alone["0.12"]["best_run"] in after
     s, records = cascade[("square_linf", 0.2)]  # another threat: its own group, the run made alone
     assert s["cascade_after"] is None and s["run"] == alone[("square_linf", 0.2)][0]["run"]
     same = lambda recs: {i: {k: v for k, v in r.items() if k not in ("time", "check")} for i, r in recs.items()}  # noqa: E731
@@ -202,3 +204,16 @@ def test_cascade_needs_the_runs_in_order(tmp_path, extra, message):
     path.write_text(CASCADE.replace("OUT", str(tmp_path / "o")).replace("CASCADE", "cascade: true\n" + extra))
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+def test_a_run_that_attacks_no_sample_keeps_its_success_rule():
+    """A cascade's later run may find every sample fooled: its summary still states the rule (the worst case
+    groups by it)."""
+    from blackboxbench.evaluation import summarize_query
+
+    r = {"index": 0, "label": 0, "target": None, "clean_correct": True, "attacked": False, "success": False,
+         "queries": 0, "l2": 0.0, "linf": 0.0, "ssim": 1.0, "lpips": None, "time": 0.0, "audit_adv": None,
+         "reeval_adv": None, "reeval_votes": None, "stalled": False, "success_rule": "majority of 5",
+         "fooled_by": "square_linf", "clean_correct_defended": None}
+    s = summarize_query([r])
+    assert s["success_rule"] == "majority of 5" and s["n_attacked"] == 0 and s["asr"] is None
