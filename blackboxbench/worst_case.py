@@ -16,10 +16,11 @@ A row gives the group's robust accuracy ``robust / n`` with its Wilson 95 % inte
 as not robust, as in AutoAttack), the clean accuracy ``correct / n``, the ASR of the union ``fooled by any /
 correct``, the best single run's ASR on the same samples and what the others add to it (``complement``), and per
 run the samples only it fooled. For a randomized target (``randomized``), a one-draw success (success rule
-``single``) overstates the attack: read the worst case of a ``majority`` run. In a group of a config's ``cascade``
-(``cascade`` true: a later run attacked only what the earlier ones left robust, its skipped samples counted as
-fooled by them) the robust accuracy is the same, and the best run, ``complement`` and ``only_fooled_by`` are left
-empty: no run there attacked every sample.
+``single``) overstates the attack: read the worst case of a ``majority`` run.
+
+In a group of a config's ``cascade`` (``cascade`` true: a later run attacked only what the earlier ones left
+robust) a later run's skipped samples count as fooled, so its worst case holds even without the earlier runs'
+folders; the best run, ``complement`` and ``only_fooled_by`` are left empty: no run there attacked every sample.
 """
 import csv
 import io
@@ -66,9 +67,9 @@ def _views(summary, records):
     """``[(settings, records)]``: a query run's summary and records as they are; a transfer run once per target,
     as if that target had been attacked alone (the target's clean check for ``attacked``, its answer on the
     returned image for ``success``)."""
-    if summary["family"] in QUERY_FAMILIES:  # a sample a cascade's earlier run fooled counts as attacked here
-        return [(summary, {i: {"attacked": r["attacked"] or bool(r.get("fooled_by")), "success": r["success"]}
-                           for i, r in records.items()})]
+    if summary["family"] in QUERY_FAMILIES:  # a sample a cascade's earlier run fooled counts as fooled here too
+        return [(summary, {i: {"attacked": r["attacked"] or bool(r.get("fooled_by")),
+                               "success": r["success"] or bool(r.get("fooled_by"))} for i, r in records.items()})]
     views = []
     for target in summary.get("per_target") or {}:
         per = {i: r["targets"].get(target) or {"clean_correct": False, "success": False} for i, r in records.items()}

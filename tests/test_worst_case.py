@@ -2,6 +2,7 @@
 hand, the grouping of runs end to end against the records themselves, and its place among a config's outputs."""
 import csv
 import json
+import shutil
 
 import pytest
 
@@ -190,6 +191,11 @@ def test_cascade_attacks_only_what_earlier_runs_left_robust(tmp_path):
     assert len(fooled) > 1 and float(rows_cascade["0.12"]["n_runs"]) == 3
     assert rows_cascade["0.12"]["cascade"] == "True" and rows_cascade["0.12"]["best_run"] == ""
     assert rows_alone["0.12"]["cascade"] == "False" and rows_alone["0.12"]["best_run"] in after
+    first = next(d for d in (tmp_path / "cascade").iterdir() if d.name.startswith("simba_dct"))
+    shutil.rmtree(first)  # the later runs' records still say what the first fooled
+    assert main(["robustness", str(tmp_path / "cascade"), "-o", str(tmp_path / "again.csv")]) == 0
+    again = {r["eps"]: r for r in csv.DictReader((tmp_path / "again_worst_case.csv").open())}
+    assert again["0.12"]["robust_acc"] == rows_alone["0.12"]["robust_acc"] and again["0.12"]["n_runs"] == "2"
     s, records = cascade[("square_linf", 0.2)]  # another threat: its own group, the run made alone
     assert s["cascade_after"] is None and s["run"] == alone[("square_linf", 0.2)][0]["run"]
     same = lambda recs: {i: {k: v for k, v in r.items() if k not in ("time", "check")} for i, r in recs.items()}  # noqa: E731
