@@ -156,7 +156,9 @@ def _robustness(results, out):
     for s in skipped:
         print(str(s), file=sys.stderr)
     worst = worst_case.worst_case_path(out)
-    groups = worst_case.export(results, worst)
+    groups, left_out = worst_case.export(results, worst)
+    for s in left_out:
+        print(str(s), file=sys.stderr)
     print(f"worst case per sample: {worst} ({_count(len(groups), 'group')} of runs on the same images and threat)")
     for g in groups:
         if g["robust_acc"] is not None and g["n_runs"] > 1:

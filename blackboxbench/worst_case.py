@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .compare import load_run
 from .errors import BenchError
-from .leaderboard import cell, label, run_dirs, read_summary
+from .leaderboard import Skipped, cell, label, read_summary, run_dirs
 from .robustness import QUERY_FAMILIES
 from .stats import wilson
 
@@ -81,16 +81,22 @@ def _views(summary, records):
 
 
 def worst_case_rows(results_dirs):
-    """One row per group of the finished query and transfer runs below the results directory (or directories), in
-    the order of their first run directory (a transfer run joins one group per target); each row the group's
-    settings, :func:`worst_case` and ``runs`` (the runs' names: the config's ``name`` else the attack, with the run
-    directory where two share one)."""
-    groups = {}
+    """``(rows, skipped)``: one row per group of the finished query and transfer runs below the results directory
+    (or directories), in the order of their first run directory (a transfer run joins one group per target); each
+    row the group's settings, :func:`worst_case` and ``runs`` (the runs' names: the config's ``name`` else the
+    attack, with the run directory where two share one). A run whose records cannot be read is left out and
+    listed in ``skipped``."""
+    groups, skipped = {}, []
     for d in run_dirs(results_dirs):
         summary, reason = read_summary(d)
         if reason or summary.get("family") not in FAMILIES:
             continue
-        for view, records in _views(*load_run(d)):
+        try:
+            views = _views(*load_run(d))
+        except BenchError as e:  # records that cannot be read: the run is left out, and said so
+            skipped.append(Skipped(d, f"left out of the worst case: {e}"))
+            continue
+        for view, records in views:
             groups.setdefault(_key(view), []).append((view, records, d))
     rows = []
     for members in groups.values():
@@ -105,7 +111,7 @@ def worst_case_rows(results_dirs):
             row.update(best_run=None, best_asr=None, complement=None, only_fooled_by=None)
         row["runs"] = "; ".join(names)
         rows.append(row)
-    return rows
+    return rows, skipped
 
 
 def worst_case_path(out_csv):
@@ -115,8 +121,8 @@ def worst_case_path(out_csv):
 
 
 def export(results_dirs, out_csv):
-    """Write the worst-case CSV; returns its rows."""
-    rows = worst_case_rows(results_dirs)
+    """Write the worst-case CSV; returns its rows and the runs left out (:class:`~.leaderboard.Skipped`)."""
+    rows, skipped = worst_case_rows(results_dirs)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(COLUMNS)
@@ -127,4 +133,4 @@ def export(results_dirs, out_csv):
         out.write_text(buf.getvalue(), encoding="utf-8")
     except OSError as e:
         raise BenchError(f"cannot write the worst-case table {out}: {e.strerror or e}") from None
-    return rows
+    return rows, skipped

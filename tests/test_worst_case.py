@@ -83,6 +83,15 @@ def test_groups_runs_on_the_same_images_and_threat(tmp_path, capsys):
     correct = {r["index"] for r in records["square_linf"] if r["attacked"]}
     assert float(row["asr_any"]) == pytest.approx(len(fooled) / len(correct))
     assert fooled and len(robust) + len(fooled) == len(correct)
+    bad = next(d for d in out.iterdir() if d.name.startswith("simba_dct"))
+    lines = (bad / "records.jsonl").read_text().splitlines()
+    (bad / "records.jsonl").write_text("\n".join([lines[0].replace('"success": ', '"success":  ')[:-3] + '0"}']
+                                                  + lines[1:]) + "\n")  # a record whose checksum fails
+    assert main(["robustness", str(out), "-o", str(tmp_path / "again.csv")]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {bad}: left out of the worst case: " in err and "checksum" in err
+    again = list(csv.DictReader((tmp_path / "again_worst_case.csv").open()))
+    assert sorted(r["n_runs"] for r in again) == ["1", "2"]
 
 
 def test_worst_case_path_is_an_output_of_the_config(tmp_path):
