@@ -427,9 +427,10 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     (a ``detection_context`` asset, named by the recipe; none is needed with ``steps: 0``). Each plan starts from
     the clean image and descends the weighted training losses of the surrogates (``weights``, default 4, 1, 1,
     ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of ``alpha`` inside the eps ball. ``select``:
-    ``last`` returns every image's last plan (all plans run, as the authors' script); ``first_hit`` the first
-    plan after which the first surrogate (the authors' indicator model) detects the target label on the victim at
-    IoU > iou_thr (else the last), stopping there. ``helpers: random`` draws helper labels uniformly (the authors'
+    ``last`` returns every image's last plan, and only that plan runs (the authors' script runs every plan to
+    score each one; the earlier plans do not change the last one's image); ``first_hit`` the first plan after
+    which the first surrogate (the authors' indicator model) detects the target label on the victim at IoU >
+    iou_thr (else the last), stopping there. ``helpers: random`` draws helper labels uniformly (the authors'
     ``-random`` control). ``vanish: true``: plan ap``k`` keeps only its first k + 1 objects, so the attack also
     hides the detections it has not relabelled yet (the authors' ``-vanish``)."""
     tables = ctx.assets.get(context) if steps and context is not None else None
@@ -454,7 +455,9 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
         vlabels.append(target)
     vboxes, vlabels = torch.stack(vboxes), torch.tensor(vlabels, device=p.x.device)
     x_best, done = p.x.clone(), torch.zeros(p.n, dtype=torch.bool, device=p.x.device)
-    for k in range(steps + 1):
+    # select last: only the last plan is kept, and each plan's descent starts from the clean image and draws no
+    # random number of the sample's, so the earlier plans are not run (same images, 1 / (steps + 1) of the work)
+    for k in range(steps + 1) if select == "first_hit" else [steps]:
         xc = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha)
         x_best = torch.where(per_sample(done, p.x).bool(), x_best, xc)
         if select == "first_hit" and k < steps:
