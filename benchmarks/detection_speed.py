@@ -48,6 +48,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--score-thr", type=float, default=None, help="harmonized score threshold (threat.score_thr)")
     ap.add_argument("--max-det", type=int, default=None, help="harmonized detection cap (threat.max_det)")
+    ap.add_argument("--craft", default="", help="craft settings over every recipe's, in YAML flow form (e.g. "
+                    "'{iterations: 2}' for a short run of big detectors on CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -55,7 +57,7 @@ def main():
     model, data = build_model(spec(args.model), device=dev), shapes(None, n=args.n, size=args.size)
     extra = [build_model(spec(args.extra), device=dev)] if args.extra else []
     print(f"model {args.model}, extra surrogate {args.extra or '-'}, {args.n} shapes images of {args.size} px, "
-          f"device {dev}, score_thr {args.score_thr}, max_det {args.max_det}")
+          f"device {dev}, score_thr {args.score_thr}, max_det {args.max_det}, craft settings {args.craft or '-'}")
     fam = FAMILY.get("detection")
     names = [n for n, p in catalog.entries("attacks").items() if load_yaml(p)["family"] == "detection"]
     if args.only:
@@ -64,7 +66,8 @@ def main():
           "| mean L2 | mean SSIM |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        recipe, src = load_recipe(name, "bench")
+        recipe, src = load_recipe({"recipe": name, "blocks": {"craft": yaml.safe_load(args.craft)}} if args.craft
+                                  else name, "bench")
         t = finish_threat({"score_thr": args.score_thr, "max_det": args.max_det}, recipe, fam, "bench")
         attack = build_attack(recipe, t, src)
         assets = {k: ATTACKER_ASSETS[kind](None) for k, (_, kind) in attack.meta["assets"].items()}

@@ -366,3 +366,50 @@ def test_relabel_matches_the_per_detection_loop(mode):
         keep = torch.rand(m, generator=g) < 0.6
         boxes, labels = dets["boxes"][keep], dets["labels"][keep]
         assert torch.equal(relabel(boxes, labels, dets, c, mode), _relabel_reference(boxes, labels, dets, c, mode))
+
+
+def test_caa_select_last_is_the_last_of_every_plan_run(setup):
+    """``select: last`` runs only the last plan's descent. Reference: every plan run and the last one kept, which is
+    ``first_hit`` at an IoU no box exceeds (it never stops early): the same images, bit for bit."""
+    model, data = setup
+    extra, sub = [build_model("shapes_fcos_b")], data.subset(range(2))
+    craft = {"iterations": 2, "steps": 2}
+    a, _, _ = run_recipe("caa_10", model, sub, slots=2, overrides={"blocks": {"craft": craft}}, extra=extra)
+    b, _, _ = run_recipe("caa_10", model, sub, slots=2, extra=extra, overrides={"blocks": {"craft": {
+        **craft, "select": "first_hit", "iou_thr": 1.0}}})
+    assert all(torch.equal(r["_image"], q["_image"]) for r, q in zip(a, b))
+    assert any(r["linf"] > 0 for r in a)
+
+
+def test_detector_losses_are_the_plain_training_forward(frcnn):
+    """``Detector.losses`` (modes set from the list made at construction, the global streams forked and seeded)
+    against the obvious way: net.train(), BatchNorm's eval(), torch.manual_seed(0), the training forward, then
+    net.eval() and the caller's stream back. The tiny Faster R-CNN samples anchors and proposals from the seeded
+    stream; a BatchNorm net checks the modes."""
+    from blackboxbench.detection.models import Detector
+
+    x = shapes(None, n=2).x
+    targets = [{"boxes": torch.tensor([[4., 4, 30, 30]]), "labels": torch.tensor([1])}] * 2
+    state = torch.get_rng_state()
+    got = frcnn.losses(x, targets)
+    assert torch.equal(torch.get_rng_state(), state) and not any(m.training for m in frcnn.net.modules())
+    frcnn.net.train()
+    torch.manual_seed(0)
+    want = frcnn.net(list(x), frcnn.to_model_targets(targets))
+    frcnn.net.eval()
+    torch.set_rng_state(state)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+    bn = torch.nn.modules.batchnorm._BatchNorm
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4),
+                              torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Dropout()))
+    det = Detector(net, [-1, 0], "fcos")
+    det._loss_mode(True)
+    flags = [m.training for m in net.modules()]
+    net.train()
+    for m in net.modules():
+        if isinstance(m, bn):
+            m.eval()
+    assert flags == [m.training for m in net.modules()] == [True, True, False, True, False, True]
+    det._loss_mode(False)
+    assert not any(m.training for m in net.modules())

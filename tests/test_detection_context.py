@@ -200,7 +200,8 @@ def test_vanish_plans_keep_the_first_k_plus_one_objects(n_det):
 
 
 def test_caa_vanish_descends_towards_the_shortened_plans(monkeypatch):
-    """``vanish: true`` reaches the plans the craft descends towards: ap0 holds the victim alone."""
+    """``vanish: true`` reaches the plans the craft descends towards: ap0 holds the victim alone (``first_hit``
+    without a hit runs every plan; ``last`` runs the last one alone)."""
     import blackboxbench.detection.attacks as attacks
 
     seen = []
@@ -216,8 +217,11 @@ def test_caa_vanish_descends_towards_the_shortened_plans(monkeypatch):
                           surrogates=[object()], model=None, rng=rng)
     for vanish, want in ((False, [3, 3, 3, 4, 5, 6]), (True, [1, 2, 3, 4, 5, 6])):
         seen.clear()
-        caa(ctx, None, steps=5, context="context", vanish=vanish)
+        caa(ctx, None, steps=5, context="context", vanish=vanish, select="first_hit")  # never hits: every plan
         assert [s[0] for s in seen] == want
+        seen.clear()
+        caa(ctx, None, steps=5, context="context", vanish=vanish)  # select last: the last plan alone
+        assert [s[0] for s in seen] == want[-1:]
 
 
 def test_random_helpers_reach_classes_the_context_excludes():

@@ -295,8 +295,8 @@ def pick_victims(ctx, conf_thr, u):
         if not len(labels):
             out.append((d, None, -1))
             continue
-        v = min(int(u1 * len(labels)), len(labels) - 1)
-        absent = [j for j in range(c) if j not in set(labels.tolist())] or [j for j in range(c) if j != int(labels[v])]
+        v, present = min(int(u1 * len(labels)), len(labels) - 1), labels.tolist()
+        absent = [j for j in range(c) if j not in present] or [j for j in range(c) if j != present[v]]
         out.append((d, v, absent[min(int(u2 * len(absent)), len(absent) - 1)]))
     return out
 

@@ -94,7 +94,7 @@ def finetune(base, x, targets, *, steps, lr, seed, batch=8):
         with seeded(seed):
             for _ in range(steps):
                 idx = torch.randint(0, len(x), (batch,), generator=gen).tolist()
-                model._train_mode()
+                model._loss_mode(True)
                 losses = net([x[i] for i in idx], [mt[i] for i in idx])
                 opt.zero_grad()
                 sum(losses.values()).backward()
