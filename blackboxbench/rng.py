@@ -85,11 +85,13 @@ def seeded(seed=None):
     global streams are left as they were. (``fork_rng(devices=[])`` alone keeps only the CPU's, while
     ``torch.manual_seed`` reseeds every CUDA device's as well. Without a CUDA device only the CPU's is seeded:
     torch.manual_seed would queue the CUDA seed for an initialisation that cannot come, formatting the call stack
-    each time, about 1 ms per call of a detector's loss at every attack step; the library runs on CPU and CUDA.)"""
+    each time, 0.4 ms in each call of a detector's loss at every attack step; the library runs on CPU and CUDA.)"""
     devices = list(range(torch.cuda.device_count()))
     with torch.random.fork_rng(devices=devices):
-        if seed is not None:
-            (torch.manual_seed if devices else torch.default_generator.manual_seed)(seed)
+        if seed is not None and devices:
+            torch.manual_seed(seed)
+        elif seed is not None:
+            torch.default_generator.manual_seed(seed)
         yield
 
 
