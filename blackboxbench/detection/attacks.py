@@ -379,10 +379,14 @@ def hit(model, x, boxes, labels, iou_thr):
 def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, iou_thr=0.9):
     """Ensemble-based black-box attack (mislabel): one random detected object relabelled to a class absent from
     the image, the others kept; PGD descent (step 3 eps / 20) of the weighted training losses of the surrogates,
-    weights initialised to 1 / L_i; then up to ``queries`` weight updates, one surrogate in turn (w_i +- lr_w /
-    L_i), each PGD rerun and judged by the victim's loss (the victim is the first surrogate, as in the benchmark);
-    an image stops at success (its target label at IoU > iou_thr). Runs one image at a time (``per_image``): each
-    image has its own weights, as in the authors' code."""
+    weights initialised to w_i = (1 / L_i) / sum_j (1 / L_j). Then victim queries as the authors'
+    ``attack_bb_det.py`` counts them: the first PGD's image is query 1, and while fewer than ``queries`` were
+    made, a round: one surrogate in turn gets two candidates, w_i + lr_w / L_i then w_i - lr_w / L_i (the raw
+    inverse loss, the others unchanged), each a PGD run started from the current image and one query (10 queries:
+    5 rounds, at most 11 queries as theirs). An image stops at its first candidate that succeeds (its target label at IoU > iou_thr on the
+    victim, the first surrogate as in the benchmark); otherwise the candidate with the lower victim loss (its
+    training loss towards the targets) becomes the current image and weights, the weights then clipped at 0,
+    raised by 0.005 and normalised. Runs one image at a time (``per_image``): each image has its own weights."""
     p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
     victim = models[0]
     targets, vboxes, vlabels = relabel_one(ctx, conf_thr)
@@ -391,23 +395,26 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
         inv = torch.tensor([1 / max(float(sum(m.losses(p.x, targets).values())), 1e-6) for m in models])
     w = inv / inv.sum()
     x_adv = descend(ctx, models, w.tolist(), targets, p.x, iterations, alpha)
-    done = hit(victim, x_adv, vboxes, vlabels, iou_thr)
-    for q in range(queries if len(models) > 1 else 0):
-        if bool(done.all()):
-            break
-        i = q % len(models)
-        cands = []
+    # an image without a detection has no goal (label -1): nothing to query for (the authors skip such images)
+    done = bool((vlabels < 0).all()) or bool(hit(victim, x_adv, vboxes, vlabels, iou_thr).all())
+    spent, turn = 1, 0
+    while not done and spent < queries and len(models) > 1:
+        i, cands = turn % len(models), []
         for sgn in (1, -1):
             wc = w.clone()
-            wc[i] = wc[i] + sgn * lr_w * inv[i] / inv.sum()
-            wc = torch.relu(wc) + 0.005
-            wc = wc / wc.sum()
-            xc = descend(ctx, models, wc.tolist(), targets, p.x, iterations, alpha)
+            wc[i] = wc[i] + sgn * lr_w * inv[i]
+            xc = descend(ctx, models, wc.tolist(), targets, x_adv, iterations, alpha)
+            spent += 1
+            if bool(hit(victim, xc, vboxes, vlabels, iou_thr).all()):
+                w, x_adv, done = wc, xc, True
+                break
             with torch.no_grad():
                 cands.append((float(sum(victim.losses(xc, targets).values())), wc, xc))
-        _, w, xc = min(cands, key=lambda c: c[0])
-        x_adv = torch.where(per_sample(done, p.x).bool(), x_adv, xc)
-        done = done | hit(victim, x_adv, vboxes, vlabels, iou_thr)
+        if not done:
+            _, w, x_adv = min(cands, key=lambda c: c[0])
+            w = torch.relu(w) + 0.005
+            w = w / w.sum()
+        turn += 1
     return Crafted(x_adv, vboxes, vlabels, iou_thr)
 
 
