@@ -21,7 +21,7 @@ from blackboxbench.query.advflow import Coupling, ImageFlow, nll, population_ste
 from blackboxbench.runner import run_experiment
 
 from attack_utils import count_calls, make_ctx
-from test_engine import _exp, _records, records_by_batch_size
+from test_engine import _exp, _records, records_by_batch_size, records_by_probe_values
 
 DATA = os.environ.get("BLACKBOXBENCH_DATA")
 needs_data = pytest.mark.skipif(not DATA or not Path(DATA, "cifar10").is_dir(),
@@ -187,3 +187,15 @@ def resnet56_run(tmp_path, attack, n=6, fooled=4, train_n=None, model="cifar_res
 def test_resnet56_at_the_papers_budget(tmp_path):
     """AdvFlow with a reduced flow: see :func:`resnet56_run`."""
     resnet56_run(tmp_path, {"recipe": "advflow", "blocks": {"perturb": {"name": "advflow", **REDUCED}}})
+
+
+def test_population_calls_hold_whole_samples_within_the_bound(tmp_path, monkeypatch):
+    """With room for one sample's population (20 digits of 64 values) a call, every population call holds one
+    sample's candidates, where the unbounded run's first call holds every sample's; the records are the same (at
+    299 x 299 one call of every slot's population grew by about 190 MB a slot)."""
+    attack = {"recipe": "advflow", "blocks": {"perturb": {"name": "advflow", **FAST}}}
+    (whole, largest), (cut, largest_cut) = records_by_probe_values(
+        tmp_path, monkeypatch, attack, advflow, (1 << 26, 20 * 64), "linf", 0.2, budget=300,
+        assets=_digits_assets())
+    assert largest >= 8 * 20 and largest_cut == 20
+    assert whole == cut and sum(r["success"] for r in whole) >= 6

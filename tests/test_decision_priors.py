@@ -218,3 +218,83 @@ def test_resnet56_with_resnet_surrogates(tmp_path):
         recs = [r for r in _records(run_dir, drop=()) if r["attacked"]]
         assert len(recs) >= 3 and all(r["success"] and r["audit_adv"] for r in recs), attack
         assert all(r["queries"] <= 10_000 and r[norm] <= eps + 1e-5 for r in recs), attack
+
+
+def test_psba_scale_search_holds_whole_samples_within_the_bound(tmp_path, monkeypatch):
+    """With room for one sample's ``pick_probes`` decodes (100 digits of 64 values) a call, the scale search decodes
+    one sample's probes at a time, where the unbounded run decodes every sample's at once; the records are the same
+    (at 299 x 299 a sample's 100 decodes are 107 MB, and the search held every new sample's at once). The room is
+    cut in the search's calls only: HSJA's estimate, in pieces, sums its probes in another order (float
+    precision, tests/test_decision_qeba_cisa.py)."""
+    from blackboxbench.query import common
+
+    real_pick, real_decode = priors.pick_scale, priors.decode
+    inside, out = [], []
+
+    def pick(*args):
+        inside.append(True)
+        try:
+            return real_pick(*args)
+        finally:
+            inside.pop()
+
+    def counted(net, ctx, owner, shape):
+        if inside:
+            sizes.append(len(owner))
+        return real_decode(net, ctx, owner, shape)
+
+    monkeypatch.setattr(priors, "pick_scale", pick)
+    monkeypatch.setattr(priors, "decode", counted)
+    attack = {"recipe": "psba", "blocks": {"perturb": {"name": "psba", **FAST}}}
+    real_calls = common.bounded_calls
+    for values in (1 << 26, 100 * 64):
+        monkeypatch.setattr(priors, "bounded_calls", lambda rows, v: real_calls(rows, v * (1 << 26) // values))
+        sizes = []
+        exp = _exp(tmp_path / str(values), attack=attack, model="test_digits_mlp_f64", surrogates=["digits_cnn"],
+                   assets=_digits_assets(), threat={"norm": "linf", "eps": 0.2, "max_queries": 400},
+                   batch_size=16, dataset={"name": "digits", "n": 16})
+        run_dir, _ = run_experiment(exp, progress=False)
+        out.append((_records(run_dir), max(sizes)))
+    (whole, largest), (cut, largest_cut) = out
+    assert largest >= 8 * 100 and largest_cut == 100
+    assert whole == cut
+
+
+@pytest.mark.parametrize("block", ["advflow", "np_attack", "cg_attack", "mcg_init"])
+def test_a_generative_prior_of_another_image_size_is_one_line_error(block):
+    """AdvFlow's flow, NP-attack's ANP and the c-Glows model images of one size: a train_images asset whose images
+    differ from the run's stops with one line naming the asset's key before any training (the default asset,
+    CIFAR-10 at 32 x 32, against ImageNet images gave a shape traceback)."""
+    from blackboxbench.prep.data import Dataset
+    from blackboxbench.query import advflow, cg_attack, np_attack
+
+    x = torch.rand(2, 3, 16, 16)
+    train = Dataset("small", torch.rand(4, 3, 8, 8), torch.zeros(4, dtype=torch.long), 2)
+    ctx = _ctx_with(nn.Flatten(), x, surrogates=[nn.Flatten()], assets={"train": train})
+    build = {"advflow": lambda: advflow.trained_flow(ctx, "train", {}, {"seed": 0}),
+             "np_attack": lambda: np_attack.trained_anp(ctx, "train", {}, {"seed": 0}),
+             "cg_attack": lambda: cg_attack.trained_cglow(ctx, "train", {"num_levels": 3}, {"seed": 0}),
+             "mcg_init": lambda: cg_attack.trained_cglow(ctx, "train", {"num_levels": 3}, {"seed": 0}, "mcg_init")}
+    trained._RUN.clear()
+    with pytest.raises(BenchError, match=rf"^'{block}': the train_images asset 'train' holds 3 x 8 x 8 images, "
+                                         r"the run's are 3 x 16 x 16; .*assets: \{train: "):
+        build[block]()
+
+
+def test_images_the_generative_priors_cannot_take_are_one_line_errors():
+    """At 299 x 299 NP-attack's ANP would attend between all 268,203 points (1.15 TB) and the c-Glow needs sides
+    that are multiples of 8: each stops with one line naming the block (MCG's c-Glow names mcg_init)."""
+    from blackboxbench.prep.data import Dataset
+    from blackboxbench.query import cg_attack
+    from blackboxbench.query.np_attack import check_points
+
+    with pytest.raises(BenchError, match=r"^np_attack: the ANP attends .* at 3 x 299 x 299 its attention is "
+                                         r"4 x P\^2 = 1,151 GB .*config key data"):
+        check_points((3, 299, 299))
+    check_points((3, 32, 32))
+    x = torch.rand(2, 3, 12, 12)
+    ctx = _ctx_with(nn.Flatten(), x, surrogates=[nn.Flatten()],
+                    assets={"train": Dataset("small", torch.rand(4, 3, 12, 12), torch.zeros(4, dtype=torch.long), 2)})
+    trained._RUN.clear()
+    with pytest.raises(BenchError, match=r"^mcg_init: image sides 12 x 12 must be multiples of 8 \(num_levels 3"):
+        cg_attack.trained_cglow(ctx, "train", {"num_levels": 3}, {"seed": 0}, "mcg_init")

@@ -86,7 +86,7 @@ def trained_model(ctx, block, kind, data, params, make, train):
     key = (block, id(images), tuple(sorted(params.items())), str(ctx.device))
 
     def build():
-        train_set = train_data(ctx, block, data)
+        train_set = train_data(ctx, block, data, same_size=True)
         disk = cache_key(block, params, [], train_set, params["seed"], ctx.device)
         out = cached(kind, disk, lambda: train(train_set.x.to(ctx.device)))
         net = make(train_set.x.shape[1:])
@@ -96,13 +96,20 @@ def trained_model(ctx, block, kind, data, params, make, train):
     return once_per_run(key, images, build)
 
 
-def train_data(ctx, block, name):
+def train_data(ctx, block, name, same_size=False):
     """The ``train_images`` asset ``name``; an error when it holds any of the run's evaluation images
-    (``ctx.pool``): the attacker would train on the images it is evaluated on."""
+    (``ctx.pool``): the attacker would train on the images it is evaluated on. ``same_size``: also an error when
+    its images' shape is not the run's (a generative model of images of one size: AdvFlow's flow, NP-attack's
+    ANP, the c-Glows)."""
     if name not in ctx.assets:
         raise BenchError(f"'{block}': no train_images asset named '{name}' (declare assets: "
                          f"{{{name}: {{name: train_images}}}})")
     data = ctx.assets[name]
+    have, want = tuple(data.x.shape[1:]), tuple(ctx.problem.x.shape[1:])
+    if same_size and have != want:
+        raise BenchError(f"'{block}': the train_images asset '{name}' holds {' x '.join(map(str, have))} images, "
+                         f"the run's are {' x '.join(map(str, want))}; its model learns images of one size: declare "
+                         f"the asset's spec (assets: {{{name}: {{name: train_images, spec: ...}}}}) at the run's size")
     if ctx.pool is not None:
         shared = shared_images(data.x, ctx.pool.x)
         if shared:

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..prep.trained import augment, trained_model
 from ..registry import INIT, PERTURB
-from .common import query_margin, start_state
+from .common import bounded_calls, query_margin, start_state
 
 PAPER = ("Dolatabadi, Erfani, Leckie, AdvFlow: Inconspicuous Black-box Adversarial Attacks using Normalizing "
          "Flows, NeurIPS 2020")
@@ -247,18 +247,24 @@ def advflow_init(ctx, *, mu_scale=0.001):
 
 def population_step(ctx, z, mu, decode, *, n_pop, sigma, lr):
     """AdvFlow's NES update of the latent shifts ``mu`` (n, D) around the latents ``z``: ``n_pop`` decoded and
-    projected candidates per sample, queried in one oracle call; returns the new ``mu``."""
+    projected candidates per sample, queried in calls of whole samples of about ``PROBE_VALUES`` values (one call
+    on CIFAR-10; at 299 x 299 a sample's population is 20 images and its decode's temporaries several times that,
+    so one call for every slot grew by about 190 MB a slot); returns the new ``mu``."""
     problem = ctx.problem
     n, d = mu.shape
-    e = ctx.rng.normal((n_pop, d)).to(mu.device)
-    idx = torch.arange(n, device=mu.device).repeat_interleave(n_pop)
-    candidates = problem.sub(idx).project(decode((z + mu)[:, None] + sigma * e).clamp(0, 1))
-    margin, _, ok = query_margin(ctx, candidates, idx)
-    reward = -0.5 * margin.clamp(0, 1000).view(n, n_pop)
-    ok = ok.view(n, n_pop).all(1)
-    reward = torch.where(ok[:, None], reward, 0.0)  # a refused query: no step
-    a = (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-10)
-    return mu + lr / (n_pop * sigma) * torch.einsum("nk,nkd->nd", a, e)
+    new = mu.clone()
+    for sel in bounded_calls(torch.ones(n, dtype=torch.long, device=mu.device), n_pop * d):
+        m = sel.numel()
+        e = ctx.rng.normal((n_pop, d), rows=sel).to(mu.device)
+        idx = sel.repeat_interleave(n_pop)
+        candidates = problem.sub(idx).project(decode((z[sel] + mu[sel])[:, None] + sigma * e).clamp(0, 1))
+        margin, _, ok = query_margin(ctx, candidates, idx)
+        reward = -0.5 * margin.clamp(0, 1000).view(m, n_pop)
+        ok = ok.view(m, n_pop).all(1)
+        reward = torch.where(ok[:, None], reward, 0.0)  # a refused query: no step
+        a = (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-10)
+        new[sel] = mu[sel] + lr / (n_pop * sigma) * torch.einsum("nk,nkd->nd", a, e)
+    return new
 
 
 @PERTURB.register("advflow", paper=PAPER, norms=("linf", "l2"), asset_params={"data": "train_images"},

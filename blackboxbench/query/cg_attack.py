@@ -75,6 +75,15 @@ FLOOR = 20.0  # the attack's fitness: the margin floored at -20 (run_attack.py's
 
 # ------------------------------------------------------------------------------------------------ c-Glow ----
 
+def check_sides(shape, num_levels, where):
+    """A one-line error unless the sides of ``shape`` (C, H, W) are multiples of the c-Glow's ``2 ^ num_levels``
+    and of its conditioners' 8 (``where`` names the block)."""
+    k = 2 ** max(num_levels, 3)
+    if shape[1] % k or shape[2] % k:
+        raise BenchError(f"{where}: image sides {shape[1]} x {shape[2]} must be multiples of {k} (num_levels "
+                         f"{num_levels}, the conditioners' 8)")
+
+
 def _normal_(module, std):
     nn.init.normal_(module.weight, std=std)
     if module.bias is not None:
@@ -217,10 +226,8 @@ class CondGlow(nn.Module):
 
     def __init__(self, shape, *, x_hidden_channels, x_hidden_size, y_hidden_channels, flow_depth, num_levels):
         super().__init__()
+        check_sides(shape, num_levels, "cg_attack")
         c, h, w = shape
-        if h % 2 ** max(num_levels, 3) or w % 2 ** max(num_levels, 3):
-            raise BenchError(f"cg_attack: image sides {h} x {w} must be multiples of "
-                             f"{2 ** max(num_levels, 3)} (num_levels {num_levels}, the conditioners' 8)")
         self.shape, self.levels = tuple(shape), num_levels
         self.steps, self.priors, self.top = nn.ModuleList(), nn.ModuleList(), None
         for level in range(num_levels):
@@ -438,7 +445,8 @@ def trained_cglow(ctx, data, arch, hp, block="cg_attack"):
     key = ("cglow", id(images), tuple(map(id, ctx.surrogates)), tuple(sorted(params.items())), str(ctx.device))
 
     def build():
-        train_set = train_data(ctx, block, data)
+        train_set = train_data(ctx, block, data, same_size=True)
+        check_sides(train_set.x.shape[1:], arch["num_levels"], block)
         return fit_cglow(ctx.surrogates, train_set, arch, hp, p.eps, p.norm, ctx.device)[0]
 
     return once_per_run(key, (images, ctx.surrogates), build)

@@ -41,6 +41,7 @@ PAPER = ("Bai, Zeng, Jiang, Wang, Xia, Guo, Improving Query Efficiency of Black-
          "ECCV 2020")
 COORDS = 3  # row, column, channel
 CHUNK = 1 << 25  # decoder activations per chunk (rows x points x hidden)
+ATTENTION = 1 << 30  # the most values of the ANP's attention (heads x P x P): 4 GiB of float32
 
 
 def coordinates(shape, device=None):
@@ -163,6 +164,19 @@ def train_anp(x, arch, *, epochs, views, np_lr, batch, seed):
             "nats_per_pixel": per_pixel.reshape(1).cpu()}
 
 
+def check_points(shape, heads=4):
+    """A one-line error when the ANP's attention over the P = C*H*W points of images of ``shape`` (heads x P x P
+    values, shared by the images of a batch) would exceed ``ATTENTION`` values."""
+    p = math.prod(shape)
+    if heads * p * p > ATTENTION:
+        gb = heads * p * p * 4 / 1e9
+        raise BenchError(f"np_attack: the ANP attends between every pair of an image's P = C*H*W points: at "
+                         f"{' x '.join(map(str, shape))} its attention is {heads} x P^2 = {gb:,.0f} GB of float32 "
+                         f"(limit {ATTENTION * 4 / 2 ** 30:.0f} GiB: at most {math.isqrt(ATTENTION // heads):,} "
+                         "points; CIFAR-10's 3 x 32 x 32 is 3,072): attack smaller images (config key data) or "
+                         "use another recipe")
+
+
 def trained_anp(ctx, data, arch, hp):
     """The frozen ANP of ``arch`` trained with ``hp`` on the ``train_images`` asset ``data``, on the run's device:
     cached on disk and built once per run."""
@@ -214,8 +228,9 @@ def np_attack(ctx, state, *, n_pop=100, lr=0.05, data="train", r_dim=128, z_dim=
     arch = {"r_dim": int(r_dim), "z_dim": int(z_dim), "hidden": int(hidden)}
     hp = {"epochs": int(epochs), "views": int(views), "np_lr": float(np_lr), "batch": int(batch),
           "seed": int(seed)}
-    net = trained_anp(ctx, data, arch, hp)
     problem = ctx.problem
+    check_points(problem.x.shape[1:])
+    net = trained_anp(ctx, data, arch, hp)
     r, z_mean, z_scale = state["r"], state["z_mean"], state["z_scale"]
     if r.shape[-1] != arch["z_dim"]:
         raise BenchError(f"np_attack: z_dim {arch['z_dim']} differs from np_init's {r.shape[-1]} (set both)")
