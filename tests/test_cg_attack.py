@@ -24,7 +24,7 @@ from blackboxbench.threat import margin_loss
 
 from attack_utils import count_calls
 from test_advflow import needs_data, resnet56_run
-from test_engine import _exp, records_by_batch_size
+from test_engine import _exp, records_by_batch_size, records_by_probe_values
 
 SMALL = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 8, "flow_depth": 2, "num_levels": 2}
 
@@ -194,3 +194,16 @@ def test_resnet20_at_the_papers_budget(tmp_path, recipe):
     recs = resnet56_run(tmp_path, _attack(recipe, "reduced"), n=4, fooled=3, train_n=64, model="cifar_resnet20",
                         surrogates=["cifar_resnet32"])
     print(sorted(r["queries"] for r in recs))
+
+
+def test_population_calls_hold_whole_samples_within_the_bound(tmp_path, monkeypatch):
+    """With room for one sample's population (20 digits of 64 values) a call, every generation's call holds one
+    sample's candidates, where the unbounded run's holds every sample's; the records are the same (at 296 x 296 one
+    call of every slot's population grew by about 150 MB a slot)."""
+    from blackboxbench.query import cg_attack
+
+    (whole, largest), (cut, largest_cut) = records_by_probe_values(
+        tmp_path, monkeypatch, _attack("cg_attack", "fast"), cg_attack, (1 << 26, 20 * 64), "linf", 0.2,
+        budget=300, assets=_digits_assets(), surrogates=["digits_cnn"])
+    assert largest >= 8 * 20 and largest_cut == 20
+    assert whole == cut and sum(r["success"] for r in whole) >= 4

@@ -63,7 +63,7 @@ from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import ACCEPT, INIT, PERTURB
 from ..rng import seeded
 from ..threat import margin_loss, project
-from .common import keep_better, merge_proposal, query_margin, start_state
+from .common import bounded_calls, keep_better, merge_proposal, query_margin, start_state
 from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
 
 PAPER = ("Feng, Wu, Fan, Liu, Li, Xia, Boosting Black-box Attack with Partially Transferred Conditional Adversarial "
@@ -557,8 +557,9 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
               y_hidden_channels=256, flow_depth=8, num_levels=3, epochs=50, views=1, lr=2e-4, batch=2,
               max_grad_norm=10.0, margin=20.0, seed=0, pretrain_epochs=0, pretrain_lr=1e-3, pseudo_iters=30,
               pseudo_step=0.005):
-    """One CMA-ES generation of ``n_pop`` c-Glow candidates per sample, queried in one oracle call; proposes each
-    sample's best candidate with the oracle's answer on it (see the module docstring for every parameter)."""
+    """One CMA-ES generation of ``n_pop`` c-Glow candidates per sample, queried in calls of whole samples of about
+    ``PROBE_VALUES`` values (one call on CIFAR-10); proposes each sample's best candidate with the oracle's answer
+    on it (see the module docstring for every parameter)."""
     arch = {"x_hidden_channels": int(x_hidden_channels), "x_hidden_size": int(x_hidden_size),
             "y_hidden_channels": int(y_hidden_channels), "flow_depth": int(flow_depth),
             "num_levels": int(num_levels)}
@@ -572,21 +573,33 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
         state = _start(ctx, flow, cond, state, sigma)
         n, dim = problem.n, math.prod(flow.top)
         es = {key: state[key][:, :dim] if state[key].dim() == 2 else state[key] for key in ES_KEYS}
-        z = ctx.rng.normal((n_pop, dim)).to(dev)
-        latents = es["mean"][:, None] + es["sigma"][:, None, None] * es["cov"].sqrt()[:, None] * z
-        idx = torch.arange(n, device=dev).repeat_interleave(n_pop)
-        zs = unflatten(state["mean"][idx, dim:], flow.split_shapes())
-        delta = flow.decode(expand(cond, idx), latents.reshape(n * n_pop, *flow.top), zs=zs)[0]
-        candidates = problem.sub(idx).project(problem.x[idx] + to_boundary(delta, problem.eps, problem.norm))
-        fit, adv, ok = query_margin(ctx, candidates, idx)
-        fit, ok = fit.clamp_min(-FLOOR).view(n, n_pop), ok.view(n, n_pop).all(1)
+        z = torch.empty((n, n_pop, dim), device=dev)
+        fit = torch.empty((n, n_pop), device=dev)
+        adv, ok = torch.empty_like(fit, dtype=torch.bool), torch.empty_like(fit, dtype=torch.bool)
+        best = torch.empty_like(problem.x)
+        # calls of whole samples of about PROBE_VALUES values (one on CIFAR-10; at 296 x 296 a sample's population
+        # and its decode's temporaries grew by about 150 MB a slot in one call)
+        for sel in bounded_calls(torch.ones(n, dtype=torch.long, device=dev), n_pop * problem.x[0].numel()):
+            m = sel.numel()
+            z[sel] = ctx.rng.normal((n_pop, dim), rows=sel).to(dev)
+            latents = es["mean"][sel, None] + es["sigma"][sel, None, None] * es["cov"][sel].sqrt()[:, None] * z[sel]
+            idx = sel.repeat_interleave(n_pop)
+            zs = unflatten(state["mean"][idx, dim:], flow.split_shapes())
+            delta = flow.decode(expand(cond, idx), latents.reshape(m * n_pop, *flow.top), zs=zs)[0]
+            candidates = problem.sub(idx).project(problem.x[idx] + to_boundary(delta, problem.eps, problem.norm))
+            f, a, o = query_margin(ctx, candidates, idx)
+            fit[sel], adv[sel], ok[sel] = f.clamp_min(-FLOOR).view(m, n_pop), a.view(m, n_pop), o.view(m, n_pop)
+            best[sel] = candidates.view(m, n_pop, *candidates.shape[1:])[torch.arange(m, device=dev),
+                                                                         fit[sel].argmin(1)]
+        ok = ok.all(1)
         new = sep_cma_update(es, z, fit, *cma_constants(dim, n_pop))
-        pick = torch.arange(n, device=dev) * n_pop + fit.argmin(1)
+        pick = fit.argmin(1)
     out = {}
     for key in ES_KEYS:  # a generation with a refused query (past the budget) leaves the ES as it was
         value = torch.where(ok.view(-1, *[1] * (new[key].dim() - 1)), new[key], es[key])
         out[key] = torch.cat([value, state[key][:, dim:]], 1) if value.dim() == 2 else value
-    return {"x_adv": candidates[pick], "margin": fit.view(-1)[pick], "adv": adv[pick], **out}
+    rows = torch.arange(n, device=dev)
+    return {"x_adv": best, "margin": fit[rows, pick], "adv": adv[rows, pick], **out}
 
 
 @ACCEPT.register("es_best", paper="population attacks keep their best queried candidate (Supp. F-B, Alg. 2)",
