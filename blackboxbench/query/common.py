@@ -17,8 +17,8 @@ from ..threat import per_sample, rows_where  # noqa: F401  (re-exported for the 
 
 # --------------------------------------------------------------------------- bounded calls
 # values per call of the batched estimates (HSJA's, GeoDA's, NES's, ZO-signSGD's and PRGF's probes, OPT's searches,
-# Sign-OPT's signs, AdvFlow's and CG-Attack's populations, PSBA's scale search): 256 MiB of float32 images; a few calls at most on
-# CIFAR-10, pieces at ImageNet size
+# Sign-OPT's signs, AdvFlow's and CG-Attack's populations, PSBA's scale search): 256 MiB of float32 images; a few
+# calls at most on CIFAR-10, pieces at ImageNet size
 PROBE_VALUES = 1 << 26
 
 
