@@ -10,13 +10,11 @@ summaries hold (L2, Linf, a plugin's). Its last columns name the run
 (``config_hash`` and the run directory), so that the runs of an older version of a recipe or config left in the
 same results directory are told apart from the current ones.
 """
-import csv
-import io
 import math
 from pathlib import Path
 
 from .errors import BenchError
-from .leaderboard import cell, collect, run_labels, summarized_metrics
+from .leaderboard import collect, run_labels, summarized_metrics, to_csv
 from .plotting import error_bars
 
 COLUMNS = ("attack", "name", "family", "norm", "eps", "targeted", "target_model", "defense", "n_attacked", "asr",
@@ -67,15 +65,10 @@ def export(results_dirs, out_csv, png=None):
     """Write the robustness leaderboard CSV (and, when ``png`` is given and a query run was found, its bar chart);
     returns ``(rows, skipped)``."""
     rows, skipped = robustness_rows(results_dirs)
-    names = columns(rows)
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(names)
-    w.writerows([cell(r.get(k)) for k in names] for r in rows)
     out = Path(out_csv)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(buf.getvalue(), encoding="utf-8")
+        out.write_text(to_csv(rows, columns(rows)), encoding="utf-8")
         if png is not None and rows:
             chart(rows, png)
     except OSError as e:

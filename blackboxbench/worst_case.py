@@ -22,14 +22,12 @@ In a group of a config's ``cascade`` (``cascade`` true: a later run attacked onl
 robust) a later run's skipped samples count as fooled, so its worst case holds even without the earlier runs'
 folders; the best run, ``complement`` and ``only_fooled_by`` are left empty: no run there attacked every sample.
 """
-import csv
-import io
 import json
 from pathlib import Path
 
 from .compare import load_run
 from .errors import BenchError
-from .leaderboard import Skipped, cell, label, read_summary, run_dirs
+from .leaderboard import Skipped, label, read_summary, run_dirs, to_csv
 from .robustness import QUERY_FAMILIES
 from .stats import wilson
 
@@ -123,14 +121,10 @@ def worst_case_path(out_csv):
 def export(results_dirs, out_csv):
     """Write the worst-case CSV; returns its rows and the runs left out (:class:`~.leaderboard.Skipped`)."""
     rows, skipped = worst_case_rows(results_dirs)
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(COLUMNS)
-    w.writerows([cell(r.get(k)) for k in COLUMNS] for r in rows)
     out = Path(out_csv)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(buf.getvalue(), encoding="utf-8")
+        out.write_text(to_csv(rows, COLUMNS), encoding="utf-8")
     except OSError as e:
         raise BenchError(f"cannot write the worst-case table {out}: {e.strerror or e}") from None
     return rows, skipped
