@@ -105,8 +105,8 @@ def train_data(ctx, block, name, same_size=False):
         raise BenchError(f"'{block}': no train_images asset named '{name}' (declare assets: "
                          f"{{{name}: {{name: train_images}}}})")
     data = ctx.assets[name]
-    have, want = tuple(data.x.shape[1:]), tuple(ctx.problem.x.shape[1:])
-    if same_size and have != want:
+    have = tuple(data.x.shape[1:])
+    if same_size and have != (want := tuple(ctx.problem.x.shape[1:])):
         raise BenchError(f"'{block}': the train_images asset '{name}' holds {' x '.join(map(str, have))} images, "
                          f"the run's are {' x '.join(map(str, want))}; its model learns images of one size: declare "
                          f"the asset's spec (assets: {{{name}: {{name: train_images, spec: ...}}}}) at the run's size")
