@@ -515,24 +515,20 @@ def cg_init(ctx):
                        gen=torch.full((n,), -1, dtype=torch.long, device=ctx.device))
 
 
-def _start(ctx, flow, state, sigma0, call_values):
-    """Start the samples that have not (``gen`` -1): step ``sigma0`` and split latents drawn from their priors at
-    the top latent 0 (``cg_init`` set the mean 0, the identity covariance and the empty paths), their images'
-    conditions computed in calls of whole samples (:func:`~blackboxbench.query.common.bounded_calls` of
-    ``call_values`` values a sample, as a generation's)."""
+def _start(ctx, flow, cond, state, sigma0):
+    """Start the samples that have not (``gen`` -1), given every sample's conditions ``cond``: step ``sigma0`` and
+    split latents drawn from their priors at the top latent 0 (``cg_init`` set the mean 0, the identity covariance
+    and the empty paths)."""
     fresh = state["gen"] < 0
     if not bool(fresh.any()):
         return state
     state, dev = dict(state), ctx.device
     rows = fresh.nonzero().squeeze(1)
-    dim = math.prod(flow.top)
+    m, dim = len(rows), math.prod(flow.top)
+    noise = [ctx.rng.normal(s, rows=rows).to(dev) for s in flow.split_shapes()]
+    zs = flow.decode(expand(cond, rows), torch.zeros((m, *flow.top), device=dev), noise=noise)[1]
     mean = state["mean"].clone()
-    for sel in bounded_calls(torch.ones(len(rows), dtype=torch.long, device=dev), call_values):
-        r = rows[sel]
-        noise = [ctx.rng.normal(s, rows=r).to(dev) for s in flow.split_shapes()]
-        zs = flow.decode(flow.condition(ctx.problem.x[r]), torch.zeros((len(r), *flow.top), device=dev),
-                         noise=noise)[1]
-        mean[r, dim:] = torch.cat([z.flatten(1) for z in zs], 1)
+    mean[rows, dim:] = torch.cat([z.flatten(1) for z in zs], 1)
     state["mean"] = mean
     state["sigma"] = state["sigma"].index_put((rows,), torch.tensor(float(sigma0), device=dev))
     state["gen"] = state["gen"].index_put((rows,), torch.tensor(0, device=dev))
@@ -572,9 +568,9 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
     hp = stage_one(hp, ctx.problem.norm, "cg_attack", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
     flow = trained_cglow(ctx, data, arch, hp)
     problem, dev = ctx.problem, ctx.device
-    values = n_pop * problem.x[0].numel()  # a sample's values in a call
     with torch.no_grad():
-        state = _start(ctx, flow, state, sigma, values)
+        cond = flow.condition(problem.x)
+        state = _start(ctx, flow, cond, state, sigma)
         n, dim = problem.n, math.prod(flow.top)
         es = {key: state[key][:, :dim] if state[key].dim() == 2 else state[key] for key in ES_KEYS}
         z = torch.empty((n, n_pop, dim), device=dev)
@@ -582,17 +578,14 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
         adv, ok = torch.empty_like(fit, dtype=torch.bool), torch.empty_like(fit, dtype=torch.bool)
         best = torch.empty_like(problem.x)
         # calls of whole samples of about PROBE_VALUES values (one on CIFAR-10; at 296 x 296 a sample's population
-        # and its decode's temporaries grew by about 150 MB a slot in one call, and its images' conditions, made for
-        # every slot at once, by about 53 MB a slot: they are made per call)
-        for sel in bounded_calls(torch.ones(n, dtype=torch.long, device=dev), values):
+        # and its decode's temporaries grew by about 150 MB a slot in one call)
+        for sel in bounded_calls(torch.ones(n, dtype=torch.long, device=dev), n_pop * problem.x[0].numel()):
             m = sel.numel()
-            cond = flow.condition(problem.x[sel])
             z[sel] = ctx.rng.normal((n_pop, dim), rows=sel).to(dev)
             latents = es["mean"][sel, None] + es["sigma"][sel, None, None] * es["cov"][sel].sqrt()[:, None] * z[sel]
             idx = sel.repeat_interleave(n_pop)
             zs = unflatten(state["mean"][idx, dim:], flow.split_shapes())
-            local = torch.arange(m, device=dev).repeat_interleave(n_pop)
-            delta = flow.decode(expand(cond, local), latents.reshape(m * n_pop, *flow.top), zs=zs)[0]
+            delta = flow.decode(expand(cond, idx), latents.reshape(m * n_pop, *flow.top), zs=zs)[0]
             candidates = problem.sub(idx).project(problem.x[idx] + to_boundary(delta, problem.eps, problem.norm))
             f, a, o = query_margin(ctx, candidates, idx)
             fit[sel], adv[sel], ok[sel] = f.clamp_min(-FLOOR).view(m, n_pop), a.view(m, n_pop), o.view(m, n_pop)
