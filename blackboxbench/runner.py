@@ -483,6 +483,11 @@ class Runner:
                          save_path_every=exp.get("save_path_every", 0), defenses=defenses,
                          lpips=self.session.lpips(exp["lpips_path"], self.device, source), skip=self.fooled_before())
 
+    @property
+    def label(self):
+        """The run's name in tables and in a cascade's records: the config's ``name``, else the recipe's."""
+        return self.exp["name"] or self.recipe["name"]
+
     def fooled_before(self):
         """{sample index: label of the first earlier run of this run's cascade that fooled it}; the earlier runs
         must have finished (a one-line error names the first that has not)."""
@@ -491,10 +496,9 @@ class Runner:
             if not (p.run_dir / "summary.json").exists():
                 raise BenchError(f"cascade: the earlier run {p.run_dir} has not finished; this run attacks only the "
                                  "samples the earlier ones left robust (run the config again: it resumes in order)")
-            label = p.exp["name"] or p.recipe["name"]
             for i, r in read_records(p.run_dir / "records.jsonl", p.family.schema(), p.hash).items():
                 if r["success"]:
-                    fooled.setdefault(i, label)
+                    fooled.setdefault(i, p.label)
         return fooled
 
     def _check_layers(self, models):
@@ -638,7 +642,7 @@ class Runner:
                  config_hash=self.hash, version=__version__, device=self.device.type, wall_time=wall,
                  randomized_models=", ".join(self.randomized) or None, shared_forwards=self.shared_with,
                  trained_on=self.trained_on,
-                 cascade_after=", ".join(p.exp["name"] or p.recipe["name"] for p in self.after) or None)
+                 cascade_after=", ".join(p.label for p in self.after) or None)
         return s
 
 

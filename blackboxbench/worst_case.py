@@ -62,10 +62,11 @@ def _key(summary):
 
 
 def _views(summary, records):
-    """``[(settings, records)]``: a query run's summary and records as they are; a transfer run once per target,
+    """``[(settings, records)]`` with records reduced to ``attacked`` and ``success``: a query run once, a sample
+    a cascade's earlier run fooled (``fooled_by``) counted as attacked and fooled; a transfer run once per target,
     as if that target had been attacked alone (the target's clean check for ``attacked``, its answer on the
     returned image for ``success``)."""
-    if summary["family"] in QUERY_FAMILIES:  # a sample a cascade's earlier run fooled counts as fooled here too
+    if summary["family"] in QUERY_FAMILIES:
         return [(summary, {i: {"attacked": r["attacked"] or bool(r.get("fooled_by")),
                                "success": r["success"] or bool(r.get("fooled_by"))} for i, r in records.items()})]
     views = []

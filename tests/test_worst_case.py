@@ -96,7 +96,8 @@ def test_groups_runs_on_the_same_images_and_threat(tmp_path, capsys):
 
 def test_worst_case_path_is_an_output_of_the_config(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(CONFIG.replace("OUT", str(tmp_path / "o")) + f"leaderboard: {tmp_path / 'o'}/board_worst_case.csv\n")
+    board = tmp_path / "o" / "board_worst_case.csv"
+    path.write_text(CONFIG.replace("OUT", str(tmp_path / "o")) + f"leaderboard: {board}\n")
     with pytest.raises(ConfigError, match="robustness: writes .*board_worst_case.csv, which leaderboard writes too"):
         load_config(path)
     assert worst_case_path("a/b.csv").as_posix() == "a/b_worst_case.csv"
@@ -195,7 +196,9 @@ def test_cascade_attacks_only_what_earlier_runs_left_robust(tmp_path):
         for i, r in records_alone.items():
             if r["success"]:
                 fooled.setdefault(i, attack)
-    spent = lambda runs: sum(r["queries"] for (a, e), (_, recs) in runs.items() if e == 0.12 for r in recs.values())  # noqa: E731
+    def spent(runs):
+        return sum(r["queries"] for (_, e), (_, recs) in runs.items() if e == 0.12 for r in recs.values())
+
     assert spent(cascade) < spent(alone)
     assert len(fooled) > 1 and float(rows_cascade["0.12"]["n_runs"]) == 3
     assert rows_cascade["0.12"]["cascade"] == "True" and rows_cascade["0.12"]["best_run"] == ""
@@ -207,7 +210,9 @@ def test_cascade_attacks_only_what_earlier_runs_left_robust(tmp_path):
     assert again["0.12"]["robust_acc"] == rows_alone["0.12"]["robust_acc"] and again["0.12"]["n_runs"] == "2"
     s, records = cascade[("square_linf", 0.2)]  # another threat: its own group, the run made alone
     assert s["cascade_after"] is None and s["run"] == alone[("square_linf", 0.2)][0]["run"]
-    same = lambda recs: {i: {k: v for k, v in r.items() if k not in ("time", "check")} for i, r in recs.items()}  # noqa: E731
+    def same(recs):
+        return {i: {k: v for k, v in r.items() if k not in ("time", "check")} for i, r in recs.items()}
+
     assert same(records) == same(alone[("square_linf", 0.2)][1])
 
 

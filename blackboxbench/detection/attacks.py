@@ -383,10 +383,11 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
     ``attack_bb_det.py`` counts them: the first PGD's image is query 1, and while fewer than ``queries`` were
     made, a round: one surrogate in turn gets two candidates, w_i + lr_w / L_i then w_i - lr_w / L_i (the raw
     inverse loss, the others unchanged), each a PGD run started from the current image and one query (10 queries:
-    5 rounds, at most 11 queries as theirs). An image stops at its first candidate that succeeds (its target label at IoU > iou_thr on the
-    victim, the first surrogate as in the benchmark); otherwise the candidate with the lower victim loss (its
-    training loss towards the targets) becomes the current image and weights, the weights then clipped at 0,
-    raised by 0.005 and normalised. Runs one image at a time (``per_image``): each image has its own weights."""
+    5 rounds, at most 11 queries as theirs). An image stops at its first candidate that succeeds (its target
+    label at IoU > iou_thr on the victim, the first surrogate as in the benchmark); otherwise the candidate with
+    the lower victim loss (its training loss towards the targets) becomes the current image and weights, the
+    weights then clipped at 0, raised by 0.005 and normalised. Runs one image at a time (``per_image``): each
+    image has its own weights."""
     p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
     victim = models[0]
     targets, vboxes, vlabels = relabel_one(ctx, conf_thr)
