@@ -250,6 +250,40 @@ def test_goal_met_by_hand():
     assert goal_met(dets, boxes, labels, 0.9) == [True, False, False, None]
 
 
+
+def test_ebad_victim_loss_by_hand():
+    """EBAD's black-box loss reads the victim's detections only: 1e3 + the score of its own label's detection of
+    highest IoU (> 0.3) with the victim box, else the ensemble loss."""
+    from blackboxbench.detection.attacks import victim_loss
+
+    det = {"boxes": torch.tensor([[0., 0, 10, 10], [0, 0, 10, 6], [0, 0, 10, 10], [40, 40, 50, 50]]),
+           "labels": torch.tensor([1, 1, 2, 3]), "scores": torch.tensor([0.4, 0.9, 0.8, 0.7])}
+    box = torch.tensor([0., 0, 10, 10])
+    assert victim_loss(det, box, 1, 5.0) == pytest.approx(1e3 + 0.4)  # IoU 1.0 beats the higher score at IoU 0.6
+    assert victim_loss(det, box, 2, 5.0) == pytest.approx(1e3 + 0.8)  # not the target label's (the authors' code)
+    assert victim_loss(det, box, 3, 5.0) == 5.0  # its label only elsewhere: gone
+    assert victim_loss(det, box, 4, 5.0) == 5.0
+    assert victim_loss(det, box, -1, 5.0) == 5.0  # no victim
+    assert victim_loss(det, torch.tensor([0., 0, 10, 40]), 1, 5.0) == 5.0  # IoU 0.25 and 0.15: not > 0.3
+    assert victim_loss(det, torch.tensor([0., 0, 10, 30]), 1, 5.0) == pytest.approx(1e3 + 0.4)  # IoU 1 / 3
+
+
+
+def test_ebad_ranks_candidates_by_the_black_box_loss(setup, monkeypatch):
+    """Each unsuccessful candidate is one query ranked by :func:`victim_loss` on the victim's detections."""
+    from blackboxbench.detection import attacks
+
+    calls, real = [], attacks.victim_loss
+    monkeypatch.setattr(attacks, "victim_loss", lambda *a: calls.append(a[0]["labels"].numel()) or real(*a))
+    model, data = setup
+    extra = [build_model({"name": "shapes_fcos_b", "pretrained": False})]
+    # images 2 and 3 do not meet their goal at 1/255 (images 0 and 1 already do on the clean image)
+    records, _, _ = run_recipe("ebad_10", model, data.subset([2, 3]), threat={"eps": 1 / 255}, extra=extra,
+                               overrides={"blocks": {"craft": {"iterations": 1, "queries": 5}}})
+    failed = sum(r["targets"]["m"]["goal"] is False for r in records)
+    assert failed and 4 * failed <= len(calls) <= 2 * 4  # 4 candidates after the first query (5 queries)
+
+
 def test_kill_9_detection_run_resumes_identically(tmp_path):
     """The detection family writes a record per image as it finishes: a run killed with SIGKILL and re-run loses
     and duplicates no image, and its records equal an uninterrupted run's."""

@@ -303,21 +303,24 @@ def pick_victims(ctx, conf_thr, u):
 
 def relabel_one(ctx, conf_thr):
     """Targets per image: the surrogate's clean detections with the victim relabelled to its target class
-    (:func:`pick_victims`, from the samples' streams). Returns (targets, victim boxes (n, 4), target labels (n,));
-    images without a detection keep empty targets (label -1)."""
+    (:func:`pick_victims`, from the samples' streams). Returns (targets, victim boxes (n, 4), target labels (n,),
+    the victims' own labels (n,)); images without a detection keep empty targets (labels -1)."""
     p = ctx.problem
-    out, vboxes, vlabels = [], [], []
+    out, vboxes, vlabels, own = [], [], [], []
     for d, v, new in pick_victims(ctx, conf_thr, ctx.rng.uniform((2,))):
         if v is None:
             out.append(d)
             vboxes.append(p.x.new_zeros(4))
+            own.append(-1)
         else:
             labels = d["labels"].clone()
             labels[v] = new
             out.append({"boxes": d["boxes"], "labels": labels})
             vboxes.append(d["boxes"][v])
+            own.append(int(d["labels"][v]))
         vlabels.append(new)
-    return out, torch.stack(vboxes), torch.tensor(vlabels, device=p.x.device)
+    dev = p.x.device
+    return out, torch.stack(vboxes), torch.tensor(vlabels, device=dev), torch.tensor(own, device=dev)
 
 
 def _weighted_loss(models, weights, x, targets):
@@ -325,14 +328,16 @@ def _weighted_loss(models, weights, x, targets):
 
 
 def descend(ctx, models, weights, targets, x0, iterations, alpha):
-    """Projected sign-gradient descent of the weighted training losses towards ``targets`` from ``x0``."""
+    """Projected sign-gradient descent of the weighted training losses towards ``targets`` from ``x0``; returns
+    the image and the loss at the last step's input (EBAD's ``LOSS['ens'][-1]``)."""
     x_adv = x0
     for _ in range(iterations):
         xg = x_adv.detach().requires_grad_(True)
         with torch.enable_grad():
-            g = torch.autograd.grad(_weighted_loss(models, weights, xg, targets), xg)[0]
+            loss = _weighted_loss(models, weights, xg, targets)
+            g = torch.autograd.grad(loss, xg)[0]
         x_adv = ctx.problem.project(x_adv - alpha * g.sign())
-    return x_adv
+    return x_adv, float(loss.detach())
 
 
 @dataclass
@@ -365,6 +370,22 @@ def goal_met(dets, boxes, labels, iou_thr):
     return out
 
 
+def victim_loss(det, box, own, ens_loss):
+    """EBAD's black-box loss of one image from the victim's detections ``det`` alone (``get_bb_loss`` of
+    attack_bb_det.py): while the victim's own label ``own`` is still detected at IoU > 0.3 with its ``box``, 1e3
+    plus the score of that detection (the one of highest IoU); once it is gone, the ensemble's white-box loss
+    ``ens_loss``. As its docstring says ("the conf score of the victim object"); its code compares with the target
+    label instead (its ``target_clean`` row is the relabelled one), which would rank a candidate showing the
+    target label near the box below one showing nothing there."""
+    from torchvision.ops import box_iou
+
+    m = det["labels"] == own
+    if own < 0 or not bool(m.any()):
+        return ens_loss
+    iou = box_iou(box[None].to(det["boxes"]), det["boxes"][m])[0]
+    return 1e3 + float(det["scores"][m][iou.argmax()]) if bool((iou > 0.3).any()) else ens_loss
+
+
 def hit(model, x, boxes, labels, iou_thr):
     """(n,) whether ``model`` detects label ``labels[i]`` at IoU > iou_thr with ``boxes[i]`` (label -1: no)."""
     with torch.no_grad():
@@ -383,19 +404,25 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
     ``attack_bb_det.py`` counts them: the first PGD's image is query 1, and while fewer than ``queries`` were
     made, a round: one surrogate in turn gets two candidates, w_i + lr_w / L_i then w_i - lr_w / L_i (the raw
     inverse loss, the others unchanged), each a PGD run started from the current image and one query (10 queries:
-    5 rounds, at most 11 queries as theirs). An image stops at its first candidate that succeeds (its target
+    5 rounds, at most 11 queries as theirs). Every PGD run's image is put on the uint8 grid before its query (as
+    theirs), so a query sees the image that is returned. An image stops at its first candidate that succeeds (its target
     label at IoU > iou_thr on the victim, the first surrogate as in the benchmark); otherwise the candidate with
-    the lower victim loss (its training loss towards the targets) becomes the current image and weights, the
-    weights then clipped at 0, raised by 0.005 and normalised. Runs one image at a time (``per_image``): each
-    image has its own weights."""
+    the lower black-box loss (:func:`victim_loss`: from the victim's detections, never its training loss)
+    becomes the current image and weights, the weights then clipped at 0, raised by 0.005 and normalised. Runs
+    one image at a time (``per_image``): each image has its own weights."""
     p, models = ctx.problem, list(ctx.surrogates) or [ctx.model]
     victim = models[0]
-    targets, vboxes, vlabels = relabel_one(ctx, conf_thr)
+    targets, vboxes, vlabels, own = relabel_one(ctx, conf_thr)
     alpha = 3 * p.eps / 20
     with torch.no_grad():
         inv = torch.tensor([1 / max(float(sum(m.losses(p.x, targets).values())), 1e-6) for m in models])
     w = inv / inv.sum()
-    x_adv = descend(ctx, models, w.tolist(), targets, p.x, iterations, alpha)
+
+    def pgd(weights, start):  # a PGD run's image on the uint8 grid, as queried and returned (theirs: astype(uint8))
+        x, ens = descend(ctx, models, weights.tolist(), targets, start, iterations, alpha)
+        return p.quantize(x), ens
+
+    x_adv, _ = pgd(w, p.x)
     # an image without a detection has no goal (label -1): nothing to query for (the authors skip such images)
     done = bool((vlabels < 0).all()) or bool(hit(victim, x_adv, vboxes, vlabels, iou_thr).all())
     spent, turn = 1, 0
@@ -404,13 +431,14 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
         for sgn in (1, -1):
             wc = w.clone()
             wc[i] = wc[i] + sgn * lr_w * inv[i]
-            xc = descend(ctx, models, wc.tolist(), targets, x_adv, iterations, alpha)
+            xc, ens = pgd(wc, x_adv)
             spent += 1
-            if bool(hit(victim, xc, vboxes, vlabels, iou_thr).all()):
+            with torch.no_grad():
+                det = victim(xc)[0]  # the query: detections only
+            if bool(goal_met([det], vboxes, vlabels, iou_thr)[0]):
                 w, x_adv, done = wc, xc, True
                 break
-            with torch.no_grad():
-                cands.append((float(sum(victim.losses(xc, targets).values())), wc, xc))
+            cands.append((victim_loss(det, vboxes[0], int(own[0]), ens), wc, xc))
         if not done:
             _, w, x_adv = min(cands, key=lambda c: c[0])
             w = torch.relu(w) + 0.005
@@ -466,7 +494,7 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     # select last: only the last plan is kept, and each plan's descent starts from the clean image and draws no
     # random number of the sample's, so the earlier plans are not run (same images, 1 / (steps + 1) of the work)
     for k in range(steps + 1) if select == "first_hit" else [steps]:
-        xc = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha)
+        xc, _ = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha)
         x_best = torch.where(per_sample(done, p.x).bool(), x_best, xc)
         if select == "first_hit" and k < steps:
             done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
