@@ -277,6 +277,10 @@ def cmd_list(args):
         for name, path in catalog.entries("analysis").items():
             r = load_yaml(path)
             print(f"{name:24s} {r.get('tool', '?'):14s} {r.get('params', '')}")
+    elif args.what == "defenses":  # registry entries, no YAML recipes (defenses/README.md)
+        for name in registry.DEFENSE.names():
+            fn = registry.DEFENSE.get(name)
+            print(f"{name:24s} {registry.block_params(fn)} {fn.registry_meta.get('paper', '')}")
     else:
         for reg in (v for v in vars(registry).values() if isinstance(v, registry.Registry)):
             print(f"{reg.kind}: {', '.join(reg.names())}")
@@ -358,8 +362,8 @@ def main(argv=None):
                         "plugins are imported by --run)")
     p.add_argument("-o", "--output", default="analysis.png", help="the figure; .csv and .npz go next to it")
     p.set_defaults(fn=cmd_analyze)
-    p = sub.add_parser("list", help="list the attack or analysis catalog, or the registered blocks")
-    p.add_argument("what", choices=("attacks", "analysis", "blocks"), nargs="?", default="attacks")
+    p = sub.add_parser("list", help="list the attack, defense or analysis catalog, or the registered blocks")
+    p.add_argument("what", choices=("attacks", "defenses", "analysis", "blocks"), nargs="?", default="attacks")
     p.set_defaults(fn=cmd_list)
     args = parser.parse_args(argv)
     try:

@@ -46,3 +46,10 @@ def test_cli_list(capsys):
     assert "perturb:" in capsys.readouterr().out
     assert main(["list", "analysis"]) == 0
     assert "aev_heatmap" in capsys.readouterr().out
+
+
+def test_cli_list_defenses(capsys):
+    """The defense catalog is the registry (no YAML recipes): ``list defenses`` prints each with its defaults."""
+    assert main(["list", "defenses"]) == 0
+    out = capsys.readouterr().out
+    assert "rnd" in out and "'sigma': 0.02" in out and "aaa_sine" in out and "jpeg" in out
