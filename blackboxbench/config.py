@@ -138,7 +138,7 @@ def load_yaml(path):
     """A YAML file whose top level is a mapping (UTF-8; no duplicate keys)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("file not found", source=path)
+        raise ConfigError("a directory, not a YAML file" if path.is_dir() else "file not found", source=path)
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -530,9 +530,10 @@ def finish_threat(threat, recipe, family, source):
         raise ConfigError(str(e), source, "threat.eps") from None
     lo, hi = EPS_RANGE[t["norm"]]
     if not lo <= t["eps"] <= hi:
+        grey = t["norm"] == "linf" and 1 < t["eps"] <= 255  # grey levels written for [0, 1] units: 8 for 8/255
         raise ConfigError(f"out of range: {t['eps']:g}; {t['norm']} eps must be in [1/255, {hi:g}] ([0, 1] "
                           "pixel units; below 1/255 no pixel can move on the uint8 grid the outputs are quantized "
-                          "to)", source, "threat.eps")
+                          "to)" + (f"; did you mean {t['eps']:g}/255?" if grey else ""), source, "threat.eps")
     if "target_label" in t and not t["targeted"]:
         raise ConfigError("only for targeted attacks (set threat.targeted: true, or remove it)", source,
                           "threat.target_label")
@@ -563,7 +564,8 @@ def output_files(file_opts):
 
 
 def check_outputs_apart(file_opts, source):
-    """No two outputs of a file write one path (a plot named like the leaderboard would replace its CSV)."""
+    """No two outputs of a file write one path (a plot named like the leaderboard would replace its CSV), and each
+    can be written (checked like ``output_dir``)."""
     seen = {}
     try:
         files = output_files(file_opts)
@@ -574,6 +576,10 @@ def check_outputs_apart(file_opts, source):
         if first != key:
             raise ConfigError(f"writes {path}, which {first} writes too: give one of them another path", source,
                               key)
+        # written after the runs: a folder it cannot be written to must fail now, not after hours of runs
+        check_output_dir(str(path.parent), source, key)
+        if path.is_dir() or (path.exists() and not os.access(path, os.W_OK)):
+            raise ConfigError(f"{path} is " + ("a directory" if path.is_dir() else "not writable"), source, key)
 
 
 def load_config(path, overrides=()):

@@ -454,6 +454,11 @@ class Runner:
                               f"{data.name} gives {data.x.shape[-2]}x{data.x.shape[-1]} (resize them: the dataset's "
                               "size parameter)")
             names.setdefault(key, []).append(spec_label(spec))
+        eps, diameter = self.threat.get("eps"), data.x[0].numel() ** 0.5  # the [0, 1] image cube's diagonal
+        if self.threat.get("norm") == "l2" and eps is not None and eps >= diameter:
+            warnings.warn(f"{source}: threat.eps: l2 eps {eps:g} is at least the diameter of the [0, 1] image cube "
+                          f"({diameter:.4g} for {'x'.join(map(str, data.x.shape[1:]))} images): the ball constrains "
+                          "nothing (eps is in [0, 1] pixel units; the paper's CIFAR-10 L2 eps is 1.0)")
         assets = {}
         for k, spec in exp["assets"].items():
             params = {p: v for p, v in spec.items() if p != "name"}

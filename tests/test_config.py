@@ -31,6 +31,7 @@ CASES = [
     ("wrong type", GOOD + "batch_size: many\n", "batch_size", "expected int"),
     ("bool is not int", GOOD + "seed: true\n", "seed", "expected int"),
     ("eps out of range", GOOD.replace("8/255", "2"), "threat.eps", "out of range"),
+    ("linf eps in grey levels", GOOD.replace("8/255", "8"), "threat.eps", "did you mean 8/255?"),
     ("eps not a number", GOOD.replace("8/255", "eight"), "threat.eps", "cannot"),
     ("negative budget", GOOD.replace("max_queries: 10", "max_queries: 0"), "threat.max_queries", ">= 1"),
     ("unknown norm", GOOD.replace("norm: linf", "norm: l3"), "threat.norm", "must be one of"),
@@ -75,6 +76,8 @@ def test_bad_config_one_line(tmp_path, capsys, desc, text, key, expect):
 def test_missing_config_file(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.yaml")]) == 2
     assert "file not found" in capsys.readouterr().err
+    assert main(["run", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}: a directory, not a YAML file"
 
 
 def test_set_override_is_validated(tmp_path, capsys):
@@ -765,3 +768,41 @@ def test_a_mapping_spec_takes_the_colon_form(tmp_path, capsys):
     assert main(["run", str(path), "--quiet"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "model.arch: arch given twice: in name 'timm:resnet18' and as arch 'vgg11'")
+
+
+@pytest.mark.parametrize("extra,key,expect", [
+    ("leaderboard: CFG/board.csv", "leaderboard", "cfg.yaml exists and is not a directory"),
+    ("robustness: TMP/rob.csv", "robustness", "TMP/rob.csv is a directory"),
+    ("plots: [{recipe: aev_bar, output: TMP/ro/asr.png}]", "plots[0].output", "TMP/ro is not writable"),
+])
+def test_board_and_plots_are_checked_before_any_run(tmp_path, capsys, monkeypatch, extra, key, expect):
+    """The files written after the runs (leaderboard, robustness CSV, plots) fail up front, naming the file and
+    the key, not after the runs with a line naming neither."""
+    import os
+    (tmp_path / "rob.csv").mkdir()
+    (tmp_path / "ro").mkdir()
+    access = os.access  # root writes anywhere: this folder says it is read-only
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and str(p) != str(tmp_path / "ro"))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out"))
+                    + extra.replace("CFG", str(path)).replace("TMP", str(tmp_path)) + "\n")
+    assert main(["run", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{path}:{key}: " in err and expect.replace("TMP", str(tmp_path)) in err, err
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_an_l2_ball_holding_every_image_warns(tmp_path, capsys):
+    """L2 eps 8 on the 8x8 digits is the whole [0, 1] cube: a run, with one warning naming the key."""
+    import warnings
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out")).replace("square_linf", "square_l2")
+                    .replace("norm: linf, eps: 8/255", "norm: l2, eps: 8").replace("n: 4", "n: 2"))
+    with pytest.warns(UserWarning, match=r"threat.eps: l2 eps 8 is at least the diameter of the \[0, 1\] image "
+                                         r"cube \(8 for 1x8x8 images\)"):
+        assert main(["run", str(path), "--quiet"]) == 0
+    path.write_text(path.read_text().replace("eps: 8", "eps: 1"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["run", str(path), "--quiet"]) == 0
+    assert not [w for w in caught if "diameter" in str(w.message)]
