@@ -441,7 +441,7 @@ class Runner:
         exp, source, fam = self.exp, self.exp["_source"], self.family
         check_metric_names(fam.schema(), [c for c, _ in fam.columns], fam.name)
         distances(data.x[:2], data.x[:2])  # every metric (a plugin's) answers one value per image, before the run
-        models, names = {}, {}
+        models, names, notes = {}, {}, []  # notes: warned once the models take the images (else the error alone)
         for key, i, spec in fam.roles(exp):
             label = f"{key}[{i}]" if fam.model_keys[key].many else key
             bare = bare_spec(spec)  # a defense wraps the model (defense.py); a label names its results
@@ -450,15 +450,15 @@ class Runner:
                                                                  exp["compile"], probe))
             side = trained_side(bare)
             if side and data.x.shape[-2:] != (side, side):  # it runs (global pooling), but not as trained
-                warnings.warn(f"{source}: {label}: {spec_label(spec)} was trained on {side}x{side} images; dataset "
-                              f"{data.name} gives {data.x.shape[-2]}x{data.x.shape[-1]} (resize them: the dataset's "
-                              "size parameter)")
+                notes.append(f"{source}: {label}: {spec_label(spec)} was trained on {side}x{side} images; dataset "
+                             f"{data.name} gives {data.x.shape[-2]}x{data.x.shape[-1]} (resize them: the dataset's "
+                             "size parameter)")
             names.setdefault(key, []).append(spec_label(spec))
         eps, diameter = self.threat.get("eps"), data.x[0].numel() ** 0.5  # the [0, 1] image cube's diagonal
         if self.threat.get("norm") == "l2" and eps is not None and eps >= diameter:
-            warnings.warn(f"{source}: threat.eps: l2 eps {eps:g} is at least the diameter of the [0, 1] image cube "
-                          f"({diameter:.4g} for {'x'.join(map(str, data.x.shape[1:]))} images): the ball constrains "
-                          "nothing (eps is in [0, 1] pixel units; the paper's CIFAR-10 L2 eps is 1.0)")
+            notes.append(f"{source}: threat.eps: l2 eps {eps:g} is at least the diameter of the [0, 1] image cube "
+                         f"({diameter:.4g} for {'x'.join(map(str, data.x.shape[1:]))} images): the ball constrains "
+                         "nothing (eps is in [0, 1] pixel units; the paper's CIFAR-10 L2 eps is 1.0)")
         assets = {}
         for k, spec in exp["assets"].items():
             params = {p: v for p, v in spec.items() if p != "name"}
@@ -482,6 +482,8 @@ class Runner:
                                       if is_randomized(m, probe)} |
                                      {f"{n}+{'+'.join(map(str, ds))}" for key, per in defenses.items()
                                       for n, ds in zip(names[key], per) if any(d.randomized for d in ds)})
+        for note in notes:
+            warnings.warn(note)
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],

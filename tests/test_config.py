@@ -806,3 +806,23 @@ def test_an_l2_ball_holding_every_image_warns(tmp_path, capsys):
         warnings.simplefilter("always")
         assert main(["run", str(path), "--quiet"]) == 0
     assert not [w for w in caught if "diameter" in str(w.message)]
+
+
+def test_a_model_that_cannot_take_the_images_is_the_error_alone(tmp_path, capsys):
+    """Grey 16 x 16 images into a CIFAR zoo model: the one-line error, without the warning that the model was
+    trained on another size before it (two lines)."""
+    import warnings
+    from PIL import Image
+    import numpy as np
+    (tmp_path / "imf" / "a").mkdir(parents=True)
+    Image.fromarray(np.full((16, 16), 30, dtype=np.uint8)).save(tmp_path / "imf" / "a" / "0.png")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: {{name: imagefolder, path: {tmp_path / 'imf'}, classes: {{a: 1}}, grayscale: true}}\n"
+                   "model: {name: cifar_resnet20, pretrained: false}\nattack: square_linf\n"
+                   f"output_dir: {tmp_path / 'o'}\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["run", str(cfg), "--quiet"]) == 2
+    assert not [str(w.message) for w in caught if "was trained on" in str(w.message)]
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{cfg}:model: the model cannot take the images" in err, err
