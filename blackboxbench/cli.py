@@ -288,7 +288,9 @@ def cmd_list(args):
 
 
 def main(argv=None):
+    from . import __version__
     parser = argparse.ArgumentParser(prog="blackboxbench", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"blackboxbench {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run the experiment(s) of a YAML config (resumes an interrupted run)")
     p.add_argument("config")

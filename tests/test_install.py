@@ -53,3 +53,15 @@ def test_cli_list_defenses(capsys):
     assert main(["list", "defenses"]) == 0
     out = capsys.readouterr().out
     assert "rnd" in out and "'sigma': 0.02" in out and "aaa_sine" in out and "jpeg" in out
+
+
+def test_version_and_python_m(tmp_path, capsys):
+    """``blackboxbench --version`` and ``python -m blackboxbench`` (the command without its script) work."""
+    import blackboxbench
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"blackboxbench {blackboxbench.__version__}"
+    out = subprocess.run([sys.executable, "-m", "blackboxbench", "list", "defenses"], cwd=tmp_path, text=True,
+                         capture_output=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and "rnd" in out.stdout, out.stderr
