@@ -248,8 +248,13 @@ def _check_type(value, kinds, source, key):
     if isinstance(value, bool) and bool not in kinds:
         raise ConfigError(f"expected {'/'.join(k.__name__ for k in kinds)}, got {value!r}", source, key)
     if not isinstance(value, kinds):
+        try:  # YAML reads 1e4 (no '.') as text
+            hint = f" (YAML reads {value} as text: write {int(float(value))})" if int in kinds and isinstance(
+                value, str) and float(value).is_integer() else ""
+        except ValueError:
+            hint = ""
         raise ConfigError(f"expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__} "
-                          f"{value!r}", source, key)
+                          f"{value!r}{hint}", source, key)
     if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
         raise ConfigError(f"out of range: {value} (integers must fit in 64 bits)", source, key)
     if isinstance(value, float) and not math.isfinite(value):

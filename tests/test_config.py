@@ -34,6 +34,8 @@ CASES = [
     ("linf eps in grey levels", GOOD.replace("8/255", "8"), "threat.eps", "did you mean 8/255?"),
     ("eps not a number", GOOD.replace("8/255", "eight"), "threat.eps", "cannot"),
     ("negative budget", GOOD.replace("max_queries: 10", "max_queries: 0"), "threat.max_queries", ">= 1"),
+    ("budget in YAML's 1e4", GOOD.replace("max_queries: 10", "max_queries: 1e4"), "threat.max_queries",
+     "expected int, got str '1e4' (YAML reads 1e4 as text: write 10000)"),
     ("unknown norm", GOOD.replace("norm: linf", "norm: l3"), "threat.norm", "must be one of"),
     ("norm unsupported by recipe", GOOD.replace("norm: linf", "norm: l2").replace("8/255", "1"), "threat.norm",
      "supports norms"),
