@@ -35,15 +35,15 @@ def context():
     return detection_context(None, "cpu")
 
 
-def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None, extra=()):
+def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None, extra=(), target=None):
     """Records and summary of a detection recipe on ``data`` with ``model`` as surrogate (then ``extra``) and
-    target; CAA gets the default context tables as asset ``context``."""
+    target (or ``target``); CAA gets the default context tables as asset ``context``."""
     recipe, src = load_recipe({"recipe": attack, **(overrides or {})}, "test")
     fam = FAMILY.get("detection")
     t = finish_threat(threat or {}, recipe, fam, "test")
     atk = build_attack(recipe, t, src)
     sur = [model, *extra]
-    run = RunInputs(attack=atk, threat=t, data=data, models={"surrogates": sur, "targets": [model]},
+    run = RunInputs(attack=atk, threat=t, data=data, models={"surrogates": sur, "targets": [target or model]},
                     model_names={"surrogates": [f"s{k}" for k in range(len(sur))], "targets": ["m"]}, streams=Streams(seed, len(data.y), "cpu"),
                     device=torch.device("cpu"), slots=slots,
                     assets={"context": context()} if attack.startswith("caa") else {}, save_adv=True)
@@ -125,6 +125,33 @@ def test_records_do_not_depend_on_batch_size(setup, attack, overrides):
     a, _, _ = run_recipe(attack, model, data.subset(range(4)), slots=4, overrides=overrides, extra=extra)
     b, _, _ = run_recipe(attack, model, data.subset(range(4)), slots=1, overrides=overrides, extra=extra)
     assert all(torch.equal(r["_image"], q["_image"]) for r, q in zip(a, b))
+
+
+class BatchShifted(torch.nn.Module):
+    """A detector whose scores move by 1e-3 relative per extra image in the batch, as a GPU's kernels make them
+    move with the batch's shape."""
+
+    def __init__(self, det):
+        super().__init__()
+        self.det = det
+        self.harmonize(det.score_thr, det.max_det)
+
+    def harmonize(self, score_thr, max_det):
+        self.det.harmonize(score_thr, max_det)
+        self.score_thr, self.max_det = self.det.score_thr, self.det.max_det
+
+    def forward(self, x):
+        return [dict(d, scores=d["scores"] * (1 - 1e-3 * (len(x) - 1))) for d in self.det(x)]
+
+
+def test_evaluation_does_not_depend_on_the_batch_on_a_batch_dependent_target(setup):
+    """The targets' detections (scores kept to 5 decimals in the records) come from one image at a time."""
+    model, data = setup
+    target = BatchShifted(build_model("shapes_fcos"))
+    over = {"blocks": {"craft": {"iterations": 2}}}
+    a, _, _ = run_recipe("tog_untargeted", model, data.subset(range(4)), slots=4, overrides=over, target=target)
+    b, _, _ = run_recipe("tog_untargeted", model, data.subset(range(4)), slots=1, overrides=over, target=target)
+    assert [r["targets"] for r in a] == [r["targets"] for r in b]
 
 
 def test_family_end_to_end_with_reports(tmp_path):

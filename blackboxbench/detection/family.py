@@ -82,8 +82,10 @@ def _detach(d):
     return {k: v.detach() for k, v in d.items()}
 
 
-def forward_dets(model, x, name, chunk=32):
-    """A detector's detections on ``x`` under no_grad, in chunks; non-finite boxes or scores are refused."""
+def forward_dets(model, x, name, chunk=1):
+    """A detector's detections on ``x`` under no_grad, in chunks (one image at a time by default: on a GPU the
+    kernels, and so the last bits of every score and box, change with the batch's shape, and a record must not
+    depend on the batch an image was evaluated in); non-finite boxes or scores are refused."""
     out = []
     with torch.no_grad():
         for i in range(0, x.shape[0], chunk):
@@ -321,7 +323,7 @@ class DetectionWorker(WholeBatchWorker):
         gt = [_to_dev(data.targets[i], dev) for i in index]
         # one image at a time: the attacks' pseudo truth, whose box coordinates steer FCOS's target assignment
         # (a 1e-5 shift flips 4 % of a gradient's signs), must not move with the batch's conv numerics
-        clean = forward_dets(self.model, x, "the surrogate", chunk=1)
+        clean = forward_dets(self.model, x, "the surrogate")
         # the blocks get a copy; the projection, the output check and the targets' evaluation read the worker's own
         own = DetProblem(x, y, t["eps"], t["norm"], None, data.num_classes, gt=gt, clean=clean)
         problem = own.copy()
