@@ -474,3 +474,62 @@ def test_detector_losses_are_the_plain_training_forward(frcnn):
     assert flags == [m.training for m in net.modules()] == [True, True, False, True, False, True]
     det._loss_mode(False)
     assert not any(m.training for m in net.modules())
+
+
+def test_dag_targets_by_hand():
+    """assign_target_det.m: a candidate is a target at IoU > 0.1 with a ground truth whose class scores > 0.1 on it,
+    labelled with the class of the qualifying ground truth of highest IoU."""
+    from blackboxbench.detection.attacks import dag_targets
+
+    gt_boxes, gt_labels = torch.tensor([[0., 0, 10, 10], [0, 0, 10, 20]]), torch.tensor([2, 0])
+    boxes = torch.tensor([[0., 0, 10, 10],  # IoU 1 with gt 0, 0.5 with gt 1
+                          [0, 0, 10, 10],  # the same box, gt 0's class scored 0.05: gt 1's
+                          [0, 0, 10, 19],  # IoU 0.53 with gt 0, 0.95 with gt 1
+                          [0, 0, 1, 10],  # IoU 0.1 with gt 0: not above it; 0.05 with gt 1
+                          [50, 50, 60, 60]])  # no overlap
+    scores = torch.tensor([[0.5, 0.0, 0.5], [0.5, 0.0, 0.05], [0.5, 0.0, 0.5], [0.9, 0.9, 0.9], [0.9, 0.9, 0.9]])
+    assert dag_targets(boxes, scores, gt_boxes, gt_labels).tolist() == [2, 0, 0, -1, -1]
+    assert dag_targets(boxes, scores, gt_boxes, gt_labels, score_thr=0.5).tolist() == [-1, -1, -1, -1, -1]
+    assert dag_targets(boxes, scores, gt_boxes[:0], gt_labels[:0]).tolist() == [-1] * 5
+
+
+def test_dag_mapping_by_hand():
+    """generate_mapping.m: each class of the image to a distinct class absent from it, in a random order; with too
+    few absent classes, the rest to another class."""
+    from blackboxbench.detection.attacks import dag_mapping
+
+    u = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.7])  # the order 1, 3, 2, 4, 0
+    assert dag_mapping(torch.tensor([4, 1, 4]), 5, u).tolist() == [0, 3, 2, 3, 2]  # 1 -> 3, 4 -> 2
+    assert dag_mapping(torch.tensor([0, 1, 2, 3]), 5, u).tolist() == [4, 3, 1, 1, 4]  # 0 -> 4; then 1 -> 3, ...
+    assert dag_mapping(torch.tensor([], dtype=torch.long), 5, u).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_dag_strong_by_hand():
+    """forward_propogation_det.m: of the targets predicted as their adversarial label, those NMS (IoU 0.35) keeps
+    with a score under 0.8 count as still predicted as their true label; the ones it suppresses do not."""
+    from blackboxbench.detection.attacks import dag_strong
+
+    boxes = torch.tensor([[0., 0, 10, 10], [0, 0, 10, 9], [20, 20, 30, 30], [40, 40, 50, 50], [0, 0, 10, 10]])
+    true, adv = torch.tensor([0, 0, 1, 1, -1]), torch.tensor([2, 2, 0, 0, 0])
+    pred, score = torch.tensor([2, 2, 0, 2, 0]), torch.tensor([0.7, 0.6, 0.9, 0.7, 0.9])
+    # 0 kept at 0.7: reset; 1 suppressed by 0: fooled; 2 kept at 0.9: fooled; 3 not its adversarial label; 4 no target
+    assert dag_strong(pred, score, true, adv, boxes).tolist() == [0, 2, 0, 2, 0]
+    assert dag_strong(pred, score, true, adv, boxes, thr=0.5).tolist() == pred.tolist()
+
+
+def test_dag_proposals_and_log_scores(frcnn):
+    """DAG's denser proposals (the RPN's NMS at 0.9 for the call, then restored), and log scores whose class
+    differences are the RoI head's logit differences."""
+    x = shapes(None, n=2).x
+    nms = frcnn.net.rpn.nms_thresh
+    dense, sizes = frcnn.proposals(x, 0.9)
+    plain, _ = frcnn.proposals(x)
+    assert frcnn.net.rpn.nms_thresh == nms == 0.7 and sizes == [(64, 64)] * 2
+    from torchvision.ops import box_iou
+
+    def overlap(b):  # the highest IoU of two proposals of an image
+        return float((box_iou(b, b) - torch.eye(len(b))).max())
+    assert max(map(overlap, plain)) <= 0.7 + 1e-6 < max(map(overlap, dense))
+    with torch.no_grad():
+        logp, prob = frcnn.proposal_scores(x, plain, log=True), frcnn.proposal_scores(x, plain)
+    assert torch.allclose(logp.exp(), prob, atol=1e-6)

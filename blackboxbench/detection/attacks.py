@@ -190,41 +190,108 @@ def tog_mislabel(ctx, x, *, conf_thr=0.2, mode="ml"):
 
 # ---------------------------------------------------------------- DAG
 
-@DET_CRAFT.register("dag", paper="Xie et al., ICCV 2017 (DAG); reference port yizhe-ang/detectron2-1 adv.py",
-                    ranges={"iterations": "int [1, inf)", "gamma": "(0, 1]", "score_thr": "[0, 1)"})
-def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1):
-    """Dense Adversary Generation. The targets are the candidates whose best class score exceeds ``score_thr`` on
-    the clean image, each with a random wrong label (the sample's stream): a one-stage head's candidates, or a
-    two-stage head's RPN proposals on the clean image, kept fixed and classified by its RoI head on every iterate
-    (DAG's own setting: Faster R-CNN's proposals). While some target of an image is not yet predicted as its
-    label, x += gamma * r / ||r||_inf with r = grad sum over active targets (log p_adv - log p_true).
-    ``objective`` is unused (DAG has its own)."""
-    model, x = ctx.model, ctx.problem.x
+DAG = ("Xie et al., ICCV 2017 (DAG); the authors' cihangxie/DAG code/{fooling_det_net,assign_target_det,"
+       "generate_mapping,forward_propogation_det,back_propogation_det}.m")
+
+
+def dag_targets(boxes, scores, gt_boxes, gt_labels, iou_thr=0.1, score_thr=0.1):
+    """DAG's targets on one image (assign_target_det.m): the candidates whose box ``boxes`` (A, 4) has IoU >
+    ``iou_thr`` with a ground-truth box whose class scores > ``score_thr`` on the candidate (``scores`` (A, C) on the
+    clean image); each takes the class of the qualifying ground truth of highest IoU. (A,) labels, -1 elsewhere."""
+    from torchvision.ops import box_iou
+
+    if not len(gt_labels):
+        return torch.full(boxes.shape[:1], -1, dtype=torch.long, device=boxes.device)
+    iou = box_iou(gt_boxes.to(boxes), boxes)  # (G, A)
+    ok = (iou > iou_thr) & (scores[:, gt_labels].T > score_thr)
+    best = torch.where(ok, iou, -1.0).argmax(0)
+    return torch.where(ok.any(0), gt_labels.to(boxes.device)[best], -1)
+
+
+def dag_mapping(gt_labels, c, u):
+    """DAG's adversarial label of each class (generate_mapping.m), (c,): every class of the image's ground truth
+    ``gt_labels`` (in increasing order) to a distinct class absent from the image, taken in the random order of the
+    uniforms ``u`` (c,); where the image leaves too few classes absent (3 shapes classes), the rest to the first
+    other class in that order. Classes not in the image map to themselves (never used)."""
+    order = u.argsort().tolist()
+    present = sorted(set(gt_labels.tolist()))
+    absent = [k for k in order if k not in present]
+    m = list(range(c))
+    for j, k in enumerate(present):
+        m[k] = absent[j] if j < len(absent) else next(o for o in order if o != k)
+    return torch.tensor(m, device=gt_labels.device)
+
+
+def dag_strong(pred, score, true, adv, boxes, thr=0.8, nms_iou=0.35):
+    """DAG's check of a strong adversarial result on one image (forward_propogation_det.m): among the targets
+    predicted as their adversarial label (``pred`` == ``adv``; ``true`` -1: no target), those that class-agnostic
+    NMS at IoU ``nms_iou`` on the predicted ``score`` keeps with a score below ``thr`` count as still predicted as
+    their true label. The predictions (A,) so corrected."""
+    from torchvision.ops import nms
+
+    idx = ((true >= 0) & (pred == adv)).nonzero().flatten()
+    keep = idx[nms(boxes[idx].float(), score[idx].float(), nms_iou)]
+    weak = keep[score[keep] < thr]
+    pred = pred.clone()
+    pred[weak] = true[weak]
+    return pred
+
+
+@DET_CRAFT.register("dag", paper=DAG + " (step 0.5 / ||r||_inf, 150 iterations, targets at IoU > 0.1 and score > "
+                    "0.1, RPN NMS 0.9, strong result: score 0.8 after NMS 0.35)",
+                    ranges={"iterations": "int [1, inf)", "gamma": "(0, 1]", "score_thr": "[0, 1)",
+                            "iou_thr": "[0, 1)", "strong": "[0, 1]", "strong_iou": "(0, 1]", "rpn_nms": "(0, 1]"})
+def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1, iou_thr=0.1, strong=0.8, strong_iou=0.35,
+        rpn_nms=0.9):
+    """Dense Adversary Generation as the authors' code. Targets (:func:`dag_targets`): on a two-stage head the
+    RPN's proposals on the clean image (NMS threshold raised to ``rpn_nms``), kept fixed and classified by its RoI
+    head on every iterate (DAG's own setting); on a one-stage head its candidates with their boxes on the clean
+    image; those at IoU > ``iou_thr`` with a ground-truth box whose class scores > ``score_thr`` there, labelled
+    with that class, each class mapped to a random class absent from the image (:func:`dag_mapping`, the sample's
+    stream). While some target of an image is still predicted as its true label (after :func:`dag_strong`),
+    x += gamma * r / ||r||_inf, r = grad of the sum over the targets predicted neither as their adversarial label
+    nor as background of (log p_adv - log p_true): the logit difference on a softmax head. Each iterate is clipped
+    to [0, 1] (the authors never clip). ``objective`` is unused (DAG has its own)."""
+    model, p = ctx.model, ctx.problem
+    x, (h, w) = p.x, p.x.shape[-2:]
     if model.kind in ONE_STAGE:
-        scores = model.candidates
+        logp_of = lambda xi: torch.log(model.candidates(xi).clamp_min(1e-30))  # noqa: E731
+        with torch.no_grad():
+            p0, boxes = model.candidates(x, boxes=True)
+        boxes = boxes * boxes.new_tensor([w, h, w, h])
     else:
-        proposals = model.proposals(x)
-        scores = lambda xi: model.proposal_scores(xi, proposals)  # noqa: E731  (an image's padding rows: 0)
-    with torch.no_grad():
-        p0 = scores(x)
-    n, a, c = p0.shape
-    true = p0.argmax(-1)
-    target = p0.amax(-1) > score_thr
-    shift = 1 + (ctx.rng.uniform((a,)).to(x.device) * (c - 1)).long().clamp_max(c - 2)
-    adv = (true + shift) % c
+        proposals, sizes = model.proposals(x, rpn_nms)
+        logp_of = lambda xi: model.proposal_scores(xi, proposals, log=True)  # noqa: E731  (padding rows: 0)
+        boxes = torch.nn.utils.rnn.pad_sequence([b * b.new_tensor([w / s[1], h / s[0]] * 2)  # to x's pixels
+                                                 for b, s in zip(proposals, sizes)], batch_first=True)
+        with torch.no_grad():
+            p0 = model.proposal_scores(x, proposals)
+    c = p0.shape[-1]
+    u = ctx.rng.uniform((c,)).to(x.device)
+    true = torch.stack([dag_targets(b, s, g["boxes"], g["labels"], iou_thr, score_thr)
+                        for b, s, g in zip(boxes, p0, p.gt)])
+    adv = torch.stack([dag_mapping(g["labels"], c, ui)[t.clamp_min(0)] for g, ui, t in zip(p.gt, u, true)])
+    target = true >= 0
     x_adv = x.clone()
     for _ in range(iterations):
         xg = x_adv.detach().requires_grad_(True)
         with torch.enable_grad():
-            logp = torch.log(scores(xg).clamp_min(1e-8))
-            active = target & (logp.argmax(-1) != adv)
-            if not bool(active.any()):
+            logp = logp_of(xg)
+            with torch.no_grad():
+                prob = logp.exp()
+                score, pred = prob.max(-1)
+                if model.kind not in ONE_STAGE:  # the background: what the foreground classes leave
+                    bg = 1 - prob.sum(-1)
+                    pred, score = torch.where(bg > score, -1, pred), torch.maximum(bg, score)
+                pred = torch.stack([dag_strong(*row, strong, strong_iou) for row in zip(pred, score, true, adv, boxes)])
+            live = (target & (pred == true)).any(1)
+            if not bool(live.any()):
                 break
-            gain = (logp.gather(-1, adv[..., None]) - logp.gather(-1, true[..., None]))[..., 0]
-            r = torch.autograd.grad((gain * active).sum(), xg)[0]
-        live = per_sample(active.any(1).to(x.dtype), x)
+            active = target & (pred != adv) & (pred >= 0) & live[:, None]
+            gain = logp.gather(-1, adv[..., None])[..., 0] - logp.gather(-1, true.clamp_min(0)[..., None])[..., 0]
+            r = torch.autograd.grad(torch.where(active, gain, 0).sum(), xg)[0]
         r = r / per_sample(flat_norm(r, "linf") + 1e-12, r)
-        x_adv = ctx.problem.project(x_adv + live * gamma * r)
+        x_adv = p.project(x_adv + per_sample(live.to(x.dtype), x) * gamma * r)
     return x_adv
 
 

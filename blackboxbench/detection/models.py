@@ -139,25 +139,33 @@ class Detector(nn.Module):
         logits, _ = net.roi_heads.box_predictor(net.roi_heads.box_head(pooled))
         return torch.cat([o.flatten(1) for o in objectness], 1), list(logits.split([len(p) for p in proposals]))
 
-    def proposals(self, x):
+    def proposals(self, x, nms_thresh=None):
         """Two-stage (R-CNN) heads: the RPN's proposals on images ``x``, a list of (P_i, 4) boxes in the resized
-        images' pixels (no gradient): fixed targets that :meth:`proposal_scores` classifies on other images."""
+        images' pixels (no gradient): fixed targets that :meth:`proposal_scores` classifies on other images; and
+        the resized images' sizes, a list of (h, w). ``nms_thresh``: the RPN's NMS threshold for this call (DAG
+        raises it to 0.9 for denser proposals)."""
         self._two_stage()
-        with torch.no_grad():
-            images, _ = self.net.transform(list(x))
-            proposals, _ = self.net.rpn(images, self._backbone(images))
-        return proposals
+        rpn, old = self.net.rpn, self.net.rpn.nms_thresh
+        rpn.nms_thresh = old if nms_thresh is None else nms_thresh
+        try:
+            with torch.no_grad():
+                images, _ = self.net.transform(list(x))
+                proposals, _ = rpn(images, self._backbone(images))
+        finally:
+            rpn.nms_thresh = old
+        return proposals, images.image_sizes
 
-    def proposal_scores(self, x, proposals):
+    def proposal_scores(self, x, proposals, log=False):
         """Two-stage heads: the RoI head's class probabilities (softmax with the background) of the given
         ``proposals`` on images ``x``, over the dataset's classes, (N, P, C) with P the most proposals of an image
-        (rows past an image's own: 0); differentiable in ``x``."""
+        (rows past an image's own: 0); ``log``: their logarithms (log-softmax; padding rows 0), so that a
+        difference of two classes is the difference of their logits; differentiable in ``x``."""
         self._two_stage()
         net = self.net
         images, _ = net.transform(list(x))
         pooled = net.roi_heads.box_roi_pool(self._backbone(images), proposals, images.image_sizes)
         logits, _ = net.roi_heads.box_predictor(net.roi_heads.box_head(pooled))
-        probs = torch.softmax(logits, -1)[:, (self.label_map >= 0).nonzero().flatten()]
+        probs = (torch.log_softmax if log else torch.softmax)(logits, -1)[:, (self.label_map >= 0).nonzero().flatten()]
         return nn.utils.rnn.pad_sequence(list(probs.split([len(p) for p in proposals])), batch_first=True)
 
     def _backbone(self, images):
