@@ -331,17 +331,18 @@ output_dir: OUT
 
 
 def test_phantom_sponges_is_universal_bounded_and_fabricates(setup):
-    """One perturbation, learnt once on the attacker's training images (the recipe's defaults: lambda2 10, 70
-    epochs with patience 7), added to every test image: non-negative, inside the L2 ball, and at least 30 % more
-    detections per image (measured on these 8 images: 3.38 -> 5.50; on 16, x1.50, and x1.46 without the area
-    term)."""
+    """One perturbation, learnt once on the attacker's images (the recipe's defaults: lambda2 10, 70 epochs with
+    patience 7 on a 10 % validation split), added to every test image: non-negative, inside the L2 ball, and at
+    least 30 % more detections per image. 320 shapes train images (288 to train on, 32 to validate), as the
+    asset's default 64 leave 7 validation images, whose noisy loss stops the training early (on 16 test images:
+    x1.11 with 64, x1.59 with 320; benchmarks/RESULTS.md)."""
     from blackboxbench.detection.data import detection_images
 
     model, data = setup
     recipe, src = load_recipe("phantom_sponges", "test")
     fam = FAMILY.get("detection")
     t = finish_threat({}, recipe, fam, "test")
-    train = detection_images(None, "cpu")
+    train = detection_images(None, "cpu", spec={"n": 320})
     run = RunInputs(attack=build_attack(recipe, t, src), threat=t, data=data, models={"surrogates": [model],
                     "targets": [model]}, model_names={"surrogates": ["m"], "targets": ["m"]},
                     streams=Streams(0, N, "cpu"), device=torch.device("cpu"), slots=4, assets={"train": train},
@@ -474,6 +475,39 @@ def test_detector_losses_are_the_plain_training_forward(frcnn):
     assert flags == [m.training for m in net.modules()] == [True, True, False, True, False, True]
     det._loss_mode(False)
     assert not any(m.training for m in net.modules())
+
+
+def test_phantom_sponges_validates_and_returns_the_best_epoch(setup, monkeypatch):
+    """As the authors' pgd_L2 and EarlyStopping: the last 10 % of the asset's images validate and never train;
+    each epoch visits the training images once in a new order; the zero perturbation's validation loss is the
+    first best, a loss below best + delta (1e-4) the next best (the authors' sign), and the best perturbation is
+    returned, not the last, after ``patience`` epochs without one."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.detection import attacks
+    from blackboxbench.detection.data import detection_images
+    from blackboxbench.threat import Problem
+
+    model, data = setup
+    train = detection_images(None, "cpu", spec={"n": 10})  # 9 to train on, 1 to validate
+    batches, seen = [], []
+    real = attacks.sponge_loss
+
+    def loss(m, xb, *a):  # the training batches, each image named by its nearest image of the asset
+        batches.append([int((train.data.x - v).abs().flatten(1).sum(1).argmin()) for v in xb])
+        return real(m, xb, *a)
+
+    script = iter([1.0, 0.9, 0.95, 0.90005, 0.96, 0.97, 0.98])  # zero uap, then epochs 1..6
+    monkeypatch.setattr(attacks, "sponge_loss", loss)
+    monkeypatch.setattr(attacks, "sponge_val_loss", lambda m, val, uap, *a: seen.append((val, uap)) or next(script))
+    prob = Problem(data.x[:1], data.y[:1], 7.0, "l2", None)
+    ctx = BlockContext(problem=prob, rng=Streams(0, 1, "cpu").view([0]), model=model, assets={"train": train})
+    attacks.phantom_sponges(ctx, None, epochs=20, patience=3, lr=0.05, batch=4)
+    assert len(seen) == 7 and all(torch.equal(v, train.data.x[9:]) for v, _ in seen)  # 3 stale epochs: stop
+    epochs = [sorted(sum(batches[3 * e:3 * e + 3], [])) for e in range(6)]
+    assert len(batches) == 18 and all(e == list(range(9)) for e in epochs)  # 3 batches (4, 4, 1) an epoch
+    assert len({tuple(sum(batches[3 * e:3 * e + 3], [])) for e in range(6)}) > 1  # a new order each epoch
+    uap = next(iter(train.cache.values()))
+    assert torch.equal(uap, seen[3][1]) and not torch.equal(uap, seen[-1][1])  # 0.90005 < 0.9 + 1e-4: the best
 
 
 def test_dag_targets_by_hand():

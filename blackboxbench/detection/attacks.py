@@ -600,46 +600,67 @@ def sponge_loss(model, x, conf, area=0.0, target_class=None):
     return loss
 
 
+def sponge_val_loss(model, val, uap, batch, conf, area, target_class):
+    """The authors' validation loss (``evaluate_loss``): the mean over the validation batches of ``batch`` images
+    of :func:`sponge_loss` with ``uap`` added (each batch's loss counts once, whatever its size)."""
+    with torch.no_grad():
+        losses = [float(sponge_loss(model, (val[i:i + batch] + uap).clamp(0, 1), conf, area, target_class))
+                  for i in range(0, len(val), batch)]
+    return sum(losses) / len(losses)
+
+
 @DET_CRAFT.register("phantom_sponges", paper=PS + " (universal; lambda1 1 (IoU term off), lambda2 10, step 0.0005, "
-                    "batch 8, 70 epochs, patience 7, L2 70 at 640x640)", asset_params={"asset": "detection_images"},
-                    heads=ONE_STAGE,
+                    "batch 8, 70 epochs, patience 7 on a 10 % validation split, delta 1e-4, L2 70 at 640x640)",
+                    asset_params={"asset": "detection_images"}, heads=ONE_STAGE,
                     ranges={"epochs": "int [1, inf)", "patience": "int [1, inf)", "lr": "(0, 1]",
                             "batch": "int [1, inf)", "conf": "(0, 1)", "area": "[0, inf)",
-                            "target_class": "int [0, inf)"})
+                            "target_class": "int [0, inf)", "val_split": "(0, 1)", "delta": "[0, inf)",
+                            "seed": "int [0, inf)"})
 def phantom_sponges(ctx, objective, *, epochs=70, patience=7, lr=0.0005, batch=8, conf=0.25, area=10.0,
-                    target_class=None, asset="train"):
-    """A universal perturbation learnt once per run on the attacker's training images (``ctx.assets[asset]``, a
-    ``detection_images`` asset) with the surrogate: per batch of ``batch`` images, uap <- clamp(uap - lr *
-    sign(grad of :func:`sponge_loss`), 0, 1) (non-negative), then projected to the threat's L2 ball; up to
-    ``epochs`` epochs, stopping after ``patience`` epochs without a lower epoch loss. Every test image gets the
-    same perturbation (x + uap, clipped to [0, 1]). ``area``: the weight lambda2 of the bounding-box term;
-    ``target_class``: the class whose score the max-objects term raises (the authors': COCO's car; None: each
-    candidate's best class)."""
+                    target_class=None, val_split=0.1, delta=1e-4, seed=0, asset="train"):
+    """A universal perturbation learnt once per run on the attacker's images (``ctx.assets[asset]``, a
+    ``detection_images`` asset) with the surrogate, as the authors' ``pgd_L2``: the first 1 - ``val_split`` of the
+    images train it, the rest validate it. Each epoch visits the training images in a new random order (``seed``)
+    in batches of ``batch``: uap <- clamp(uap - lr * sign(grad of :func:`sponge_loss`), 0, 1) (non-negative), then
+    projected to the threat's L2 ball. After each epoch the validation loss (:func:`sponge_val_loss`) of the
+    current perturbation is compared with the best so far, the zero perturbation's to begin with: as the authors'
+    early stopping, a loss below best + ``delta`` is the new best (the authors' sign: a loss up to ``delta`` worse
+    counts too), otherwise a stale epoch; ``patience`` stale epochs in a row stop the training, and the best
+    perturbation is the one returned, not the last. Every test image gets the same perturbation (x + uap, clipped
+    to [0, 1]). ``area``: the weight lambda2 of the bounding-box term; ``target_class``: the class whose score
+    the max-objects term raises (the authors': COCO's car; None: each candidate's best class)."""
     p, model = ctx.problem, ctx.model
     train = ctx.assets.get(asset)
     if train is None or not hasattr(train, "cache"):
         raise BenchError(f"phantom_sponges needs a detection_images asset named '{asset}' (assets: {{{asset}: "
                          "{name: detection_images}}})")
-    key = ("phantom_sponges", id(model), p.eps, p.norm, epochs, patience, lr, batch, conf, area, target_class)
+    key = ("phantom_sponges", id(model), p.eps, p.norm, epochs, patience, lr, batch, conf, area, target_class,
+           val_split, delta, seed)
     if key not in train.cache:
         xs = train.data.x.to(p.x.device)
+        cut = int(len(xs) * (1 - val_split))  # the authors': int(1500 * (1 - 0.1)) training images, 150 validation
+        if not 0 < cut < len(xs):
+            raise BenchError(f"phantom_sponges: val_split {val_split} of the asset's {len(xs)} images leaves "
+                             f"{cut} to train on and {len(xs) - cut} to validate; both need one")
+        xs, val = xs[:cut], xs[cut:]
+        gen = torch.Generator().manual_seed(seed)
         uap = torch.zeros_like(xs[:1])
-        best, stale = float("inf"), 0
+        best_uap, best, stale = uap, sponge_val_loss(model, val, uap, batch, conf, area, target_class), 0
         for _ in range(epochs):
-            total = 0.0
+            order = torch.randperm(len(xs), generator=gen).to(xs.device)
             for i in range(0, len(xs), batch):
                 ug = uap.detach().requires_grad_(True)
                 with torch.enable_grad():
-                    loss = sponge_loss(model, (xs[i:i + batch] + ug).clamp(0, 1), conf, area, target_class)
+                    loss = sponge_loss(model, (xs[order[i:i + batch]] + ug).clamp(0, 1), conf, area, target_class)
                     g = torch.autograd.grad(loss, ug)[0]
                 uap = (uap - lr * g.sign()).clamp(0, 1)
                 uap = uap * torch.clamp(p.eps / (flat_norm(uap, p.norm) + 1e-12), max=1.0).view(-1, 1, 1, 1)
-                total += float(loss.detach()) * len(xs[i:i + batch])
-            if total < best - 1e-9:
-                best, stale = total, 0
+            v = sponge_val_loss(model, val, uap, batch, conf, area, target_class)
+            if v < best + delta:
+                best_uap, best, stale = uap, v, 0
             else:
                 stale += 1
                 if stale >= patience:
                     break
-        train.cache[key] = uap.detach()
+        train.cache[key] = best_uap.detach()
     return p.project((p.x + train.cache[key]).clamp(0, 1))
