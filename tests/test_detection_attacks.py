@@ -547,8 +547,13 @@ def test_dag_strong_by_hand():
     true, adv = torch.tensor([0, 0, 1, 1, -1]), torch.tensor([2, 2, 0, 0, 0])
     pred, score = torch.tensor([2, 2, 0, 2, 0]), torch.tensor([0.7, 0.6, 0.9, 0.7, 0.9])
     # 0 kept at 0.7: reset; 1 suppressed by 0: fooled; 2 kept at 0.9: fooled; 3 not its adversarial label; 4 no target
-    assert dag_strong(pred, score, true, adv, boxes).tolist() == [0, 2, 0, 2, 0]
-    assert dag_strong(pred, score, true, adv, boxes, thr=0.5).tolist() == pred.tolist()
+    assert dag_strong(pred[None], score[None], true[None], adv[None], boxes[None]).tolist() == [[0, 2, 0, 2, 0]]
+    assert dag_strong(pred[None], score[None], true[None], adv[None], boxes[None], thr=0.5).tolist() == [pred.tolist()]
+    # a batch: NMS within each image (the second image's box 0 alone, so kept at 0.6 and reset)
+    two = [torch.stack([v, v]) for v in (pred, score, true, adv)]
+    two[1][1] = torch.tensor([0.5, 0.6, 0.9, 0.7, 0.9])
+    boxes2 = torch.stack([boxes, boxes + torch.tensor([[0.], [100], [0], [0], [0]])])
+    assert dag_strong(*two, boxes2).tolist() == [[0, 2, 0, 2, 0], [0, 0, 0, 2, 0]]
 
 
 def test_dag_proposals_and_log_scores(frcnn):

@@ -206,7 +206,7 @@ def test_caa_vanish_descends_towards_the_shortened_plans(monkeypatch):
 
     seen = []
     monkeypatch.setattr(attacks, "descend", lambda ctx, models, w, targets, x0, it, a: (
-        seen.append([len(t["labels"]) for t in targets]), x0)[1])
+        seen.append([len(t["labels"]) for t in targets]), (x0, 0.0))[1])
     dets = {"boxes": torch.tensor([[2., 2, 20, 20], [30, 30, 50, 50], [5, 40, 25, 60]]),
             "labels": torch.tensor([0, 1, 2]), "scores": torch.tensor([0.9, 0.8, 0.7])}
     monkeypatch.setattr(attacks, "pick_victims", lambda ctx, thr, u: [(dets, 1, 2)])

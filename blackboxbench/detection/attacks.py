@@ -223,17 +223,17 @@ def dag_mapping(gt_labels, c, u):
 
 
 def dag_strong(pred, score, true, adv, boxes, thr=0.8, nms_iou=0.35):
-    """DAG's check of a strong adversarial result on one image (forward_propogation_det.m): among the targets
+    """DAG's check of a strong adversarial result (forward_propogation_det.m), on a batch: among the targets
     predicted as their adversarial label (``pred`` == ``adv``; ``true`` -1: no target), those that class-agnostic
     NMS at IoU ``nms_iou`` on the predicted ``score`` keeps with a score below ``thr`` count as still predicted as
-    their true label. The predictions (A,) so corrected."""
-    from torchvision.ops import nms
+    their true label. (N, A) each, ``boxes`` (N, A, 4); NMS within each image. The predictions so corrected."""
+    from torchvision.ops import batched_nms
 
-    idx = ((true >= 0) & (pred == adv)).nonzero().flatten()
-    keep = idx[nms(boxes[idx].float(), score[idx].float(), nms_iou)]
-    weak = keep[score[keep] < thr]
+    img, cand = ((true >= 0) & (pred == adv)).nonzero(as_tuple=True)
+    keep = batched_nms(boxes[img, cand].float(), score[img, cand].float(), img, nms_iou)
+    weak = keep[score[img[keep], cand[keep]] < thr]
     pred = pred.clone()
-    pred[weak] = true[weak]
+    pred[img[weak], cand[weak]] = true[img[weak], cand[weak]]
     return pred
 
 
@@ -283,7 +283,7 @@ def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1, iou_t
                 if model.kind not in ONE_STAGE:  # the background: what the foreground classes leave
                     bg = 1 - prob.sum(-1)
                     pred, score = torch.where(bg > score, -1, pred), torch.maximum(bg, score)
-                pred = torch.stack([dag_strong(*row, strong, strong_iou) for row in zip(pred, score, true, adv, boxes)])
+                pred = dag_strong(pred, score, true, adv, boxes, strong, strong_iou)
             live = (target & (pred == true)).any(1)
             if not bool(live.any()):
                 break
