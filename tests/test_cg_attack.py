@@ -199,11 +199,39 @@ def test_resnet20_at_the_papers_budget(tmp_path, recipe):
 def test_population_calls_hold_whole_samples_within_the_bound(tmp_path, monkeypatch):
     """With room for one sample's population (20 digits of 64 values) a call, every generation's call holds one
     sample's candidates, where the unbounded run's holds every sample's; the records are the same (at 296 x 296 one
-    call of every slot's population grew by about 150 MB a slot)."""
-    from blackboxbench.query import cg_attack
+    call of every slot's population grew by about 150 MB a slot).
 
+    And nothing of a call outlives it: the ES update runs on the call's samples alone (no population of every slot
+    kept for one update after the last call), and a call's candidates are freed before the next call decodes (at
+    296 x 296 with them, the previous call's candidates, decodes and split latents beside the next call's decode,
+    the peak grew by 62.7 MB a slot from 16 to 32 slots; without, 14-16 MB: benchmarks/RESULTS.md)."""
+    import weakref
+
+    from blackboxbench.query import common
+
+    updated, left = {}, {}  # PROBE_VALUES -> the samples of each ES update, the candidates alive at each decode
+    calls = []              # weak references to every population call's candidates
+    real_query, real_update, real_decode = cg_attack.query_margin, cg_attack.sep_cma_update, CondGlow.decode
+
+    def query(ctx, images, idx=None):
+        calls.append(weakref.ref(images))
+        return real_query(ctx, images, idx)
+
+    def update(es, z, fitness, k, w):
+        updated.setdefault(common.PROBE_VALUES, []).append(len(z))
+        return real_update(es, z, fitness, k, w)
+
+    def decode(self, *args, **kw):
+        left.setdefault(common.PROBE_VALUES, []).append(sum(ref() is not None for ref in calls))
+        return real_decode(self, *args, **kw)
+
+    monkeypatch.setattr(cg_attack, "query_margin", query)
+    monkeypatch.setattr(cg_attack, "sep_cma_update", update)
+    monkeypatch.setattr(CondGlow, "decode", decode)
     (whole, largest), (cut, largest_cut) = records_by_probe_values(
         tmp_path, monkeypatch, _attack("cg_attack", "fast"), cg_attack, (1 << 26, 20 * 64), "linf", 0.2,
         budget=300, assets=_digits_assets(), surrogates=["digits_cnn"])
     assert largest >= 8 * 20 and largest_cut == 20
     assert whole == cut and sum(r["success"] for r in whole) >= 4
+    assert max(updated[1 << 26]) >= 8 and set(updated[20 * 64]) == {1}
+    assert len(left[20 * 64]) > 100 and set(left[20 * 64]) == {0}

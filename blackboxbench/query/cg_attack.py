@@ -518,21 +518,17 @@ def cg_init(ctx):
 def _start(ctx, flow, cond, state, sigma0):
     """Start the samples that have not (``gen`` -1), given every sample's conditions ``cond``: step ``sigma0`` and
     split latents drawn from their priors at the top latent 0 (``cg_init`` set the mean 0, the identity covariance
-    and the empty paths)."""
+    and the empty paths). Writes into ``state``'s tensors (the working set's own copy, see query/pipeline.py)."""
     fresh = state["gen"] < 0
     if not bool(fresh.any()):
-        return state
-    state, dev = dict(state), ctx.device
-    rows = fresh.nonzero().squeeze(1)
+        return
+    rows, dev = fresh.nonzero().squeeze(1), ctx.device
     m, dim = len(rows), math.prod(flow.top)
     noise = [ctx.rng.normal(s, rows=rows).to(dev) for s in flow.split_shapes()]
     zs = flow.decode(expand(cond, rows), torch.zeros((m, *flow.top), device=dev), noise=noise)[1]
-    mean = state["mean"].clone()
-    mean[rows, dim:] = torch.cat([z.flatten(1) for z in zs], 1)
-    state["mean"] = mean
-    state["sigma"] = state["sigma"].index_put((rows,), torch.tensor(float(sigma0), device=dev))
-    state["gen"] = state["gen"].index_put((rows,), torch.tensor(0, device=dev))
-    return state
+    state["mean"][rows, dim:] = torch.cat([z.flatten(1) for z in zs], 1)
+    state["sigma"][rows] = float(sigma0)
+    state["gen"][rows] = 0
 
 
 def unflatten(flat, shapes):
@@ -558,8 +554,8 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
               max_grad_norm=10.0, margin=20.0, seed=0, pretrain_epochs=0, pretrain_lr=1e-3, pseudo_iters=30,
               pseudo_step=0.005):
     """One CMA-ES generation of ``n_pop`` c-Glow candidates per sample, queried in calls of whole samples of about
-    ``PROBE_VALUES`` values (one call on CIFAR-10); proposes each sample's best candidate with the oracle's answer
-    on it (see the module docstring for every parameter)."""
+    ``PROBE_VALUES`` values (one call on CIFAR-10), each call's ES updated in the state's tensors in place; proposes
+    each sample's best candidate with the oracle's answer on it (see the module docstring for every parameter)."""
     arch = {"x_hidden_channels": int(x_hidden_channels), "x_hidden_size": int(x_hidden_size),
             "y_hidden_channels": int(y_hidden_channels), "flow_depth": int(flow_depth),
             "num_levels": int(num_levels)}
@@ -570,36 +566,45 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
     problem, dev = ctx.problem, ctx.device
     with torch.no_grad():
         cond = flow.condition(problem.x)
-        state = _start(ctx, flow, cond, state, sigma)
-        n, dim = problem.n, math.prod(flow.top)
-        es = {key: state[key][:, :dim] if state[key].dim() == 2 else state[key] for key in ES_KEYS}
-        z = torch.empty((n, n_pop, dim), device=dev)
-        fit = torch.empty((n, n_pop), device=dev)
-        adv, ok = torch.empty_like(fit, dtype=torch.bool), torch.empty_like(fit, dtype=torch.bool)
-        best = torch.empty_like(problem.x)
-        # calls of whole samples of about PROBE_VALUES values (one on CIFAR-10; at 296 x 296 a sample's population
-        # and its decode's temporaries grew by about 150 MB a slot in one call)
-        for sel in bounded_calls(torch.ones(n, dtype=torch.long, device=dev), n_pop * problem.x[0].numel()):
-            m = sel.numel()
-            z[sel] = ctx.rng.normal((n_pop, dim), rows=sel).to(dev)
-            latents = es["mean"][sel, None] + es["sigma"][sel, None, None] * es["cov"][sel].sqrt()[:, None] * z[sel]
-            idx = sel.repeat_interleave(n_pop)
-            zs = unflatten(state["mean"][idx, dim:], flow.split_shapes())
-            delta = flow.decode(expand(cond, idx), latents.reshape(m * n_pop, *flow.top), zs=zs)[0]
-            candidates = problem.sub(idx).project(problem.x[idx] + to_boundary(delta, problem.eps, problem.norm))
-            f, a, o = query_margin(ctx, candidates, idx)
-            fit[sel], adv[sel], ok[sel] = f.clamp_min(-FLOOR).view(m, n_pop), a.view(m, n_pop), o.view(m, n_pop)
-            best[sel] = candidates.view(m, n_pop, *candidates.shape[1:])[torch.arange(m, device=dev),
-                                                                         fit[sel].argmin(1)]
-        ok = ok.all(1)
-        new = sep_cma_update(es, z, fit, *cma_constants(dim, n_pop))
-        pick = fit.argmin(1)
-    out = {}
-    for key in ES_KEYS:  # a generation with a refused query (past the budget) leaves the ES as it was
-        value = torch.where(ok.view(-1, *[1] * (new[key].dim() - 1)), new[key], es[key])
-        out[key] = torch.cat([value, state[key][:, dim:]], 1) if value.dim() == 2 else value
-    rows = torch.arange(n, device=dev)
-    return {"x_adv": best, "margin": fit[rows, pick], "adv": adv[rows, pick], **out}
+        _start(ctx, flow, cond, state, sigma)
+        k, w = cma_constants(math.prod(flow.top), n_pop)
+        fit = torch.empty((problem.n, n_pop), device=dev)
+        adv, best = torch.empty_like(fit, dtype=torch.bool), torch.empty_like(problem.x)
+        # calls of whole samples of about PROBE_VALUES values (one on CIFAR-10); each call's population, decode and
+        # ES update live only within _generation, so no sample's population outlives its call
+        for sel in bounded_calls(torch.ones(problem.n, dtype=torch.long, device=dev), n_pop * problem.x[0].numel()):
+            fit[sel], adv[sel], best[sel] = _generation(ctx, flow, cond, state, sel, n_pop, k, w)
+    rows, pick = torch.arange(problem.n, device=dev), fit.argmin(1)
+    return {"x_adv": best, "margin": fit[rows, pick], "adv": adv[rows, pick]}
+
+
+def _searched(t, dim):
+    """The searched part of an ES state tensor: the top latent's ``dim`` values of each row (a view), or the
+    per-sample tensor itself (``sigma``, ``gen``)."""
+    return t[:, :dim] if t.dim() == 2 else t
+
+
+def _generation(ctx, flow, cond, state, sel, n_pop, k, w):
+    """One CMA-ES generation of the samples ``sel`` (one bounded call): their ``n_pop`` candidates each drawn,
+    decoded and queried, and their ES updated in ``state``'s tensors, in place (a generation with a refused query,
+    past the budget, leaves a sample's ES as it was). Returns the candidates' fitness (m, n_pop), the oracle's
+    verdicts on them (m, n_pop) and each sample's best candidate (m, C, H, W)."""
+    problem, dev, dim, m = ctx.problem, ctx.device, math.prod(flow.top), sel.numel()
+    es = {key: _searched(state[key], dim)[sel] for key in ES_KEYS}
+    z = ctx.rng.normal((n_pop, dim), rows=sel).to(dev)
+    latents = es["mean"][:, None] + es["sigma"][:, None, None] * es["cov"].sqrt()[:, None] * z
+    idx = sel.repeat_interleave(n_pop)
+    zs = unflatten(state["mean"][idx, dim:], flow.split_shapes())
+    delta = flow.decode(expand(cond, idx), latents.reshape(m * n_pop, *flow.top), zs=zs)[0]
+    candidates = problem.sub(idx).project(problem.x[idx] + to_boundary(delta, problem.eps, problem.norm))
+    f, adv, ok = query_margin(ctx, candidates, idx)
+    fit, answered = f.clamp_min(-FLOOR).view(m, n_pop), ok.view(m, n_pop).all(1)
+    new = sep_cma_update(es, z, fit, k, w)
+    for key in ES_KEYS:
+        _searched(state[key], dim)[sel] = torch.where(answered.view(-1, *[1] * (new[key].dim() - 1)), new[key],
+                                                      es[key])
+    best = candidates.view(m, n_pop, *candidates.shape[1:])[torch.arange(m, device=dev), fit.argmin(1)]
+    return fit, adv.view(m, n_pop), best
 
 
 @ACCEPT.register("es_best", paper="population attacks keep their best queried candidate (Supp. F-B, Alg. 2)",
