@@ -1,6 +1,6 @@
 """PhantomSponges and DAG at their recipes' defaults on 16 shapes test images, white-box on shapes_fcos (DAG also on
 shapes_frcnn); the target is the surrogate. ``python benchmarks/detection_ps_dag.py ps dag_fcos dag_frcnn``; the
-environment variable ASSET_N sets PhantomSponges' number of shapes train images (default 64, the asset's)."""
+environment variable ASSET_N sets PhantomSponges' number of shapes train images (default: the asset's, 320)."""
 import json
 import os
 import sys
@@ -31,7 +31,7 @@ for w in which:
         recipe, src = load_recipe("phantom_sponges", "m")
         fam = FAMILY.get("detection")
         t = finish_threat({}, recipe, fam, "m")
-        train = detection_images(None, "cpu", spec={"n": int(os.environ.get("ASSET_N", 64))})
+        train = detection_images(None, "cpu", spec={"n": int(os.environ["ASSET_N"])} if "ASSET_N" in os.environ else None)
         run = RunInputs(attack=build_attack(recipe, t, src), threat=t, data=data, models={"surrogates": [model], "targets": [model]},
                         model_names={"surrogates": ["m"], "targets": ["m"]}, streams=Streams(0, 16, "cpu"),
                         device=torch.device("cpu"), slots=16, assets={"train": train}, save_adv=True)
