@@ -75,7 +75,10 @@ def test_tog_lowers_its_metric(setup, frcnn, attack, metric, kind):
     assert t["eps"] == pytest.approx(8 / 255)  # the recipe's default budget
     p = s["per_target"]["m"]
     assert p["clean_map"] >= 0.6, p  # a trained detector (these 8 images: FCOS 0.95, Faster R-CNN 0.92)
-    assert p[f"drop_{metric}"] >= 0.30, p
+    # mislabel-ML on the FCOS: 20 %. Since TOG's own mislabel loss (the training loss towards the relabelled clean
+    # detections at 0.2, 2026-12-04) these 8 images lose 21.4 % CSR (16 images: 27.6 %); the per-candidate loss
+    # it replaced, not TOG's, took 65.5 % on 16 (benchmarks/RESULTS.md)
+    assert p[f"drop_{metric}"] >= (0.2 if (kind, attack) == ("fcos", "tog_mislabel_ml") else 0.3), p
     _check_bound(records, data, t)
 
 
@@ -392,42 +395,102 @@ def test_sponge_max_objects_term_by_hand(setup):
             sponge_loss(model, x, 0.25, target_class=3)
 
 
-def _relabel_reference(boxes, labels, dets, c, mode):
-    """The per-detection loop :func:`relabel` replaced (an independent reference)."""
-    from torchvision.ops import box_iou
+def _tog_ctx(model, x):
+    from blackboxbench.context import BlockContext
+    from blackboxbench.detection.family import DetProblem, forward_dets
 
-    labels = labels.clone()
-    if len(labels):
-        same = box_iou(boxes, dets["boxes"]) >= 0.9
-        for k in range(len(labels)):
-            score = torch.full((c,), -1.0).scatter_reduce(0, dets["labels"][same[k]], dets["scores"][same[k]], "amax")
-            others = [j for j in range(c) if j != int(labels[k])]
-            if mode == "ml":
-                found = [j for j in others if score[j] >= 0]
-                labels[k] = max(found, key=lambda j: float(score[j])) if found else (int(labels[k]) + 1) % c
-            else:
-                absent = [j for j in others if score[j] < 0]
-                labels[k] = absent[-1] if absent else min(others, key=lambda j: float(score[j]))
-    return labels
+    prob = DetProblem(x, torch.zeros(len(x), dtype=torch.long), 8 / 255, "linf", None, 3, gt=[], clean=forward_dets(model, x, "m"))
+    return BlockContext(problem=prob, rng=Streams(0, len(x), "cpu").view(list(range(len(x)))), model=model)
 
 
-@pytest.mark.parametrize("mode", ["ml", "ll"])
-def test_relabel_matches_the_per_detection_loop(mode):
-    """Random images of 0-12 detections on 5 box positions (so several detections share a box), 3-6 classes, scores
-    on a coarse grid (ties): the vectorized relabelling equals the per-detection loop."""
+def test_tog_pseudo_truth_at_its_own_threshold(setup):
+    """TOG's pseudo ground truth is victim.detect(x, conf_threshold=0.2): the detections between 0.2 and the
+    surrogate's post-processing threshold (0.3 on the tiny detectors) count, as the detector at 0.2 finds them."""
+    from blackboxbench.detection.attacks import pseudo_truth
+
+    model, data = setup
+    ctx = _tog_ctx(model, data.x)
+    model.harmonize(0.2, None)
+    with torch.no_grad():
+        want = [model(data.x[i:i + 1])[0] for i in range(N)]
+    model.harmonize(None, None)
+    got = pseudo_truth(ctx, 0.2)
+    assert model.score_thr == 0.3  # restored
+    assert sum(len(g["labels"]) for g in got) > sum(len(c["labels"]) for c in ctx.problem.clean)
+    assert all(torch.equal(g["boxes"], w["boxes"]) and torch.equal(g["labels"], w["labels"]) for g, w in zip(got, want))
+    assert [len(g["labels"]) for g in pseudo_truth(ctx, 0.5)] == [int((c["scores"] >= 0.5).sum())
+                                                                  for c in ctx.problem.clean]
+
+
+def test_tog_relabel_by_hand():
+    """attack_utils/target_utils.py: ML the most likely other class, LL the least likely (background excluded)."""
     from blackboxbench.detection.attacks import relabel
 
-    g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        c, m = int(torch.randint(3, 7, (1,), generator=g)), int(torch.randint(0, 13, (1,), generator=g))
-        spots = torch.tensor([[0, 0, 10, 10], [20, 20, 30, 30], [0, 20, 10, 30], [20, 0, 30, 10], [5, 5, 15, 15]],
-                             dtype=torch.float32)
-        dets = {"boxes": spots[torch.randint(0, 5, (m,), generator=g)],
-                "labels": torch.randint(0, c, (m,), generator=g),
-                "scores": torch.randint(1, 5, (m,), generator=g).float() / 4}
-        keep = torch.rand(m, generator=g) < 0.6
-        boxes, labels = dets["boxes"][keep], dets["labels"][keep]
-        assert torch.equal(relabel(boxes, labels, dets, c, mode), _relabel_reference(boxes, labels, dets, c, mode))
+    scores = torch.tensor([[0.7, 0.2, 0.1], [0.3, 0.1, 0.6], [0.2, 0.5, 0.5]])
+    labels = torch.tensor([0, 2, 1])
+    assert relabel(labels, scores, "ml").tolist() == [1, 0, 2]
+    assert relabel(labels, scores, "ll").tolist() == [2, 1, 0]
+    assert relabel(labels[:0], scores[:0], "ml").tolist() == []
+
+
+@pytest.mark.parametrize("kind", ["fcos", "frcnn"])
+def test_tog_detection_class_scores(setup, frcnn, kind):
+    """Each detection's own class scores: on the FCOS its candidate's (the detected class's score is the
+    detection's), on the Faster R-CNN the RoI head's distribution of its box (the detected class on top)."""
+    from blackboxbench.detection.attacks import detection_class_scores, pseudo_truth
+
+    model, data = setup
+    model = model if kind == "fcos" else frcnn
+    x = data.x[:4]
+    truth = pseudo_truth(_tog_ctx(model, x), 0.2)
+    vecs = detection_class_scores(model, x, truth)
+    for t, v in zip(truth, vecs):
+        assert v.shape == (len(t["labels"]), 3)
+        if kind == "fcos":
+            assert torch.allclose(v.gather(1, t["labels"][:, None])[:, 0], t["scores"], atol=1e-5)
+        else:
+            assert (v.argmax(1) == t["labels"]).float().mean() >= 0.8
+
+
+def test_tog_two_stage_vanishing_covers_every_anchor(frcnn):
+    """models/frcnn.py object_vanishing_loss: CE of every RPN anchor to background (not the training loss's 64
+    sampled anchors) plus CE of the RoIs to background."""
+    import torch.nn.functional as F
+
+    from blackboxbench.detection.attacks import tog_vanishing
+
+    x = shapes(None, n=2).x
+    with torch.no_grad():
+        obj, roi = frcnn.two_stage_logits(x)
+        want = [-(F.softplus(o).mean() + F.cross_entropy(r, torch.zeros(len(r), dtype=torch.long))) for o, r in zip(obj, roi)]
+        got = tog_vanishing(_tog_ctx(frcnn, x), x)
+    assert torch.allclose(got, torch.stack(want), atol=1e-5)
+
+
+def test_osfd_rrb_second_copy_is_the_first_resized(setup):
+    """attack/base/RRB.py: copy 2 is copy 1 (the rotated image) resized, not a second copy of the image; with
+    resizing off (rho 0: scale 1) and no noise the two copies are the same image, which a rotation changed."""
+    from blackboxbench.detection.attacks import _resize, rrb
+
+    model, data = setup
+    x = data.x[:3]
+    ctx = _tog_ctx(model, x)
+    ctx.problem.gt = [data.targets[i] for i in range(3)]
+    out = rrb(ctx, x, 2, 10.0, 10, 0.0, 1.1, 0.0)
+    assert torch.equal(out[:3], out[3:]) and not torch.equal(out[:3], x)
+    # the resizing by hand: a 20 x 20 image and a box of its size, scale 1.1: 22 px; size 21, padded at (1, 0)
+    img, box = torch.rand(1, 3, 20, 20), torch.tensor([[0., 0, 20, 20]])
+    got = _resize(img, box, [0.0, 0.5, 0.5, 0.9, 0.0], 1.0, 1.1)
+    want = F_interp(F_pad(F_interp(img, (21, 21)), (0, 1, 1, 0)), (20, 20))
+    assert torch.equal(got, want)
+
+
+def F_interp(x, size):
+    return torch.nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=True)
+
+
+def F_pad(x, pad):
+    return torch.nn.functional.pad(x, pad)
 
 
 def test_caa_select_last_is_the_last_of_every_plan_run(setup):

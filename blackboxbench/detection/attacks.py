@@ -74,12 +74,36 @@ def no_objective(ctx, x):
     return (x * 0).flatten(1).sum(1)
 
 
+def detect_at(model, x, conf_thr):
+    """``model``'s detections on ``x`` with its score threshold lowered to ``conf_thr`` for the call (its cap
+    kept), one image at a time as the family's clean detections (no gradient)."""
+    old = model.score_thr, model.max_det
+    model.harmonize(conf_thr, old[1])
+    try:
+        with torch.no_grad():
+            return [d for i in range(len(x)) for d in model(x[i:i + 1])]
+    finally:
+        model.harmonize(*old)
+
+
 def pseudo_truth(ctx, conf_thr):
-    """The surrogate's clean detections with score >= ``conf_thr`` as targets (TOG's pseudo ground truth)."""
+    """The surrogate's clean detections with score >= ``conf_thr`` as targets (TOG's pseudo ground truth: its
+    ``victim.detect(x, conf_threshold=...)``, whatever the post-processing threshold of the evaluation). Where
+    ``conf_thr`` is below the surrogate's score threshold the clean image is detected again at ``conf_thr`` (once
+    per batch: kept on the problem), so the detections between the two count too; above it the family's clean
+    detections are filtered."""
+    model, p = ctx.model, ctx.problem
+    if conf_thr < getattr(model, "score_thr", 0.0):
+        cache = p.__dict__.setdefault("_detected_at", {})
+        if conf_thr not in cache:
+            cache[conf_thr] = detect_at(model, p.x, conf_thr)
+        dets = cache[conf_thr]
+    else:
+        dets = p.clean
     out = []
-    for d in ctx.problem.clean:
+    for d in dets:
         keep = d["scores"] >= conf_thr
-        out.append({"boxes": d["boxes"][keep], "labels": d["labels"][keep]})
+        out.append({"boxes": d["boxes"][keep], "labels": d["labels"][keep], "scores": d["scores"][keep]})
     return out
 
 
@@ -88,14 +112,20 @@ def _per_image(total, n):
 
 
 def _vanish_loss(model, x):
-    """log(1 - p) over every candidate and class (maximize: every score to 0); R-CNN: minus the classification
-    losses with no object (CE of the RPN and the RoI head towards background)."""
+    """log(1 - p) over every candidate and class (maximize: every score to 0). R-CNN as TOG's Faster R-CNN
+    object_vanishing_loss (models/frcnn.py; descended there, ascended here with its sign flipped): minus the mean
+    binary cross-entropy of every RPN anchor towards background and the mean cross-entropy of every proposal's RoI
+    class distribution towards background, per image. TOG's RPN term covers every anchor (the training loss
+    would sample 64 of them); its RoI term the RoIs its training-mode sampler draws, here the RPN's test-time
+    proposals (as the fabrication loss)."""
     if model.kind in ONE_STAGE:
         p = model.candidates(x).clamp(1e-6, 1 - 1e-6)
         return torch.log1p(-p).flatten(1).mean(1)
-    empty = [{"boxes": x.new_zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long, device=x.device)}] * len(x)
-    losses = model.losses(x, empty)
-    return _per_image(-sum(v for k, v in losses.items() if "class" in k or "objectness" in k), len(x))
+    objectness, roi = model.two_stage_logits(x)
+    bce = F.binary_cross_entropy_with_logits(objectness, torch.zeros_like(objectness), reduction="none").mean(1)
+    cls = torch.stack([F.cross_entropy(r, r.new_zeros(len(r), dtype=torch.long)) if len(r) else r.sum()
+                       for r in roi])
+    return -(bce + cls)
 
 
 @DET_OBJECTIVE.register("tog_vanishing", paper=TOG + " (object-vanishing: every objectness towards 0)")
@@ -131,61 +161,72 @@ def tog_untargeted(ctx, x, *, conf_thr=0.2):
 
 
 def mislabel_targets(ctx, conf_thr, mode):
-    """The clean detections relabelled: ``ml`` the best other class among detections on (nearly) the same box
-    (the same candidate, IoU >= 0.9), ``ll`` a class absent there (the highest absent id; else the lowest-scored
-    other one); with no other class on the box, ``ml`` takes the next class id. Ties go to the lowest class id.
-    Vectorized over an image's detections and the classes (no host sync)."""
-    return [{"boxes": t["boxes"], "labels": relabel(t["boxes"], t["labels"], d, ctx.problem.num_classes, mode)}
-            for d, t in zip(ctx.problem.clean, pseudo_truth(ctx, conf_thr))]
+    """TOG's relabelled pseudo ground truth (attack_utils/target_utils.py): each clean detection (score >=
+    ``conf_thr``, :func:`pseudo_truth`) keeps its box and takes its ``ml`` or ``ll`` class (:func:`relabel`) from
+    its own class scores (:func:`detection_class_scores`: TOG reads each detection's class logits)."""
+    truth = pseudo_truth(ctx, conf_thr)
+    scores = detection_class_scores(ctx.model, ctx.problem.x, truth)
+    return [{"boxes": t["boxes"], "labels": relabel(t["labels"], v, mode)} for t, v in zip(truth, scores)]
 
 
-def relabel(boxes, labels, dets, c, mode):
-    """:func:`mislabel_targets` for one image: kept ``boxes`` (k, 4) with ``labels`` (k,), all its clean
-    detections ``dets`` (boxes, labels, scores), ``c`` classes."""
-    from torchvision.ops import box_iou
-
+def relabel(labels, scores, mode):
+    """The target class of each detection, (k,), from its own label ``labels`` (k,) and class scores ``scores``
+    (k, C), background excluded: ``ml`` the most likely other class, ``ll`` the least likely one (ties: the
+    lowest class id). TOG's ML takes the highest logit among the classes whose softmax is at or below the
+    confidence threshold: on 20 or 80 classes the next class after the detected one; on the 3 shapes classes
+    softmax puts at least one third on the top class, so the rule could leave no class or return the detection's
+    own, and the next most likely other class is taken. TOG's LL is the lowest logit, as here."""
     if not len(labels):
         return labels.clone()
-    same = box_iou(boxes, dets["boxes"]) >= 0.9  # (k, all)
-    k = len(labels)
-    src = torch.where(same, dets["scores"][None].float(), -1.0)
-    score = torch.full((k, c), -1.0, device=labels.device).scatter_reduce_(
-        1, dets["labels"][None].expand(k, -1), src, "amax")  # (k, c): the best score of each class on the box
-    ids = torch.arange(c, device=labels.device)
-    other = ids[None] != labels[:, None]
+    other = torch.arange(scores.shape[1], device=labels.device)[None] != labels[:, None]
     if mode == "ml":
-        best = torch.where(other, score, -2.0)
-        found = (best >= 0).any(1)
-        return torch.where(found, best.argmax(1), (labels + 1) % c)
-    absent = (score < 0) & other
-    last_absent = torch.where(absent, ids[None], -1).amax(1)
-    lowest = torch.where(other, score, float("inf")).argmin(1)
-    return torch.where(absent.any(1), last_absent, lowest)
+        return torch.where(other, scores, -math.inf).argmax(1)
+    return torch.where(other, scores, math.inf).argmin(1)
 
 
-def candidate_targets(model, x, conf_thr, mode):
-    """For a one-stage head: the candidates whose best clean class score is >= ``conf_thr`` (N, A) bool, their
-    class (N, A) and their mislabel class (``ml``: the candidate's second most likely class; ``ll``: its least
-    likely), from the clean image ``x`` (TOG's ML / LL selection per detection)."""
+def detection_class_scores(model, x, truth):
+    """Per image, the class scores (k, C) of each detection of ``truth`` on the clean images ``x`` (TOG keeps
+    each detection's class logits): a one-stage head's candidate that produced it (among the candidates whose
+    decoded box overlaps the detection's at IoU >= 0.5, the one whose score of the detected class is the
+    detection's score; the best-overlapping one where none overlaps so); a two-stage head's RoI class
+    distribution of the detection's box as a proposal (:meth:`~blackboxbench.detection.models.Detector.
+    box_class_scores`). Ranking by these scores is ranking by the class logits (FCOS: sqrt(cls * ctr), the
+    centerness shared by the classes)."""
+    from torchvision.ops import box_iou
+
+    h, w = x.shape[-2:]
+    out = []
     with torch.no_grad():
-        p = model.candidates(x)
-    top2 = p.topk(2, -1).indices
-    return p.amax(-1) >= conf_thr, top2[..., 0], top2[..., 1] if mode == "ml" else p.argmin(-1)
+        for i, t in enumerate(truth):
+            if not len(t["labels"]):
+                out.append(x.new_zeros(0, model_classes(model)))
+                continue
+            if model.kind not in ONE_STAGE:
+                out.append(model.box_class_scores(x[i:i + 1], [t["boxes"]])[0])
+                continue
+            probs, boxes = model.candidates(x[i:i + 1], boxes=True)
+            boxes = torch.minimum((boxes[0] * boxes.new_tensor([w, h, w, h])).clamp_min(0),
+                                  boxes.new_tensor([w, h, w, h]))  # in x's pixels, clipped as the detections
+            iou = box_iou(t["boxes"].to(boxes), boxes)  # (k, A)
+            gap = (probs[0][:, t["labels"]].T - t["scores"][:, None].to(probs)).abs()  # (k, A)
+            near = iou >= 0.5
+            pick = torch.where(near.any(1), torch.where(near, gap, math.inf).argmin(1), iou.argmax(1))
+            out.append(probs[0][pick])
+    return out
 
 
-@DET_OBJECTIVE.register("tog_mislabel", paper=TOG + " (mislabel: every detection towards its ML or LL class)",
+def model_classes(model):
+    return int((model.label_map >= 0).sum())
+
+
+@DET_OBJECTIVE.register("tog_mislabel", paper=TOG + " (mislabel: descend the training loss towards the clean "
+                        "detections relabelled ML or LL)",
                         ranges={"conf_thr": "[0, 1]", "mode": ("ml", "ll")})
 def tog_mislabel(ctx, x, *, conf_thr=0.2, mode="ml"):
-    """Mislabel: every detected candidate (clean best score >= conf_thr) towards its ``ml`` (second most likely)
-    or ``ll`` (least likely) class and away from its own: log p_target + log(1 - p_own) (one-stage heads). R-CNN:
-    descend the training loss towards the clean detections relabelled (:func:`mislabel_targets`)."""
-    model = ctx.model
-    if model.kind not in ONE_STAGE:
-        return _per_image(-sum(model.losses(x, mislabel_targets(ctx, conf_thr, mode)).values()), len(x))
-    det, own, tgt = candidate_targets(model, ctx.problem.x, conf_thr, mode)
-    p = model.candidates(x).clamp(1e-6, 1 - 1e-6)
-    gain = torch.log(p.gather(-1, tgt[..., None]))[..., 0] + torch.log1p(-p.gather(-1, own[..., None]))[..., 0]
-    return (gain * det).sum(1)
+    """Mislabel as TOG (models/yolov3.py, frcnn.py build_object_mislabeling_loss): descend the detector's
+    training loss with the clean detections (score >= conf_thr) relabelled to their ``ml`` (most likely other)
+    or ``ll`` (least likely) class as the ground truth (:func:`mislabel_targets`), on every head."""
+    return _per_image(-sum(ctx.model.losses(x, mislabel_targets(ctx, conf_thr, mode)).values()), len(x))
 
 
 # ---------------------------------------------------------------- DAG
@@ -300,50 +341,86 @@ def dag(ctx, objective, *, iterations=150, gamma=0.5 / 255, score_thr=0.1, iou_t
 OSFD = "Ding et al., AAAI 2024 (OSFD); wakuwu/OSFD attack/ours/OSFD.py, attack/base/{MI,RRB}.py"
 
 
-def rrb(ctx, x, copies, angle, jitter, scale, sigma):
-    """OSFD's random robust transform, ``copies`` stacked copies (K*n, C, H, W): a rotation by up to ``angle``
-    degrees about the image centre moved by up to ``jitter`` pixels, a rescale by a factor in [scale[0],
-    scale[1]] and Gaussian noise of std ``sigma`` (all from the samples' streams; differentiable in ``x``)."""
-    n, c, h, w = x.shape
-    rows = ctx.rows(copies * n)
-    u = ctx.rng.uniform((4,), rows=rows).to(x)
-    th = (u[:, 0] * 2 - 1) * angle * math.pi / 180
-    s = scale[0] + u[:, 1] * (scale[1] - scale[0])
-    tx, ty = (u[:, 2] * 2 - 1) * jitter * 2 / w, (u[:, 3] * 2 - 1) * jitter * 2 / h
-    cos, sin = torch.cos(th) / s, torch.sin(th) / s
-    theta = torch.stack([torch.stack([cos, -sin, tx], 1), torch.stack([sin, cos, ty], 1)], 1)
-    xs = x.repeat(copies, 1, 1, 1)
-    grid = F.affine_grid(theta, xs.shape, align_corners=False)
-    out = F.grid_sample(xs, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-    return (out + sigma * ctx.rng.normal(x.shape[1:], rows=rows).to(x)).clamp(0, 1)
+def _rotate(x, boxes, u, angle, jitter):
+    """RRB's random axis rotation of one image ``x`` (1, C, H, W) (the authors' ``random_axis_rotation``): by an
+    angle uniform in [-angle, angle] degrees about a centre drawn uniformly from the centres of ``boxes`` (g, 4)
+    and the image's, each moved by an integer in [-jitter, jitter) pixels per axis; nearest-neighbour sampling,
+    zero fill (torchvision's rotate, as theirs). ``u``: 4 uniforms."""
+    from torchvision.transforms.functional import rotate
+
+    h, w = x.shape[-2:]
+    centres = torch.cat([(boxes[:, :2] + boxes[:, 2:]) / 2, boxes.new_tensor([[w // 2, h // 2]])])
+    c = centres[min(int(u[0] * len(centres)), len(centres) - 1)]
+    j = int(jitter)
+    shift = [math.floor(float(v) * 2 * j) - j for v in u[1:3]] if j else [0, 0]
+    return rotate(x, float(u[3]) * 2 * angle - angle, center=[int(c[0] + shift[0]), int(c[1] + shift[1])])
+
+
+def _resize(x, boxes, u, rho, s_max):
+    """RRB's box-adaptive random resizing of one image ``x`` (1, C, H, W) (the authors' ``adaptive_random_resizing``):
+    a box of ``boxes`` drawn uniformly sets the scale s = min(1 + rho * box side / image side, s_max) per axis;
+    the image is resized (bilinear, corners aligned) to a size drawn among the integers in [side, int(s * side)],
+    zero-padded at a random offset to int(s * side) and resized back. No box: unchanged. ``u``: 5 uniforms."""
+    if not len(boxes):
+        return x
+    h, w = x.shape[-2:]
+    b = boxes[min(int(u[0] * len(boxes)), len(boxes) - 1)]
+    full = [int(min(1 + rho * float(b[3] - b[1]) / h, s_max) * h), int(min(1 + rho * float(b[2] - b[0]) / w, s_max) * w)]
+    new = [side + math.floor(float(v) * (f - side + 1)) for side, f, v in zip((h, w), full, u[1:3])]
+    top, left = (math.floor(float(v) * (f - n + 1)) for f, n, v in zip(full, new, u[3:5]))
+    out = F.interpolate(x, size=new, mode="bilinear", align_corners=True)
+    out = F.pad(out, (left, full[1] - new[1] - left, top, full[0] - new[0] - top))
+    return F.interpolate(out, size=(h, w), mode="bilinear", align_corners=True)
+
+
+def rrb(ctx, x, copies, angle, jitter, rho, s_max, sigma):
+    """OSFD's random robust transform (the authors' ``RRB.preprocess_data``), ``copies`` stacked copies (K*n, C,
+    H, W): copy 1 the image rotated (:func:`_rotate`), copy 2 that rotated image resized (:func:`_resize`), each
+    later copy the previous one transformed again by the next of the two in turn; then Gaussian noise of std
+    ``sigma`` on every copy, clipped to [0, 1]. The rotation centres and the resizing boxes are each image's
+    ground-truth boxes (theirs: the dataset's ``gt_bboxes``). Random numbers from the samples' streams;
+    differentiable in ``x``."""
+    gt = [g["boxes"].to(x) for g in ctx.problem.gt]
+    out, cur = [], x
+    for i in range(copies):
+        u = ctx.rng.uniform((5,)).tolist()
+        cur = torch.cat([_rotate(cur[r:r + 1], gt[r], u[r][:4], angle, jitter) if i % 2 == 0
+                         else _resize(cur[r:r + 1], gt[r], u[r], rho, s_max) for r in range(len(x))])
+        out.append(cur)
+    out = torch.cat(out)
+    return (out + sigma * ctx.rng.normal(x.shape[1:], rows=ctx.rows(len(out))).to(x)).clamp(0, 1)
 
 
 @DET_CRAFT.register("osfd", paper=OSFD + " (k 3, eps 5/255, noise start randint[-2, 2], MI momentum 1, RRB: "
-                    "2 copies, 7 deg, 10 px, rescale 0.8-1.1, noise 6/255)",
+                    "2 copies, 10 deg about a box or the image centre, 10 px, box-adaptive resize rho 1 up to 1.1, "
+                    "noise 6/255)",
                     ranges={"k": "(0, inf)", "iterations": "int [1, inf)", "alpha": "(0, 1]", "momentum": "[0, inf)",
-                            "copies": "int [1, inf)", "angle": "[0, 180]", "jitter": "[0, inf)",
-                            "sigma": "[0, 1]", "start": "[0, 1]"})
-def osfd(ctx, objective, *, k=3.0, iterations=10, alpha=1 / 255, momentum=1.0, copies=2, angle=7.0, jitter=10.0,
-         sigma=6 / 255, start=2 / 255):
+                            "copies": "int [1, inf)", "angle": "[0, 180]", "jitter": "int [0, inf)",
+                            "rho": "[0, inf)", "s_max": "[1, inf)", "sigma": "[0, 1]", "start": "[0, 1]"})
+def osfd(ctx, objective, *, k=3.0, iterations=10, alpha=1 / 255, momentum=1.0, copies=2, angle=10.0, jitter=10,
+         rho=1.0, s_max=1.1, sigma=6 / 255, start=2 / 255):
     """Object-aware significant feature distortion: maximize sum over the backbone body's stages of
-    MSE(k * F_clean, F_adv) on RRB copies, with momentum (gradient normalized by its mean |g|) and sign steps of
-    ``alpha``, starting from integer noise in [-start, start], clipped to the eps ball. ``objective`` unused."""
+    MSE(k * F_clean, F_adv), the clean features of the clean images, on the :func:`rrb` copies of the current
+    image; momentum on the gradient normalized by its mean |g| per image, sign steps of ``alpha``. As the
+    authors' pipeline the state is the noise, integer noise in [-start, start] to begin with, clipped to +-eps
+    only: the image x + noise is clipped to [0, 1] where the detector reads it (RRB's clip) and in the output
+    (theirs at evaluation), not between the steps. ``objective`` unused."""
     model, p = ctx.model, ctx.problem
     with torch.no_grad():
         target = [k * f for f in model.features(p.x)]
     levels = round(start * 255)
     noise = torch.floor(ctx.rng.uniform(p.x.shape[1:]).to(p.x) * (2 * levels + 1)) - levels
-    x_adv = p.project(p.x + noise / 255)
+    noise = (noise / 255).clamp(-p.eps, p.eps)
     g_acc = torch.zeros_like(p.x)
     for _ in range(iterations):
-        xg = x_adv.detach().requires_grad_(True)
+        ng = noise.detach().requires_grad_(True)
         with torch.enable_grad():
-            feats = model.features(rrb(ctx, xg, copies, angle, jitter, (0.8, 1.1), sigma))
+            feats = model.features(rrb(ctx, p.x + ng, copies, angle, jitter, rho, s_max, sigma))
             loss = sum(((f - t.repeat(copies, 1, 1, 1)) ** 2).mean() for f, t in zip(feats, target))
-            g = torch.autograd.grad(loss, xg)[0]
+            g = torch.autograd.grad(loss, ng)[0]
         g_acc = momentum * g_acc + g / per_sample(g.abs().flatten(1).mean(1) + 1e-12, g)
-        x_adv = p.project(x_adv + alpha * g_acc.sign())
-    return x_adv
+        noise = (noise + alpha * g_acc.sign()).clamp(-p.eps, p.eps)
+    return p.project(p.x + noise)
 
 
 # ---------------------------------------------------------------- EBAD and CAA: weighted training losses

@@ -168,6 +168,16 @@ class Detector(nn.Module):
         probs = (torch.log_softmax if log else torch.softmax)(logits, -1)[:, (self.label_map >= 0).nonzero().flatten()]
         return nn.utils.rnn.pad_sequence(list(probs.split([len(p) for p in proposals])), batch_first=True)
 
+    def box_class_scores(self, x, boxes):
+        """Two-stage heads: the RoI head's class probabilities (softmax with the background) of ``boxes`` (a list of
+        (k_i, 4) in ``x``'s pixels, as proposals) on images ``x``, over the dataset's classes, a list of (k_i, C)."""
+        self._two_stage()
+        images, _ = self.net.transform(list(x))
+        scaled = [b.to(x) * b.new_tensor([s[1] / x.shape[-1], s[0] / x.shape[-2]] * 2).to(x)
+                  for b, s in zip(boxes, images.image_sizes)]
+        probs = self.proposal_scores(x, scaled)
+        return [p[:len(b)] for p, b in zip(probs, boxes)]
+
     def _backbone(self, images):
         feats = self.net.backbone(images.tensors)
         return feats if isinstance(feats, dict) else OrderedDict([("0", feats)])
