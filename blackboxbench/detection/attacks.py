@@ -111,6 +111,13 @@ def _per_image(total, n):
     return total.expand(n)
 
 
+def _training_loss_each(model, x, targets):
+    """(N,) each image's summed training loss towards its own ``targets``, one image at a time (as TOG runs): a
+    batch's loss is a batch mean whose normalizer (FCOS: the positives of the whole batch) and conv numerics move
+    with the batch, which flipped gradient signs near 0 (untargeted, 4 shapes images, 2 steps: one pixel)."""
+    return torch.stack([sum(model.losses(x[i:i + 1], [t]).values()) for i, t in enumerate(targets)])
+
+
 def _vanish_loss(model, x):
     """log(1 - p) over every candidate and class (maximize: every score to 0). R-CNN as TOG's Faster R-CNN
     object_vanishing_loss (models/frcnn.py; descended there, ascended here with its sign flipped): minus the mean
@@ -157,7 +164,7 @@ def tog_fabrication(ctx, x, *, rpn=1.0):
                         "detections, threshold 0.2)", ranges={"conf_thr": "[0, 1]"})
 def tog_untargeted(ctx, x, *, conf_thr=0.2):
     """Untargeted: ascend the training loss with the clean detections (score >= conf_thr) as ground truth."""
-    return _per_image(sum(ctx.model.losses(x, pseudo_truth(ctx, conf_thr)).values()), len(x))
+    return _training_loss_each(ctx.model, x, pseudo_truth(ctx, conf_thr))
 
 
 def mislabel_targets(ctx, conf_thr, mode):
@@ -226,7 +233,7 @@ def tog_mislabel(ctx, x, *, conf_thr=0.2, mode="ml"):
     """Mislabel as TOG (models/yolov3.py, frcnn.py build_object_mislabeling_loss): descend the detector's
     training loss with the clean detections (score >= conf_thr) relabelled to their ``ml`` (most likely other)
     or ``ll`` (least likely) class as the ground truth (:func:`mislabel_targets`), on every head."""
-    return _per_image(-sum(ctx.model.losses(x, mislabel_targets(ctx, conf_thr, mode)).values()), len(x))
+    return -_training_loss_each(ctx.model, x, mislabel_targets(ctx, conf_thr, mode))
 
 
 # ---------------------------------------------------------------- DAG
