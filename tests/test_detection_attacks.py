@@ -68,17 +68,15 @@ def frcnn():
                                            ("tog_mislabel_ml", "csr"), ("tog_mislabel_ll", "csr")])
 @pytest.mark.parametrize("kind", ["fcos", "frcnn"])
 def test_tog_lowers_its_metric(setup, frcnn, attack, metric, kind):
-    """On the tiny FCOS and the tiny two-stage Faster R-CNN (its RPN and RoI-head losses)."""
-    model, data = setup
+    """On the tiny FCOS and the tiny two-stage Faster R-CNN (its RPN and RoI-head losses), 16 images (on the
+    first 8 mislabel-ML on the FCOS lowers CSR by 4 of 14 boxes, 28.6 %; on 16 by 37.9 %)."""
+    model, data = setup[0], shapes(None, n=2 * N)
     model = model if kind == "fcos" else frcnn
     records, s, t = run_recipe(attack, model, data)
     assert t["eps"] == pytest.approx(8 / 255)  # the recipe's default budget
     p = s["per_target"]["m"]
-    assert p["clean_map"] >= 0.6, p  # a trained detector (these 8 images: FCOS 0.95, Faster R-CNN 0.92)
-    # mislabel-ML on the FCOS: 20 %. Since TOG's own mislabel loss (the training loss towards the relabelled clean
-    # detections at 0.2, 2026-12-04) these 8 images lose 21.4 % CSR (16 images: 27.6 %); the per-candidate loss
-    # it replaced, not TOG's, took 65.5 % on 16 (benchmarks/RESULTS.md)
-    assert p[f"drop_{metric}"] >= (0.2 if (kind, attack) == ("fcos", "tog_mislabel_ml") else 0.3), p
+    assert p["clean_map"] >= 0.6, p  # a trained detector
+    assert p[f"drop_{metric}"] >= 0.3, p
     _check_bound(records, data, t)
 
 
@@ -403,23 +401,29 @@ def _tog_ctx(model, x):
     return BlockContext(problem=prob, rng=Streams(0, len(x), "cpu").view(list(range(len(x)))), model=model)
 
 
-def test_tog_pseudo_truth_at_its_own_threshold(setup):
-    """TOG's pseudo ground truth is victim.detect(x, conf_threshold=0.2): the detections between 0.2 and the
-    surrogate's post-processing threshold (0.3 on the tiny detectors) count, as the detector at 0.2 finds them."""
+def test_tog_pseudo_truth_at_the_surrogates_operating_threshold(setup):
+    """TOG's pseudo ground truth is the victim's detections at its own default threshold (then conf_thr): the
+    tiny detectors' 0.3, whatever threshold the run evaluates at (detected again where that is higher)."""
     from blackboxbench.detection.attacks import pseudo_truth
 
     model, data = setup
-    ctx = _tog_ctx(model, data.x)
-    model.harmonize(0.2, None)
-    with torch.no_grad():
-        want = [model(data.x[i:i + 1])[0] for i in range(N)]
-    model.harmonize(None, None)
-    got = pseudo_truth(ctx, 0.2)
-    assert model.score_thr == 0.3  # restored
-    assert sum(len(g["labels"]) for g in got) > sum(len(c["labels"]) for c in ctx.problem.clean)
-    assert all(torch.equal(g["boxes"], w["boxes"]) and torch.equal(g["labels"], w["labels"]) for g, w in zip(got, want))
-    assert [len(g["labels"]) for g in pseudo_truth(ctx, 0.5)] == [int((c["scores"] >= 0.5).sum())
-                                                                  for c in ctx.problem.clean]
+    try:
+        ctx = _tog_ctx(model, data.x)  # evaluated at the detector's own 0.3
+        assert [len(g["labels"]) for g in pseudo_truth(ctx, 0.2)] == [len(c["labels"]) for c in ctx.problem.clean]
+        assert [len(g["labels"]) for g in pseudo_truth(ctx, 0.5)] == [int((c["scores"] >= 0.5).sum())
+                                                                      for c in ctx.problem.clean]
+        model.harmonize(0.6, None)  # a run evaluating at 0.6: the pseudo truth is still the detections at 0.3
+        ctx = _tog_ctx(model, data.x)
+        got = pseudo_truth(ctx, 0.2)
+        assert model.score_thr == 0.6  # restored after the call at 0.3
+        model.harmonize(None, None)
+        with torch.no_grad():
+            want = [model(data.x[i:i + 1])[0] for i in range(N)]
+        assert sum(len(g["labels"]) for g in got) > sum(len(c["labels"]) for c in ctx.problem.clean)
+        assert all(torch.equal(g["boxes"], w["boxes"]) and torch.equal(g["labels"], w["labels"])
+                   for g, w in zip(got, want))
+    finally:
+        model.harmonize(None, None)
 
 
 def test_tog_relabel_by_hand():

@@ -87,22 +87,24 @@ def detect_at(model, x, conf_thr):
 
 
 def pseudo_truth(ctx, conf_thr):
-    """The surrogate's clean detections with score >= ``conf_thr`` as targets (TOG's pseudo ground truth: its
-    ``victim.detect(x, conf_threshold=...)``, whatever the post-processing threshold of the evaluation). Where
-    ``conf_thr`` is below the surrogate's score threshold the clean image is detected again at ``conf_thr`` (once
-    per batch: kept on the problem), so the detections between the two count too; above it the family's clean
-    detections are filtered."""
+    """TOG's pseudo ground truth: the surrogate's clean detections at its own operating threshold (TOG's
+    ``victim.detect(x, conf_threshold=victim.confidence_thresh_default)``: 0.20 for its YOLOv3, 0.70 for its Faster
+    R-CNN; here the detector's own post-processing threshold, 0.3 on the tiny detectors), with score >=
+    ``conf_thr`` too, whatever score threshold the run evaluates at. Where that is below the run's, the clean
+    image is detected again at it (once per batch: kept on the problem); otherwise the family's clean detections
+    are filtered."""
     model, p = ctx.model, ctx.problem
-    if conf_thr < getattr(model, "score_thr", 0.0):
+    thr = max(conf_thr, model.own[0]) if hasattr(model, "own") else conf_thr
+    if thr < getattr(model, "score_thr", 0.0):
         cache = p.__dict__.setdefault("_detected_at", {})
-        if conf_thr not in cache:
-            cache[conf_thr] = detect_at(model, p.x, conf_thr)
-        dets = cache[conf_thr]
+        if thr not in cache:
+            cache[thr] = detect_at(model, p.x, thr)
+        dets = cache[thr]
     else:
         dets = p.clean
     out = []
     for d in dets:
-        keep = d["scores"] >= conf_thr
+        keep = d["scores"] >= thr
         out.append({"boxes": d["boxes"][keep], "labels": d["labels"][keep], "scores": d["scores"][keep]})
     return out
 
