@@ -151,6 +151,18 @@ def test_helper_box_halves_the_distance_then_falls_back_to_a_random_place():
     assert unseen == [x0, y0, x0 + side, y0 + side]
 
 
+def test_helper_box_truncates_the_room_to_whole_pixels():
+    """Theirs compare the room in each direction as int(W - w / 2 - xc) etc. with the distance: with an 11 px
+    helper around the centre of a 100 px image the room is 44.5 px, 44 once truncated, so a table distance of
+    44 px fits in no direction and the box goes at half of it (a float room would take 44)."""
+    diag = math.hypot(100, 100)
+    t = _tables([[1, 3], [3, 1]], dist=44.5 / diag, size=(11.5 / diag, 11.5 / diag))
+    for u in ([0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.75], [0.9, 0.2, 0.7, 0.4, 0.05, 0.5, 0.5]):
+        box = helper_box([45.0, 45.0, 55.0, 55.0], 0, 1, t, 100, 100, u)
+        assert (box[2] - box[0], box[3] - box[1]) == (10, 10)
+        assert math.hypot((box[0] + box[2]) / 2 - 50, (box[1] + box[3]) / 2 - 50) == pytest.approx(22, abs=1.5)
+
+
 @pytest.mark.parametrize("n_det,steps", [(2, 5), (1, 5), (7, 5), (3, 0), (3, 2)])
 def test_sequential_plans_follow_the_authors_order(n_det, steps):
     """ap0 relabels the victim (moved to the first row); each later plan extends the one before, relabelling

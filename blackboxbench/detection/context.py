@@ -94,8 +94,9 @@ def pick(probs, u):
 def helper_box(victim, target, helper, tables, height, width, u):
     """A helper object's box (xyxy pixel list) as the authors' ``generate_box``: of the mean size of ``helper``
     objects seen with ``target`` (else of every ``helper`` object; else the victim's), centred at their mean
-    distance from the victim's centre (halved, then quartered, when no direction fits in the image) at a random
-    angle between two adjacent free directions (right, up, left, down); where none fits, at a random position.
+    distance from the victim's centre (halved, then quartered, when no direction fits in the image: the room in
+    each direction truncated to whole pixels, as theirs) at a random angle between two adjacent free directions
+    (right, up, left, down); where none fits, at a random position.
     ``u``: 7 uniforms (direction order 4, angle 1, position 2). Sides are at least 2 px (a degenerate box would
     have no area to match)."""
     diag = math.hypot(width, height)
@@ -111,7 +112,8 @@ def helper_box(victim, target, helper, tables, height, width, u):
     h, w = max(int(size[0] * diag), 2), max(int(size[1] * diag), 2)
     if seen:
         order = torch.argsort(torch.as_tensor(u[:4])).tolist()
-        free = [width - w / 2 - xc, yc - h / 2, xc - w / 2, height - h / 2 - yc]  # right, up, left, down
+        # right, up, left, down: room from the victim's centre, truncated to whole pixels as theirs (int())
+        free = [int(width - w / 2 - xc), int(yc - h / 2), int(xc - w / 2), int(height - h / 2 - yc)]
         base = int(float(tables.dist[target, helper]) * diag)
         for factor in (1, 1 / 2, 1 / 4):
             dist = factor * base
