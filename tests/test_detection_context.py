@@ -217,7 +217,7 @@ def test_caa_vanish_descends_towards_the_shortened_plans(monkeypatch):
     import blackboxbench.detection.attacks as attacks
 
     seen = []
-    monkeypatch.setattr(attacks, "descend", lambda ctx, models, w, targets, x0, it, a: (
+    monkeypatch.setattr(attacks, "descend", lambda ctx, models, w, targets, x0, it, a, **kw: (
         seen.append([len(t["labels"]) for t in targets]), (x0, 0.0))[1])
     dets = {"boxes": torch.tensor([[2., 2, 20, 20], [30, 30, 50, 50], [5, 40, 25, 60]]),
             "labels": torch.tensor([0, 1, 2]), "scores": torch.tensor([0.9, 0.8, 0.7])}
@@ -234,6 +234,39 @@ def test_caa_vanish_descends_towards_the_shortened_plans(monkeypatch):
         seen.clear()
         caa(ctx, None, steps=5, context="context", vanish=vanish)  # select last: the last plan alone
         assert [s[0] for s in seen] == want[-1:]
+
+
+class _FlipLoss:
+    """A surrogate stub whose training loss is s * sum(c * x): the descent moves pixel i along -s c_i, with s = -1
+    for the first ``k`` calls, then +1 (the descent turns back)."""
+
+    def __init__(self, c, k):
+        self.c, self.k, self.calls = c, k, 0
+
+    def losses(self, x, targets):
+        self.calls += 1
+        return {"l": (-1.0 if self.calls <= self.k else 1.0) * (self.c * x).sum()}
+
+
+def test_caa_descent_clips_in_the_loss_as_theirs(monkeypatch):
+    """Theirs (run_sequential_attack.py; utils_mmdet.get_train_data) keep the perturbation clamped to +-eps alone
+    and clip im + pert to [0, 255] inside the loss: a pixel pushed past 255 or 0 gets no gradient and stays there.
+    Pixels 250, 100, 3 (eps 10, step 2, 6 steps, the descent turning back after 3): 250 -> 252, 254, then 256
+    (clipped: frozen) -> 255; 3 -> 1, -1 (frozen) -> 0. Projecting every step instead (our old loop) lets the
+    turn pull them back: 249 and 6."""
+    import blackboxbench.detection.attacks as attacks
+    from blackboxbench.threat import project
+
+    x = torch.tensor([250.0, 100.0, 3.0]).view(1, 3, 1, 1) / 255
+    dets = {"boxes": torch.tensor([[0.0, 0, 1, 1]]), "labels": torch.tensor([0]), "scores": torch.tensor([0.9])}
+    monkeypatch.setattr(attacks, "pick_victims", lambda ctx, thr, u: [(dets, 0, 1)])
+    eps = 10 / 255
+    rng = SimpleNamespace(uniform=lambda shape: torch.zeros(1, *shape))
+    ctx = SimpleNamespace(assets={}, rng=rng, model=None,
+                          surrogates=[_FlipLoss(torch.tensor([1.0, 1.0, -1.0]).view(1, 3, 1, 1), 3)],
+                          problem=SimpleNamespace(x=x, n=1, eps=eps, project=lambda z: project(z, x, eps, "linf")))
+    out = caa(ctx, None, iterations=6, alpha=2 / 255, steps=0)
+    assert (out.x * 255).round().flatten().tolist() == [255.0, 100.0, 0.0]
 
 
 def test_random_helpers_reach_classes_the_context_excludes():

@@ -480,17 +480,26 @@ def _weighted_loss(models, weights, x, targets):
     return sum(w * sum(m.losses(x, targets).values()) for m, w in zip(models, weights))
 
 
-def descend(ctx, models, weights, targets, x0, iterations, alpha):
+def descend(ctx, models, weights, targets, x0, iterations, alpha, clip_in_loss=False):
     """Projected sign-gradient descent of the weighted training losses towards ``targets`` from ``x0``; returns
-    the image and the loss at the last step's input (EBAD's ``LOSS['ens'][-1]``)."""
-    x_adv = x0
+    the image and the loss at the last step's input (EBAD's ``LOSS['ens'][-1]``). ``clip_in_loss`` (Linf; CAA's
+    authors' loop, ``run_sequential_attack.py`` with ``utils_mmdet.get_train_data``): the perturbation is the
+    state, clamped to the eps ball alone, and the loss reads the image clipped to [0, 1], so a pixel pushed past 0
+    or 1 gets no gradient (the clamp's) and stays there; the image returned is clipped."""
+    p, x_adv = ctx.problem, x0
+    if clip_in_loss:
+        e = per_sample(p.eps, p.x)
     for _ in range(iterations):
-        xg = x_adv.detach().requires_grad_(True)
+        xg = (x_adv.clamp(0, 1) if clip_in_loss else x_adv).detach().requires_grad_(True)
         with torch.enable_grad():
             loss = _weighted_loss(models, weights, xg, targets)
             g = torch.autograd.grad(loss, xg)[0]
-        x_adv = ctx.problem.project(x_adv - alpha * g.sign())
-    return x_adv, float(loss.detach())
+        if clip_in_loss:  # the clamp's backward: nothing past 0 or 1 (beyond float noise: 255 k / 255 is on it)
+            g = g * ((x_adv > -1e-6) & (x_adv < 1 + 1e-6))
+            x_adv = torch.minimum(torch.maximum(x_adv - alpha * g.sign(), p.x - e), p.x + e)
+        else:
+            x_adv = p.project(x_adv - alpha * g.sign())
+    return (p.project(x_adv) if clip_in_loss else x_adv), float(loss.detach())
 
 
 @dataclass
@@ -615,7 +624,8 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     row of the target class and helper boxes placed by the distance and size tables of ``ctx.assets[context]``
     (a ``detection_context`` asset, named by the recipe; none is needed with ``steps: 0``). Each plan starts from
     the clean image and descends the weighted training losses of the surrogates (``weights``, default 4, 1, 1,
-    ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of ``alpha`` inside the eps ball. ``select``:
+    ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of ``alpha``, the perturbation clamped to the eps
+    ball and the image clipped to [0, 1] inside the loss, as theirs (:func:`descend` ``clip_in_loss``). ``select``:
     ``last`` returns every image's last plan, and only that plan runs (the authors' script runs every plan to
     score each one; the earlier plans do not change the last one's image); ``first_hit`` the first plan after
     which the first surrogate (the authors' indicator model) detects the target label on the victim at IoU >
@@ -647,7 +657,8 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     # select last: only the last plan is kept, and each plan's descent starts from the clean image and draws no
     # random number of the sample's, so the earlier plans are not run (same images, 1 / (steps + 1) of the work)
     for k in range(steps + 1) if select == "first_hit" else [steps]:
-        xc, _ = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha)
+        xc, _ = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha,
+                        clip_in_loss=True)
         x_best = torch.where(per_sample(done, p.x).bool(), x_best, xc)
         if select == "first_hit" and k < steps:
             done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
