@@ -580,8 +580,9 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
         inv = torch.tensor([1 / max(float(sum(m.losses(p.x, targets).values())), 1e-6) for m in models])
     w = inv / inv.sum()
 
-    def pgd(weights, start):  # a PGD run's image on the uint8 grid, as queried and returned (theirs: astype(uint8))
-        x, ens = descend(ctx, models, weights.tolist(), targets, start, iterations, alpha)
+    def pgd(weights, start):  # a PGD run's image on the uint8 grid, as queried and returned (theirs: astype(uint8));
+        # within the run the image is clipped to [0, 1] inside the loss alone, as theirs (PM_tensor_weight_balancing)
+        x, ens = descend(ctx, models, weights.tolist(), targets, start, iterations, alpha, clip_in_loss=True)
         return p.quantize(x), ens
 
     x_adv, _ = pgd(w, p.x)
