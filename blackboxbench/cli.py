@@ -72,7 +72,7 @@ def cmd_run(args):
     from .config import load_config
     from .errors import ConfigError
     from .leaderboard import export_csv
-    from .runner import Runner, Session, run_all
+    from .runner import Session, run_all
     from .sweep import check_backend, run_sweep
 
     if args.threads is not None:
