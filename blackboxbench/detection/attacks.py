@@ -76,14 +76,25 @@ def no_objective(ctx, x):
 
 def detect_at(model, x, conf_thr):
     """``model``'s detections on ``x`` with its score threshold lowered to ``conf_thr`` for the call (its cap
-    kept), one image at a time as the family's clean detections (no gradient)."""
+    kept), as the family's clean detections (:func:`~blackboxbench.detection.family.forward_dets`)."""
+    from .family import forward_dets
+
     old = model.score_thr, model.max_det
     model.harmonize(conf_thr, old[1])
     try:
-        with torch.no_grad():
-            return [d for i in range(len(x)) for d in model(x[i:i + 1])]
+        return forward_dets(model, x, "the surrogate")
     finally:
         model.harmonize(*old)
+
+
+def _memo(problem, key, make):
+    """``make()`` once per problem: targets read off the clean images, which every step of a batch reuses. Kept in
+    the instance's ``__dict__``, not a dataclass field, so that ``sub`` and ``copy`` (built from the fields) never
+    hand one batch's targets to another."""
+    memo = problem.__dict__.setdefault("_memo", {})
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def pseudo_truth(ctx, conf_thr):
@@ -91,17 +102,11 @@ def pseudo_truth(ctx, conf_thr):
     ``victim.detect(x, conf_threshold=victim.confidence_thresh_default)``: 0.20 for its YOLOv3, 0.70 for its Faster
     R-CNN; here the detector's own post-processing threshold, 0.3 on the tiny detectors), with score >=
     ``conf_thr`` too, whatever score threshold the run evaluates at. Where that is below the run's, the clean
-    image is detected again at it (once per batch: kept on the problem); otherwise the family's clean detections
-    are filtered."""
+    image is detected again at it (once per batch, :func:`_memo`); otherwise the family's clean detections are
+    filtered."""
     model, p = ctx.model, ctx.problem
-    thr = max(conf_thr, model.own[0]) if hasattr(model, "own") else conf_thr
-    if thr < getattr(model, "score_thr", 0.0):
-        cache = p.__dict__.setdefault("_detected_at", {})
-        if thr not in cache:
-            cache[thr] = detect_at(model, p.x, thr)
-        dets = cache[thr]
-    else:
-        dets = p.clean
+    thr = max(conf_thr, model.own[0])
+    dets = _memo(p, ("detected_at", thr), lambda: detect_at(model, p.x, thr)) if thr < model.score_thr else p.clean
     out = []
     for d in dets:
         keep = d["scores"] >= thr
@@ -172,10 +177,13 @@ def tog_untargeted(ctx, x, *, conf_thr=0.2):
 def mislabel_targets(ctx, conf_thr, mode):
     """TOG's relabelled pseudo ground truth (attack_utils/target_utils.py): each clean detection (score >=
     ``conf_thr``, :func:`pseudo_truth`) keeps its box and takes its ``ml`` or ``ll`` class (:func:`relabel`) from
-    its own class scores (:func:`detection_class_scores`: TOG reads each detection's class logits)."""
-    truth = pseudo_truth(ctx, conf_thr)
-    scores = detection_class_scores(ctx.model, ctx.problem.x, truth)
-    return [{"boxes": t["boxes"], "labels": relabel(t["labels"], v, mode)} for t, v in zip(truth, scores)]
+    its own class scores (:func:`detection_class_scores`: TOG reads each detection's class logits); computed
+    once per batch (:func:`_memo`), not at every step."""
+    def make():
+        truth = pseudo_truth(ctx, conf_thr)
+        scores = detection_class_scores(ctx.model, ctx.problem.x, truth)
+        return [{"boxes": t["boxes"], "labels": relabel(t["labels"], v, mode)} for t, v in zip(truth, scores)]
+    return _memo(ctx.problem, ("mislabel", conf_thr, mode), make)
 
 
 def relabel(labels, scores, mode):
@@ -480,26 +488,22 @@ def _weighted_loss(models, weights, x, targets):
     return sum(w * sum(m.losses(x, targets).values()) for m, w in zip(models, weights))
 
 
-def descend(ctx, models, weights, targets, x0, iterations, alpha, clip_in_loss=False):
-    """Projected sign-gradient descent of the weighted training losses towards ``targets`` from ``x0``; returns
-    the image and the loss at the last step's input (EBAD's ``LOSS['ens'][-1]``). ``clip_in_loss`` (Linf; CAA's
-    authors' loop, ``run_sequential_attack.py`` with ``utils_mmdet.get_train_data``): the perturbation is the
-    state, clamped to the eps ball alone, and the loss reads the image clipped to [0, 1], so a pixel pushed past 0
-    or 1 gets no gradient (the clamp's) and stays there; the image returned is clipped."""
+def descend(ctx, models, weights, targets, x0, iterations, alpha):
+    """Sign-gradient descent of the weighted training losses towards ``targets`` from ``x0`` in the Linf ball, as
+    EBAD's and CAA's authors loop (``attack_bb_det.py`` PM_tensor_weight_balancing; ``run_sequential_attack.py``
+    with ``utils_mmdet.get_train_data``): the perturbation is the state, clamped to the eps ball alone, and the
+    loss reads the image clipped to [0, 1], so a pixel pushed past 0 or 1 gets no gradient (the clamp's) and stays
+    there. Returns the image, clipped, and the loss at the last step's input (EBAD's ``LOSS['ens'][-1]``)."""
     p, x_adv = ctx.problem, x0
-    if clip_in_loss:
-        e = per_sample(p.eps, p.x)
+    e = per_sample(p.eps, p.x)
     for _ in range(iterations):
-        xg = (x_adv.clamp(0, 1) if clip_in_loss else x_adv).detach().requires_grad_(True)
+        xg = x_adv.clamp(0, 1).detach().requires_grad_(True)
         with torch.enable_grad():
             loss = _weighted_loss(models, weights, xg, targets)
             g = torch.autograd.grad(loss, xg)[0]
-        if clip_in_loss:  # the clamp's backward: nothing past 0 or 1 (beyond float noise: 255 k / 255 is on it)
-            g = g * ((x_adv > -1e-6) & (x_adv < 1 + 1e-6))
-            x_adv = torch.minimum(torch.maximum(x_adv - alpha * g.sign(), p.x - e), p.x + e)
-        else:
-            x_adv = p.project(x_adv - alpha * g.sign())
-    return (p.project(x_adv) if clip_in_loss else x_adv), float(loss.detach())
+        g = g * ((x_adv > -1e-6) & (x_adv < 1 + 1e-6))  # the clamp's backward (beyond float noise: k / 255 is on it)
+        x_adv = torch.minimum(torch.maximum(x_adv - alpha * g.sign(), p.x - e), p.x + e)
+    return p.project(x_adv), float(loss.detach())
 
 
 @dataclass
@@ -582,7 +586,7 @@ def ebad(ctx, objective, *, iterations=20, queries=10, lr_w=0.01, conf_thr=0.3, 
 
     def pgd(weights, start):  # a PGD run's image on the uint8 grid, as queried and returned (theirs: astype(uint8));
         # within the run the image is clipped to [0, 1] inside the loss alone, as theirs (PM_tensor_weight_balancing)
-        x, ens = descend(ctx, models, weights.tolist(), targets, start, iterations, alpha, clip_in_loss=True)
+        x, ens = descend(ctx, models, weights.tolist(), targets, start, iterations, alpha)
         return p.quantize(x), ens
 
     x_adv, _ = pgd(w, p.x)
@@ -626,7 +630,7 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     (a ``detection_context`` asset, named by the recipe; none is needed with ``steps: 0``). Each plan starts from
     the clean image and descends the weighted training losses of the surrogates (``weights``, default 4, 1, 1,
     ...: 4 L_FRCNN + L_YOLOv3) for ``iterations`` sign steps of ``alpha``, the perturbation clamped to the eps
-    ball and the image clipped to [0, 1] inside the loss, as theirs (:func:`descend` ``clip_in_loss``). ``select``:
+    ball and the image clipped to [0, 1] inside the loss, as theirs (:func:`descend`). ``select``:
     ``last`` returns every image's last plan, and only that plan runs (the authors' script runs every plan to
     score each one; the earlier plans do not change the last one's image); ``first_hit`` the first plan after
     which the first surrogate (the authors' indicator model) detects the target label on the victim at IoU >
@@ -658,8 +662,7 @@ def caa(ctx, objective, *, iterations=50, alpha=2 / 255, weights=None, conf_thr=
     # select last: only the last plan is kept, and each plan's descent starts from the clean image and draws no
     # random number of the sample's, so the earlier plans are not run (same images, 1 / (steps + 1) of the work)
     for k in range(steps + 1) if select == "first_hit" else [steps]:
-        xc, _ = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha,
-                        clip_in_loss=True)
+        xc, _ = descend(ctx, models, w[:len(models)], [pl[k] for pl in plans], p.x, iterations, alpha)
         x_best = torch.where(per_sample(done, p.x).bool(), x_best, xc)
         if select == "first_hit" and k < steps:
             done = done | hit(models[0], x_best, vboxes, vlabels, iou_thr)
