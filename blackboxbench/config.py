@@ -274,6 +274,7 @@ COMMON_KEYS = {
     "name": (str,), "plugins": (list,), "data_root": (str, type(None)), "output_dir": (str,), "seed": (int,),
     "device": (str,), "batch_size": (int,), "dataset": SPEC, "attack": SPEC, "threat": (dict,),
     "save_adv": (bool,), "assets": (dict,), "compile": (bool,), "fuse": (bool,), "lpips_path": (str, type(None)),
+    "fixed_batch": (int, type(None)),
 }
 COMMON_THREAT_KEYS = {"norm": (str,), "eps": (int, float, str), "targeted": (bool,), "target_label": SPEC}
 # robustness: CSV (+ .png chart); share_forwards: runs on one target model share its forwards (shared.py);
@@ -487,6 +488,11 @@ def validate_experiment(cfg, source):
         raise ConfigError("'cuda' requested but no CUDA device is available (use auto or cpu)", source, "device")
     if out["batch_size"] < 1:
         raise ConfigError(f"must be >= 1, got {out['batch_size']}", source, "batch_size")
+    if out.get("fixed_batch", 0) is None:  # absent unless given, so that other run folders keep their hash
+        del out["fixed_batch"]
+    if out.get("fixed_batch", 1) < 1:
+        raise ConfigError(f"must be >= 1 (images per model call) or null, got {out['fixed_batch']}", source,
+                          "fixed_batch")
     if out.get("save_path_every", 0) < 0:  # absent unless given, so that the run folders of other runs keep their hash
         raise ConfigError(f"must be >= 0 (0: off), got {out['save_path_every']}", source, "save_path_every")
     if not 0 <= out["seed"] < MAX_SEED:

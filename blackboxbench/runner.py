@@ -42,7 +42,7 @@ from .evaluation import check_metric_names, distances
 from .family import RunInputs, not_class_scores
 from .oracle import forward_chunk
 from .prep.data import resolve_data_root
-from .prep.inference import inference_copy, is_randomized
+from .prep.inference import FixedBatch, inference_copy, is_randomized
 from .prep.layers import get_layer
 from .prep.models import bare_spec, build_model, parse_spec, trained_side
 from .prep.targets import choose_targets
@@ -74,11 +74,20 @@ def full_fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def deterministic_kernels():
+    """cuDNN's deterministic algorithms, chosen by heuristics (no benchmarking), for this process: with
+    ``fixed_batch`` every model call has one shape, so each call of a shape runs the same kernels and a row's answer
+    is a function of the row (``prep.inference.FixedBatch``)."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 class Session:
     """Caches shared by the runs of one process (models are built once, never per batch)."""
 
     def __init__(self):
         self.models = {}
+        self.wrapped = {}  # (id of a model in models, size) -> its FixedBatch wrapper
         self.lpips_nets = {}
 
     def lpips(self, path, device, source):
@@ -92,6 +101,14 @@ class Session:
             except BenchError as e:
                 raise ConfigError(str(e), source, "lpips_path") from None
         return self.lpips_nets[key]
+
+    def fixed_batch(self, model, size):
+        """``model`` behind :class:`~blackboxbench.prep.inference.FixedBatch` of ``size``, one wrapper per model
+        and size (so that runs sharing the model's forwards still share one object)."""
+        key = (id(model), size)
+        if key not in self.wrapped:
+            self.wrapped[key] = FixedBatch(model, size)
+        return self.wrapped[key]
 
     def model(self, spec, data_root, device, source, key, compiled=False, probe=None):
         """The model of ``spec`` on ``device``, built once; ``compiled``: wrapped by ``torch.compile`` with dynamic
@@ -410,6 +427,11 @@ class Runner:
         self.recipe, self.threat, self.attack = self.plan.recipe, self.plan.threat, self.plan.attack
         self.family = self.plan.family
         self.device = resolve_device(exp["device"])
+        if exp.get("fixed_batch") and not self.family.classifier_models:
+            raise ConfigError(f"family {self.family.name} forwards its models its own way (detection: one image at "
+                              "a time); fixed_batch is for query and transfer runs", exp["_source"], "fixed_batch")
+        if exp.get("fixed_batch") and self.device.type == "cuda":
+            deterministic_kernels()
         self.run_dir, self.hash = run_dir_for(self.plan, self.device)
         self.fresh = fresh
         self.bar_position = None  # the progress bar's line when several runs show theirs at once
@@ -446,8 +468,10 @@ class Runner:
             label = f"{key}[{i}]" if fam.model_keys[key].many else key
             bare = bare_spec(spec)  # a defense wraps the model (defense.py); a label names its results
             probe = data.x[:4] if exp["fuse"] and fam.model_keys[key].forward_only else None
-            models.setdefault(key, []).append(self.session.model(bare, data_root, self.device, source, label,
-                                                                 exp["compile"], probe))
+            model = self.session.model(bare, data_root, self.device, source, label, exp["compile"], probe)
+            if exp.get("fixed_batch") and fam.model_keys[key].forward_only:
+                model = self.session.fixed_batch(model, exp["fixed_batch"])
+            models.setdefault(key, []).append(model)
             side = trained_side(bare)
             if side and data.x.shape[-2:] != (side, side):  # it runs (global pooling), but not as trained
                 notes.append(f"{source}: {label}: {spec_label(spec)} was trained on {side}x{side} images; dataset "

@@ -2,7 +2,7 @@
 # Run ON THE DEVICE MACHINE, as one call of the device tool (after benchmarks/device/prepare.sh here):
 #   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 420
 # Prints every row as it finishes. Bar: the whole script within 6 minutes (360 s). Each section runs under a time
-# budget (BUDGET_*_S; defaults 135 + 70 + 18 + 20 + 62 + 20 = 325 s, plus about 15 s of installs and start = 340 s).
+# budget (BUDGET_*_S; defaults 135 + 70 + 18 + 20 + 62 + 20 + 2 x 12 = 349 s, plus about 15 s of installs and start).
 # Expected on the H200 machine (16 cores), estimated from the run of 2026-12-04 (benchmarks/RESULTS.md, "GPU run of
 # 2026-12-04": 431 s, sections 1 and 2 cut by their budgets) and the CPU times in README's query table: about
 # 260 s in all (15 + 95 + 60 + 10 + 13 + 50 + 15).
@@ -35,6 +35,9 @@
 #    GPU figure against the od benchmark's 44 / 17 / 84 s.
 # 6. (budget 20 s, expected 15 s) hsja_linf, hsja_l2 and qeba twice each on the same 16 images: identical records
 #    (their estimates' per-sample sums no longer use CUDA's atomic index_add_; repeat_records.py).
+# 7. (budget 2 x 12 s, expected 2 x 8 s) hsja_l2 and square_linf at batch sizes 16 and 5 on the same 16 images,
+#    without fixed_batch (a control: how many records move with the batch size) and with fixed_batch 8 (bar:
+#    identical records).
 # DEVICE=cpu and N/N_TP/N_HSJA/N_COPIES/N_SHARED/N_REPEAT (and DET_MODEL=shapes_fcos DET_EXTRA=shapes_fcos_b
 # DET_SIZE=64) let the script itself be tried on a CPU machine (section 1 then runs the cpu side only, in min(12, nproc)
 # workers; CPU_WORKERS sets it; the budgets are then BUDGET_SCALE = 4 times the above).
@@ -83,5 +86,12 @@ timeout "$(budget "${BUDGET_DET_S:-62}")" python3 benchmarks/detection_speed.py 
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout "$(budget "${BUDGET_REPEAT_S:-20}")" python3 benchmarks/device/repeat_records.py --device "$device" \
     --n "${N_REPEAT:-16}" hsja_linf:linf:0.03 hsja_l2:l2:1 qeba:linf:0.03 2>&1 | tee "$out/repeat.md" | grep '^|'
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout "$(budget "${BUDGET_FIXED_S:-12}")" python3 benchmarks/device/repeat_records.py --device "$device" \
+    --n "${N_REPEAT:-16}" --batch-sizes 16,5 --control hsja_l2:l2:1 square_linf:linf:0.03 2>&1 \
+    | tee "$out/fixed_control.md" | grep '^|'
+timeout "$(budget "${BUDGET_FIXED_S:-12}")" python3 benchmarks/device/repeat_records.py --device "$device" \
+    --n "${N_REPEAT:-16}" --batch-sizes 16,5 --fixed-batch 8 hsja_l2:l2:1 square_linf:linf:0.03 2>&1 \
+    | tee "$out/fixed.md" | grep '^|'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status

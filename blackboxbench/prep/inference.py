@@ -152,3 +152,26 @@ def inference_copy(model, probe, name="model", in_place_ops=True):
     if hasattr(model, "arch_id"):
         fast.arch_id = model.arch_id
     return fast
+
+
+class FixedBatch(nn.Module):
+    """``model`` forwarded in calls of exactly ``size`` images (a config's ``fixed_batch``), the last call padded
+    with copies of its last image and the padding's answers dropped.
+
+    On a GPU the logits of one image move slightly with the batch it is forwarded in (kernels are chosen per
+    shape), so a sample's record could depend on ``batch_size`` and on its neighbours; the rows of calls of one
+    shape are computed independently of each other, so behind this wrapper a row's answer depends only on the
+    row. Forward-only models only (the runner wraps a query run's target and a transfer run's targets)."""
+
+    def __init__(self, model, size):
+        super().__init__()
+        self.model, self.size = model, int(size)
+
+    def forward(self, x):
+        n, k = x.shape[0], self.size
+        if n == k or n == 0:
+            return self.model(x)
+        pad = -n % k
+        if pad:
+            x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+        return torch.cat([self.model(part) for part in x.split(k)])[:n]
