@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from blackboxbench.errors import BenchError
-from blackboxbench.query.opt import g_search, nonneg_qp, ray, sign_directions, sign_opt, sign_opt_init, unit
+from blackboxbench.query.opt import _finish, g_search, nonneg_qp, ray, sign_directions, sign_opt, sign_opt_init, unit
 
 from attack_utils import check_outputs, make_ctx, resnet20_images, run_query
 from test_engine import records_by_batch_size
@@ -371,3 +371,20 @@ def test_whole_samples_per_search_bound_each_call(toy, monkeypatch, name, blocks
     assert max(calls_one) == 3 * rows and max(calls_split) == rows
     assert torch.equal(one.queries, split.queries) and torch.equal(one.x_adv, split.x_adv)
     assert (one.queries > 3 * rows).all()  # past the first iteration's estimate
+
+
+def test_step_size_floor_follows_the_authors_per_direction_norm():
+    """The end of an iteration resets alpha to 1 and divides beta by 10 once alpha is below 1e-4 with unit-L2
+    directions (Sign_OPT.py, OPT_attack.py) but only below 1e-6 with unit-Linf ones (Sign_OPT_lf.py): an alpha of
+    1e-5 left by a line search that succeeded after 7 quarterings is kept under Linf."""
+    theta = torch.ones(2, 1, 2, 2)
+    g = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    state = {"theta": theta, "g": g + 0.1, "alpha": torch.full((2,), 0.2, dtype=torch.float64),
+             "beta_scale": torch.ones(2, dtype=torch.float64), "stopped": torch.zeros(2, dtype=torch.bool)}
+    alpha = torch.tensor([1e-5, 1e-7], dtype=torch.float64)
+    go = torch.ones(2, dtype=torch.bool)
+    best = {"x_bd": theta.clone(), "dist": g.clone()}
+    lf = _finish(state, go, theta, g, alpha, 1e-3, best, "linf")
+    assert lf["alpha"].tolist() == [1e-5, 1.0] and lf["beta_scale"].tolist() == [1.0, 0.1]
+    l2 = _finish(state, go, theta, g, alpha, 1e-3, best, "l2")
+    assert l2["alpha"].tolist() == [1.0, 1.0] and l2["beta_scale"].tolist() == [0.1, 0.1]

@@ -17,7 +17,8 @@ so ``lam`` is a distance). The shared machinery here:
 * :func:`offer`: every search result is a point the oracle saw adversarial; each sample keeps the closest one in
   the threat norm as its boundary point ``x_bd`` (what ``within_eps`` claims);
 * the per-iteration bookkeeping (step size reset to 1 and ``beta`` divided by 10 once the step size falls below
-  1e-4; the sample stops once ``beta`` < 1e-8). Per-sample state: ``theta``, ``g``, ``alpha``, ``beta_scale``,
+  1e-4, with unit-Linf directions 1e-6 as the authors' ``Sign_OPT_lf.py``; the sample stops once ``beta`` <
+  1e-8). Per-sample state: ``theta``, ``g``, ``alpha``, ``beta_scale``,
   ``stopped`` (Sign-OPT: ``velocity``), next to the decision-attack state of :mod:`.decision`.
 
 OPT estimates the gradient of ``g`` by RGF over ``q`` = 10 Gaussian directions, each costing a local ``g``
@@ -56,7 +57,9 @@ PAPER_SIGN = ("Cheng, Singh, Chen, Chen, Liu, Hsieh, Sign-OPT: A Query-Efficient
 RATIO = 0.01          # fine-grained search: lam grows / shrinks by 1 % per query (authors' code)
 MAX_LAMBDA = {False: 20.0, True: 100.0}  # a local search that must grow past this gives up (untargeted / targeted)
 LS_STEPS = 15         # step-size doublings, then quarterings, per line search (authors' code)
-ALPHA_FLOOR = 1e-4    # below it: step size back to 1, beta / 10 (authors' code)
+# below it: step size back to 1, beta / 10; keyed by the norm the directions are unit in (authors' code:
+# Sign_OPT.py and OPT_attack.py 1e-4, the Linf variant Sign_OPT_lf.py 1e-6 in its attack_untargeted)
+ALPHA_FLOOR = {"l2": 1e-4, "linf": 1e-6}
 BETA_FLOOR = 1e-8     # below it: the sample stops (authors' code)
 LOCAL_TOL = 500       # local searches bisect to beta / 500 (authors' code)
 TOL_FLOOR = 2e-9      # smallest bisection tolerance (Sign_OPT_lf.py)
@@ -309,11 +312,11 @@ def _best_point(state):
     return {"x_bd": state["x_bd"].clone(), "dist": state["dist"].clone()}
 
 
-def _finish(state, go, theta, g, alpha, beta, best_point, **extra):
-    """The authors' end of an iteration: alpha below 1e-4 -> alpha 1 and beta / 10 (stop below 1e-8). Returns the
-    search state for ``within_eps``: the new direction where ``g`` decreased and the closest adversarial point
-    seen (``best_point``)."""
-    low = go & (alpha < ALPHA_FLOOR)
+def _finish(state, go, theta, g, alpha, beta, best_point, dir_norm, **extra):
+    """The authors' end of an iteration: alpha below ``ALPHA_FLOOR[dir_norm]`` (1e-4; 1e-6 for unit-Linf
+    directions) -> alpha 1 and beta / 10 (stop below 1e-8). Returns the search state for ``within_eps``: the new
+    direction where ``g`` decreased and the closest adversarial point seen (``best_point``)."""
+    low = go & (alpha < ALPHA_FLOOR[dir_norm])
     alpha = torch.where(low, torch.ones_like(alpha), alpha)
     beta_scale = torch.where(low, state["beta_scale"] * 0.1, state["beta_scale"])
     moved = go & (g < state["g"])
@@ -375,7 +378,7 @@ def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     use_probe = go & (min_g1 < new_g)
     new_theta = rows_where(use_probe, min_probe, new_theta)
     new_g = torch.where(use_probe, min_g1, new_g)
-    return _finish(state, go, new_theta, new_g, a, beta, best_point)
+    return _finish(state, go, new_theta, new_g, a, beta, best_point, "l2")
 
 
 # ------------------------------------------------------------------------------------------------ Sign-OPT
@@ -475,5 +478,5 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
                                            max_lambda=MAX_LAMBDA[problem.targeted], velocity=state["velocity"],
                                            momentum=momentum)
     moved = go & (new_g < g)
-    return _finish(state, go, new_theta, new_g, a, beta, best_point,
+    return _finish(state, go, new_theta, new_g, a, beta, best_point, norm,
                    velocity=rows_where(moved, vel, state["velocity"]))
