@@ -1,14 +1,22 @@
 """Evolutionary attack (Dong et al., CVPR 2019), batched over samples: a (1+1)-CMA-ES with a diagonal covariance
 in a reduced search space, moving an adversarial point towards the clean image.
 
-Each trial of a sample draws ``z ~ N(0, sigma^2 C)`` in the reduced space of ``m = C (H / sub) (W / sub)``
-coordinates (``sigma = 0.01 * ||x_bd - x||_2``, ``C`` the sample's diagonal covariance), keeps only ``k = m / 20``
-coordinates sampled without replacement with probabilities proportional to the diagonal of ``C`` (the others are
-set to 0), upsamples ``z`` bilinearly to the image and queries ``x_bd + mu (x - x_bd) + up(z)`` clipped to
-[0, 1]. An adversarial candidate closer to ``x`` (L2) replaces ``x_bd`` and updates the evolution path
-``p_c = (1 - c_c) p_c + sqrt(c_c (2 - c_c)) z / sigma`` and ``C_ii = (1 - c_cov) C_ii + c_cov (p_c)_i^2``.
+Each trial of a sample draws ``z ~ N(0, C)`` in the reduced space of ``m = C (H / sub) (W / sub)`` coordinates
+(``C`` the sample's diagonal covariance), keeps only ``k = m / 20`` coordinates sampled without replacement with
+probabilities proportional to the diagonal of ``C`` (the others are set to 0) and upsamples ``z`` bilinearly to
+the image. As in the authors' code (ARES ``evolutionary_worker.attack``, realsafe ``Evolutionary.batch_attack``)
+the candidate is the biased point ``b = x_bd + mu (x - x_bd)`` plus ``up(z)`` scaled to the length
+``sigma * ||x - x_bd||_2``, moved along its ray from ``x`` onto the sphere of radius ``||x - b|| = (1 - mu) d``
+and clipped to [0, 1]: every candidate is closer than ``x_bd`` by the factor ``1 - mu`` (clipping only brings it
+closer), so a trial succeeds when the candidate is adversarial. A success replaces ``x_bd`` and updates the
+evolution path ``p_c = (1 - c_c) p_c + sqrt(c_c (2 - c_c)) z`` and ``C_ii = (1 - c_cov) C_ii + c_cov (p_c)_i^2``.
 ``mu`` follows the 1/5th success rule: every 5 trials after the first 15, ``mu *= exp(P - 1/5)`` with ``P`` the
 success rate of the last 15 trials. Each sample keeps its own ``mu``, ``p_c``, ``C`` and success window.
+
+BlackboxBench's port (``evo_attack.py``) adds ``up(z)``, ``z ~ N(0, (0.01 d)^2 C)``, without the sphere and
+accepts an adversarial candidate only when it is closer: below a ``mu`` of about ``||up(z)||^2 / (2 d^2)`` hardly
+any candidate is, the success rate drops to 0, the 1/5th rule shrinks ``mu`` further and the search stalls for
+good (on CIFAR-10 ResNet-20 at L2 1.0, 12 of 20 samples ended with ``mu`` below 1e-16).
 
 L2-native: the search minimises the L2 distance under every threat norm; under Linf success is judged by the
 Linf distance (the ``within_eps`` acceptance). One pipeline iteration is one trial (one query) for every active
@@ -56,15 +64,23 @@ def upsample(z, shape):
     return F.interpolate(z, size=tuple(shape), mode="bilinear", align_corners=True)
 
 
-def candidates(x, x_bd, z, mu):
-    """``clip(x_bd + mu (x - x_bd) + up(z), 0, 1)`` per row; ``z`` (n, C, h, w) reduced, ``mu`` (n,)."""
-    return (x_bd + per_sample(mu, x) * (x - x_bd) + upsample(z.to(x.dtype), x.shape[2:])).clamp(0.0, 1.0)
+def candidates(x, x_bd, z, mu, sigma):
+    """The authors' candidates, one per row: ``b = x_bd + mu (x - x_bd)`` plus ``up(z)`` scaled to length ``sigma
+    ||x - x_bd||_2``, moved along its ray from ``x`` onto the sphere of radius ``||x - b||_2``, clipped to [0, 1];
+    ``z`` (n, C, h, w) reduced, ``mu`` (n,), ``sigma`` a float."""
+    d = per_sample(_l2(x_bd, x), x)
+    m = per_sample(mu, x)
+    pert = upsample(z.to(x.dtype), x.shape[2:])
+    step = pert * (sigma * d / per_sample(pert.flatten(1).norm(dim=1).clamp_min(1e-30), x))
+    out = x_bd + m * (x - x_bd) + step - x
+    radius = (1 - m) * d  # the distance of the biased point
+    return (x + out * (radius / per_sample(out.flatten(1).norm(dim=1).clamp_min(1e-30), x))).clamp(0.0, 1.0)
 
 
-def cma_update(pc, cdiag, z, sigma, c_c, c_cov):
-    """Evolution path and diagonal covariance after a successful trial with reduced draw ``z`` (n, m) of step
-    size ``sigma`` (n,) -> ``(pc, cdiag)``."""
-    pc = (1 - c_c) * pc + math.sqrt(c_c * (2 - c_c)) * z / sigma[:, None].to(z.dtype)
+def cma_update(pc, cdiag, z, c_c, c_cov):
+    """Evolution path and diagonal covariance after a successful trial with reduced draw ``z`` (n, m) (``N(0, C)``
+    on the selected coordinates, before it is scaled) -> ``(pc, cdiag)``."""
+    pc = (1 - c_c) * pc + math.sqrt(c_c * (2 - c_c)) * z
     return pc, (1 - c_cov) * cdiag + c_cov * pc ** 2
 
 
@@ -94,10 +110,10 @@ def evolutionary_init(ctx, *, sub=2, mu=0.01, init_tries=100):
 
 @PERTURB.register("evolutionary", paper=PAPER, norms=("linf", "l2"), native_norms=("l2",),
                   ranges={"sub": "int [1, inf)", "c_c": "(0, 1]", "c_cov": "(0, 1]", "sigma": "(0, inf)"})
-def evolutionary(ctx, state, *, sub=2, c_c=0.01, c_cov=0.001, sigma=0.01):
+def evolutionary(ctx, state, *, sub=2, c_c=0.01, c_cov=0.001, sigma=0.03):
     """One trial for every sample that has an adversarial point (see the module docstring); ``sub`` must be the
-    init's (Table V: 2); ``c_c`` 0.01, ``c_cov`` 0.001 and ``sigma`` 0.01 (relative to the distance) are the
-    paper's and the code's constants.
+    init's (Table V: 2); ``c_c`` 0.01 and ``c_cov`` 0.001 are the paper's and the code's constants, ``sigma`` 0.03
+    (the length of the random step relative to the distance) the default of the authors' ARES ``Evolutionary``.
 
     Returns the updated search state for the ``within_eps`` acceptance.
     """
@@ -116,15 +132,13 @@ def evolutionary(ctx, state, *, sub=2, c_c=0.01, c_cov=0.001, sigma=0.01):
     due = go & (trials > WINDOW) & (trials % UPDATE_EVERY == 0)
     mu = torch.where(due, one_fifth(state["mu"], state["hist"]), state["mu"])
     x_bd, cdiag = state["x_bd"][idx], state["cdiag"][idx]
-    d = _l2(x_bd, x[idx])
-    sig = sigma * d
     k = max(1, int(m * SELECT_FRACTION))
     keep = select(ctx.rng.uniform((m,), rows=idx), cdiag, k)
-    z = ctx.rng.normal((m,), rows=idx) * cdiag.sqrt() * sig[:, None] * keep
-    cand = candidates(x[idx], x_bd, z.view(-1, *red), mu[idx])
+    z = ctx.rng.normal((m,), rows=idx) * cdiag.sqrt() * keep
+    cand = candidates(x[idx], x_bd, z.view(-1, *red), mu[idx], sigma)
     adv, ok = query_adv(ctx, cand, idx)
-    win = adv & (_l2(cand, x[idx]) < d)
-    pc, cd = cma_update(state["pc"][idx], cdiag, z, sig, c_c, c_cov)
+    win = adv & (_l2(cand, x[idx]) < _l2(x_bd, x[idx]))  # always closer unless mu is 0
+    pc, cd = cma_update(state["pc"][idx], cdiag, z, c_c, c_cov)
     better = torch.zeros(n, dtype=torch.bool, device=x.device)
     better[idx] = win
     asked = torch.zeros_like(better)
