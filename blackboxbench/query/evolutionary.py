@@ -6,9 +6,9 @@ Each trial of a sample draws ``z ~ N(0, C)`` in the reduced space of ``m = C (H 
 probabilities proportional to the diagonal of ``C`` (the others are set to 0) and upsamples ``z`` bilinearly to
 the image. As in the authors' code (ARES ``evolutionary_worker.attack``, realsafe ``Evolutionary.batch_attack``)
 the candidate is the biased point ``b = x_bd + mu (x - x_bd)`` plus ``up(z)`` scaled to the length
-``sigma * ||x - x_bd||_2``, moved along its ray from ``x`` onto the sphere of radius ``||x - b|| = (1 - mu) d``
-and clipped to [0, 1]: every candidate is closer than ``x_bd`` by the factor ``1 - mu`` (clipping only brings it
-closer), so a trial succeeds when the candidate is adversarial. A success replaces ``x_bd`` and updates the
+``sigma * ||x - x_bd||_2``, moved along its ray from ``x`` onto the sphere of radius ``||x - b|| = |1 - mu| d``
+and clipped to [0, 1]: for 0 < mu < 2 every candidate is closer than ``x_bd`` (clipping only brings it closer), so
+a trial succeeds when the candidate is adversarial. A success replaces ``x_bd`` and updates the
 evolution path ``p_c = (1 - c_c) p_c + sqrt(c_c (2 - c_c)) z`` and ``C_ii = (1 - c_cov) C_ii + c_cov (p_c)_i^2``.
 ``mu`` follows the 1/5th success rule: every 5 trials after the first 15, ``mu *= exp(P - 1/5)`` with ``P`` the
 success rate of the last 15 trials. Each sample keeps its own ``mu``, ``p_c``, ``C`` and success window.
@@ -68,13 +68,12 @@ def candidates(x, x_bd, z, mu, sigma):
     """The authors' candidates, one per row: ``b = x_bd + mu (x - x_bd)`` plus ``up(z)`` scaled to length ``sigma
     ||x - x_bd||_2``, moved along its ray from ``x`` onto the sphere of radius ``||x - b||_2``, clipped to [0, 1];
     ``z`` (n, C, h, w) reduced, ``mu`` (n,), ``sigma`` a float."""
-    d = per_sample(_l2(x_bd, x), x)
-    m = per_sample(mu, x)
+    biased = x_bd + per_sample(mu, x) * (x - x_bd)
     pert = upsample(z.to(x.dtype), x.shape[2:])
-    step = pert * (sigma * d / per_sample(pert.flatten(1).norm(dim=1).clamp_min(1e-30), x))
-    out = x_bd + m * (x - x_bd) + step - x
-    radius = (1 - m) * d  # the distance of the biased point
-    return (x + out * (radius / per_sample(out.flatten(1).norm(dim=1).clamp_min(1e-30), x))).clamp(0.0, 1.0)
+    step = pert * per_sample(sigma * _l2(x_bd, x) / pert.flatten(1).norm(dim=1).clamp_min(1e-30), x)
+    out = biased + step - x
+    scale = _l2(biased, x) / out.flatten(1).norm(dim=1).clamp_min(1e-30)  # onto the biased point's sphere
+    return (x + out * per_sample(scale, x)).clamp(0.0, 1.0)
 
 
 def cma_update(pc, cdiag, z, c_c, c_cov):
@@ -137,7 +136,7 @@ def evolutionary(ctx, state, *, sub=2, c_c=0.01, c_cov=0.001, sigma=0.03):
     z = ctx.rng.normal((m,), rows=idx) * cdiag.sqrt() * keep
     cand = candidates(x[idx], x_bd, z.view(-1, *red), mu[idx], sigma)
     adv, ok = query_adv(ctx, cand, idx)
-    win = adv & (_l2(cand, x[idx]) < _l2(x_bd, x[idx]))  # always closer unless mu is 0
+    win = adv & (_l2(cand, x[idx]) < _l2(x_bd, x[idx]))  # always closer for 0 < mu < 2
     pc, cd = cma_update(state["pc"][idx], cdiag, z, c_c, c_cov)
     better = torch.zeros(n, dtype=torch.bool, device=x.device)
     better[idx] = win
