@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from blackboxbench.errors import BenchError
+from blackboxbench.threat import flat_norm
 from blackboxbench.query.opt import _finish, g_search, nonneg_qp, ray, sign_directions, sign_opt, sign_opt_init, unit
 
 from attack_utils import check_outputs, make_ctx, resnet20_images, run_query
@@ -388,3 +389,19 @@ def test_step_size_floor_follows_the_authors_per_direction_norm():
     assert lf["alpha"].tolist() == [1e-5, 1.0] and lf["beta_scale"].tolist() == [1.0, 0.1]
     l2 = _finish(state, go, theta, g, alpha, 1e-3, best, "l2")
     assert l2["alpha"].tolist() == [1.0, 1.0] and l2["beta_scale"].tolist() == [0.1, 0.1]
+
+
+@pytest.mark.parametrize("directions,unit_norm", [("l2", "l2"), ("threat", "linf")])
+def test_sign_opt_directions_under_linf(toy, directions, unit_norm):
+    """Under Linf the directions are unit-L2 with ``directions`` "l2" (Sign_OPT.py, and BlackboxBench's
+    sign_opt_attack.py under every norm), unit-Linf with "threat" (Sign_OPT_lf.py); a perturb block given the other
+    choice refuses the init's state."""
+    model, x, y, dist = toy
+    ctx = make_ctx(model, x, y, 0.5 * dist["linf"].min().item(), "linf", 10_000, "label", num_classes=2)
+    state = sign_opt_init(ctx, directions=directions)
+    assert torch.isfinite(state["g"]).all()
+    assert torch.allclose(flat_norm(state["theta"], unit_norm), torch.ones(len(x)), rtol=1e-5)
+    out = sign_opt(ctx, state, directions=directions)
+    assert (out["g"] <= state["g"]).all() and (out["dist"] <= state["dist"]).all()
+    with pytest.raises(BenchError, match="same directions"):
+        sign_opt(ctx, state, directions={"l2": "threat", "threat": "l2"}[directions])

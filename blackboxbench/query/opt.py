@@ -28,8 +28,10 @@ SVM-OPT (``svm``) fits the signs by the authors' non-negative QP instead of aver
 
 Norms: OPT is L2-native: its direction is L2-normalised under either threat norm; under Linf it minimises the
 L2 distance and success is judged in Linf (on the closest point in Linf among its search results). Sign-OPT
-follows the authors' Linf variant (``Sign_OPT_lf.py``) under Linf: directions and probes are normalised to unit
-Linf norm, so ``g`` is the Linf distance.
+follows by default (``directions`` "threat") the authors' Linf variant (``Sign_OPT_lf.py``) under Linf: directions
+and probes are normalised to unit Linf norm, so ``g`` is the Linf distance; ``directions`` "l2" keeps them unit-L2
+under every norm, as the authors' ``Sign_OPT.py`` and BlackboxBench's ``sign_opt_attack.py``, and is then judged in
+Linf as OPT.
 
 Deviations from the authors' code (none changes what a query asks for): points are clipped to [0, 1] before
 they are queried (the authors' L2 code queries ``x0 + lam theta`` unclipped; ART clips); during a local search the
@@ -42,6 +44,7 @@ kind is tried (untargeted: the pool's images of other classes; targeted: Gaussia
 """
 import torch
 
+from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from ..rng import rank_within_group
 from ..threat import flat_norm
@@ -410,6 +413,23 @@ def signed_sum(ctx, theta, g, idx, k, beta, dir_norm):
     return total
 
 
+DIRECTIONS = ("l2", "threat")
+
+
+def direction_norm(threat_norm, directions):
+    """The norm Sign-OPT's directions are unit in: "l2" whatever the threat (``Sign_OPT.py``; BlackboxBench's port),
+    or the threat norm itself ("threat": ``Sign_OPT_lf.py`` under Linf)."""
+    return {"l2": "l2", "threat": threat_norm}[directions]
+
+
+def check_directions(theta, g, norm):
+    """The perturb block's ``directions`` must be the init's: every found direction is unit in ``norm``."""
+    size = flat_norm(theta[torch.isfinite(g)], norm)
+    if not torch.allclose(size, torch.ones_like(size), rtol=1e-3):
+        raise BenchError(f"sign_opt: the init's directions are not unit in {norm} (give sign_opt_init and sign_opt "
+                         "the same directions)")
+
+
 def nonneg_qp(Q, b, iters=20000, tol=1e-7):
     """The authors' ``quad_solver``, batched: min_a 0.5 a^T Q a + b^T a s.t. a >= 0 for each (K, K) ``Q`` of a
     batch (n, K, K), by greedy coordinate descent (the largest projected coordinate step each time, until it is
@@ -434,29 +454,34 @@ def nonneg_qp(Q, b, iters=20000, tol=1e-7):
 
 
 @INIT.register("sign_opt_init", paper=PAPER_SIGN, norms=("linf", "l2"),
-               ranges={"num_directions": "int [1, inf)", "init_tol": "(0, inf)", "init_tol_linf": "(0, inf)"})
-def sign_opt_init(ctx, *, num_directions=100, init_tol=1e-3, init_tol_linf=1e-5):
+               ranges={"num_directions": "int [1, inf)", "init_tol": "(0, inf)", "init_tol_linf": "(0, inf)",
+                       "directions": DIRECTIONS})
+def sign_opt_init(ctx, *, num_directions=100, init_tol=1e-3, init_tol_linf=1e-5, directions="threat"):
     """Best of ``num_directions`` random directions (authors' code: 100; targeted: the attacker's images of the
-    target class), each searched to ``init_tol`` (authors' ``Sign_OPT.py``: 1e-3) under L2, ``init_tol_linf``
-    (``Sign_OPT_lf.py``: 1e-5) under Linf; directions are unit in the threat norm. Adds the momentum velocity."""
-    lf = ctx.problem.norm == "linf"
-    theta, g = initial_direction(ctx, num_directions=num_directions, tol=init_tol_linf if lf else init_tol,
-                                 dir_norm=ctx.problem.norm)
+    target class), unit in :func:`direction_norm` (``directions``: "threat", ``Sign_OPT_lf.py``'s unit-Linf
+    directions under Linf, or "l2"), each searched to ``init_tol`` (authors' ``Sign_OPT.py``: 1e-3) with unit-L2
+    directions, ``init_tol_linf`` (``Sign_OPT_lf.py``: 1e-5) with unit-Linf ones. Adds the momentum velocity."""
+    norm = direction_norm(ctx.problem.norm, directions)
+    theta, g = initial_direction(ctx, num_directions=num_directions,
+                                 tol=init_tol_linf if norm == "linf" else init_tol, dir_norm=norm)
     return _start_state(ctx, theta, g, velocity=torch.zeros_like(theta))
 
 
 @PERTURB.register("sign_opt", paper=PAPER_SIGN, norms=("linf", "l2"),
                   ranges={"alpha": "(0, inf)", "beta": "(0, inf)", "k": "int [1, inf)", "momentum": "[0, 1)",
-                          "svm": (True, False), "svm_k": "int [1, inf)"})
-def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=False, svm_k=100):
+                          "svm": (True, False), "svm_k": "int [1, inf)", "directions": DIRECTIONS})
+def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=False, svm_k=100,
+             directions="threat"):
     """One Sign-OPT iteration for every sample with a direction: ``k`` single-query signs (Table V: k 200, one
     oracle call for all samples), ``grad = sum sign_i u_i / k`` (``svm``: SVM-OPT, ``svm_k`` signs fitted by the
     non-negative QP, authors' default 100), then the line search with initial step ``alpha`` and local searches
-    to ``beta / 500`` (Table V: alpha 0.2, beta 0.001, momentum 0, svm False)."""
+    to ``beta / 500`` (Table V: alpha 0.2, beta 0.001, momentum 0, svm False). ``directions`` must be the init's
+    (see :func:`sign_opt_init`)."""
     problem = ctx.problem
-    norm = problem.norm
+    norm = direction_norm(problem.norm, directions)
     go, a = _iteration_start(ctx, state, alpha)
     theta, g = state["theta"], state["g"]
+    check_directions(theta, g, norm)
     b = beta * state["beta_scale"]
     stop = stop_radius(problem, state)
     idx = go.nonzero().squeeze(1)
