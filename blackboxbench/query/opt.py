@@ -27,11 +27,10 @@ search (all rows of all samples in one batched search); Sign-OPT estimates its s
 SVM-OPT (``svm``) fits the signs by the authors' non-negative QP instead of averaging them.
 
 Norms: OPT is L2-native: its direction is L2-normalised under either threat norm; under Linf it minimises the
-L2 distance and success is judged in Linf (on the closest point in Linf among its search results). Sign-OPT
-follows by default (``directions`` "threat") the authors' Linf variant (``Sign_OPT_lf.py``) under Linf: directions
-and probes are normalised to unit Linf norm, so ``g`` is the Linf distance; ``directions`` "l2" keeps them unit-L2
-under every norm, as the authors' ``Sign_OPT.py`` and BlackboxBench's ``sign_opt_attack.py``, and is then judged in
-Linf as OPT.
+L2 distance and success is judged in Linf (on the closest point in Linf among its search results). Sign-OPT does
+the same by default (``directions`` "l2": the authors' ``Sign_OPT.py`` and BlackboxBench's ``sign_opt_attack.py``
+under every norm); ``directions`` "threat" follows the authors' Linf variant (``Sign_OPT_lf.py``) under Linf:
+directions and probes are normalised to unit Linf norm, so ``g`` is the Linf distance.
 
 Deviations from the authors' code (none changes what a query asks for): points are clipped to [0, 1] before
 they are queried (the authors' L2 code queries ``x0 + lam theta`` unclipped; ART clips); during a local search the
@@ -456,10 +455,10 @@ def nonneg_qp(Q, b, iters=20000, tol=1e-7):
 @INIT.register("sign_opt_init", paper=PAPER_SIGN, norms=("linf", "l2"),
                ranges={"num_directions": "int [1, inf)", "init_tol": "(0, inf)", "init_tol_linf": "(0, inf)",
                        "directions": DIRECTIONS})
-def sign_opt_init(ctx, *, num_directions=100, init_tol=1e-3, init_tol_linf=1e-5, directions="threat"):
+def sign_opt_init(ctx, *, num_directions=100, init_tol=1e-3, init_tol_linf=1e-5, directions="l2"):
     """Best of ``num_directions`` random directions (authors' code: 100; targeted: the attacker's images of the
-    target class), unit in :func:`direction_norm` (``directions``: "threat", ``Sign_OPT_lf.py``'s unit-Linf
-    directions under Linf, or "l2"), each searched to ``init_tol`` (authors' ``Sign_OPT.py``: 1e-3) with unit-L2
+    target class), unit in :func:`direction_norm` (``directions``: "l2", or "threat" for ``Sign_OPT_lf.py``'s
+    unit-Linf directions under Linf), each searched to ``init_tol`` (authors' ``Sign_OPT.py``: 1e-3) with unit-L2
     directions, ``init_tol_linf`` (``Sign_OPT_lf.py``: 1e-5) with unit-Linf ones. Adds the momentum velocity."""
     norm = direction_norm(ctx.problem.norm, directions)
     theta, g = initial_direction(ctx, num_directions=num_directions,
@@ -467,11 +466,10 @@ def sign_opt_init(ctx, *, num_directions=100, init_tol=1e-3, init_tol_linf=1e-5,
     return _start_state(ctx, theta, g, velocity=torch.zeros_like(theta))
 
 
-@PERTURB.register("sign_opt", paper=PAPER_SIGN, norms=("linf", "l2"),
+@PERTURB.register("sign_opt", paper=PAPER_SIGN, norms=("linf", "l2"), native_norms=("l2",),
                   ranges={"alpha": "(0, inf)", "beta": "(0, inf)", "k": "int [1, inf)", "momentum": "[0, 1)",
                           "svm": (True, False), "svm_k": "int [1, inf)", "directions": DIRECTIONS})
-def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=False, svm_k=100,
-             directions="threat"):
+def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=False, svm_k=100, directions="l2"):
     """One Sign-OPT iteration for every sample with a direction: ``k`` single-query signs (Table V: k 200, one
     oracle call for all samples), ``grad = sum sign_i u_i / k`` (``svm``: SVM-OPT, ``svm_k`` signs fitted by the
     non-negative QP, authors' default 100), then the line search with initial step ``alpha`` and local searches
