@@ -62,6 +62,27 @@ def quantize(x_adv, x):
     return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
 
 
+def quantize_l2(x_adv, x, eps):
+    """Round ``x_adv`` to the uint8 grid within the L2 ball of radius ``eps`` about the clean image ``x``: each
+    coordinate to its nearest level, except that where the nearest level lies outward (away from the clean level)
+    the outward roundings are kept cheapest first (the extra squared length ``2 m + 1`` levels^2 of a coordinate
+    ``m`` levels out) while the ball has room, the rest rounded towards the clean image (:func:`quantize`'s rule).
+
+    An L2 perturbation is spread thin: at a float success of NES at L2 1.0 on CIFAR-10, 81 % of the pixels move by
+    less than one level, so rounding every coordinate towards the clean image zeroes them and keeps about 56 % of
+    the L2 length, and none of 19 such images stayed adversarial (``benchmarks/RESULTS.md``, "Score attacks against
+    BlackboxBench's port"). Rows are rounded independently; the output is in [0, 1] and inside the ball."""
+    q_in, c = _grid_round(x_adv, x, outward=False)
+    near = torch.round(x_adv * 255.0)
+    m = (q_in - c).abs().flatten(1)
+    extra = torch.where((near != q_in).flatten(1), 2 * m + 1, torch.full_like(m, float("inf")))
+    room = (float(eps) * 255.0) ** 2 * (1 - 1e-6) - m.pow(2).sum(1, keepdim=True)
+    cost, order = extra.sort(dim=1, stable=True)
+    keep = torch.zeros_like(extra, dtype=torch.bool).scatter(1, order, cost.cumsum(1) <= room)
+    q = torch.where(keep.view_as(q_in), near, q_in)
+    return (q.clamp(0, 255) / 255.0).to(x_adv.dtype)
+
+
 def _grid_round(x_adv, x, outward):
     """``x_adv`` in uint8 levels (255 x), each coordinate rounded towards (or away from) the clean image's level;
     returns (rounded levels, clean levels). Values within 1e-3 of a level belong to it (float noise of 255 k/255).
@@ -145,7 +166,9 @@ class Problem:
         return dist(x_adv, self.x, self.norm)
 
     def quantize(self, x_adv):
-        return quantize(x_adv, self.x)
+        """``x_adv`` on the uint8 grid, inside the ball: L2 by :func:`quantize_l2` (nearest levels while the ball
+        has room), Linf by :func:`quantize` (towards the clean image)."""
+        return quantize_l2(x_adv, self.x, self.eps) if self.norm == "l2" else quantize(x_adv, self.x)
 
     def margin(self, scores):
         """Margin loss from score feedback; < 0 means adversarial. NaN rows (refused queries) stay NaN."""

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from blackboxbench.threat import Problem, dist, grid_levels, margin_loss, project, quantize, quantize_outward
+from blackboxbench.threat import (Problem, dist, grid_levels, margin_loss, project, quantize, quantize_l2,
+                                  quantize_outward)
 
 
 @pytest.mark.parametrize("norm,eps", [("linf", 0.03), ("linf", 8 / 255), ("l2", 0.5), ("l2", 1.0)])
@@ -75,3 +76,35 @@ def test_problem_success_from_labels_and_scores():
                  target=torch.tensor([2, 1]))
     assert pt.is_adv_label(torch.tensor([2, 2])).tolist() == [True, False]
     assert pt.sub(torch.tensor([1])).target.tolist() == [1]
+
+
+@pytest.mark.parametrize("eps", [0.05, 0.5, 1.0, 3.0])
+def test_quantize_l2_rounds_to_nearest_while_the_ball_has_room(eps):
+    """L2 outputs: on the grid, in [0, 1], inside the ball; each coordinate at its nearest level or at the level
+    towards the clean image; the nearest image itself whenever it is inside the ball; closer to the float image
+    and longer than rounding every coordinate towards the clean image (which zeroes sub-level perturbations)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, (64, 3, 8, 8), generator=g).float() / 255
+    p = project(x + torch.randn(x.shape, generator=g) * eps / 8, x, eps, "l2")
+    q, toward = quantize_l2(p, x, eps), quantize(p, x)
+    assert torch.equal(q * 255, torch.round(q * 255)) and q.min() >= 0 and q.max() <= 1
+    assert (dist(q, x, "l2") <= eps).all()
+    near = torch.round(p * 255) / 255
+    assert ((q == near) | (q == toward)).all()
+    fits = dist(near, x, "l2") <= eps * (1 - 1e-6)
+    assert fits.any() and torch.equal(q[fits], near[fits])
+    assert (dist(q, p, "l2") <= dist(toward, p, "l2") + 1e-6).all()
+    assert dist(q, x, "l2").mean() > dist(toward, x, "l2").mean()
+    assert torch.equal(quantize_l2(p[5:9], x[5:9], eps), q[5:9])  # rows are rounded independently
+
+
+def test_quantize_l2_keeps_the_cheapest_outward_roundings_when_the_ball_is_full():
+    """Four coordinates 0.6 levels out and one 2.6 levels out of a clean grey image, eps = sqrt(10) levels:
+    towards clean gives (0, 0, 0, 0, 2), 4 levels^2; the room left (6) takes the four cheap roundings (1 each)
+    and not the dear one (2 x 2 + 1 = 5 more would make 13 > 10)."""
+    x = torch.full((1, 1, 1, 5), 100 / 255)
+    p = x + torch.tensor([0.6, 0.6, 0.6, 0.6, 2.6]).view(1, 1, 1, 5) / 255
+    q = quantize_l2(p, x, 10 ** 0.5 / 255)
+    assert torch.allclose((q - x) * 255, torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0]).view(1, 1, 1, 5), atol=1e-4)
+    assert Problem(x, torch.zeros(1, dtype=torch.long), 10 ** 0.5 / 255, "l2").quantize(p).equal(q)
+    assert Problem(x, torch.zeros(1, dtype=torch.long), 3 / 255, "linf").quantize(p).equal(quantize(p, x))

@@ -13,7 +13,7 @@ images):
 
 * ``objective(ctx, x_adv) -> (N,)``: a per-image loss to *maximize* (differentiable in ``x_adv``).
 * ``craft(ctx, objective) -> x_adv``: adversarial images for the batch inside the eps ball and [0, 1]; the worker
-  quantizes them to uint8 towards the clean image and checks the threat model. A targeted attack returns a
+  quantizes them to uint8 inside the ball (``Problem.quantize``) and checks the threat model. A targeted attack returns a
   :class:`~blackboxbench.detection.attacks.Crafted` (the images and each one's goal: a label on a box), and every
   target's record says whether its detections meet the goal (``goal``; the summary's ``goal_rate``) and whether
   its clean detections already did (``goal_clean``, the control: ``goal_rate_clean``).

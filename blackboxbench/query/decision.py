@@ -8,8 +8,8 @@ State convention of every decision attack (all tensors with the batch on dim 0):
 * ``x_adv``, ``success``: what the pipeline reads, set by :func:`claim`.
 
 Alg. 1 stops once the adversarial point lies inside the eps ball. A boundary point is useless as an output: the
-pipeline returns ``quantize(project(x_adv))``, and rounding towards the clean image moves a boundary point back
-across the boundary about half the time. So a claim puts into ``x_adv`` the point pushed outward along the ray
+pipeline returns ``quantize(project(x_adv))``, and rounding (towards the clean image under Linf, to the nearest
+level inside the ball under L2) moves a boundary point back across the boundary about half the time. So a claim puts into ``x_adv`` the point pushed outward along the ray
 from ``x`` through ``x_bd`` to the eps sphere. If the pipeline's confirming query disagrees, the sample comes
 back unverified and is claimed again only once its distance has dropped below the failed claim.
 

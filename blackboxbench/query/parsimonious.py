@@ -53,6 +53,7 @@ import math
 import torch
 
 from ..registry import ACCEPT, INIT, PERTURB
+from ..threat import quantize
 from .common import query_margin, start_state
 
 PAPER = ("Moon, An and Song, Parsimonious Black-Box Adversarial Attacks via Efficient Combinatorial Optimization, "
@@ -72,7 +73,7 @@ def vertices(problem):
     towards ``x``, flat (n, C*H*W) each."""
     x = problem.x
     r = vertex_radius(problem, x[0].numel())
-    hi, lo = (problem.quantize((x + sign * r).clamp(0, 1)) for sign in (1, -1))
+    hi, lo = (quantize((x + sign * r).clamp(0, 1), x) for sign in (1, -1))
     return hi.flatten(1), lo.flatten(1)
 
 

@@ -21,7 +21,7 @@ drains. Blocks receive the samples in slots as a compact working set (their cont
 state), rebuilt only when a sample enters or leaves, so they may update the state dict they receive in place.
 
 **Verified success is the record.** A claimed success is confirmed by the oracle on the exact uint8 image the
-attack will return (projected to the eps ball and [0, 1], quantized towards the clean image): one counted query,
+attack will return (projected to the eps ball and [0, 1], quantized inside the ball: ``Problem.quantize``): one counted query,
 or none when that image is the one the oracle answered for the sample in its most recent call (see
 :meth:`blackboxbench.oracle.Oracle.confirm`). The success rule ``majority`` (for randomized targets) instead asks
 the image ``draws`` times, each a counted query, and needs a strict majority. If the claim is not confirmed, the

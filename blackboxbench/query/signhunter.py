@@ -31,7 +31,7 @@ text is not available offline; this reading rests on the authors' code and confi
 Linf candidates are put on the uint8 grid (rounded towards the clean image, as the returned image will be), so a
 success is confirmed without an extra query; for eps on the grid (e.g. 8/255) this is the paper's attack exactly,
 otherwise it searches the radius floor(255 eps) / 255 the output reaches (as ``square_linf`` does). L2 candidates
-stay as they are (rounding towards the clean image would shrink the L2 radius by up to 1/255 per coordinate).
+stay as they are (the returned image is rounded to the nearest levels that fit the ball, ``threat.quantize_l2``).
 Deviations from the authors' code: the start costs one query (theirs counts three, with a re-query of ``x_o``
 whose value cancels out of every comparison); each sample runs its own chunk schedule (theirs is shared by the
 batch).

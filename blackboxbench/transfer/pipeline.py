@@ -31,7 +31,7 @@ fixed key); :func:`~blackboxbench.transfer.compat.check_compatible` turns a viol
 naming both blocks, before anything runs.
 
 ``ctx.model`` is the refined surrogate, ``ctx.t`` / ``ctx.iterations`` the loop position. The output is projected
-to the eps ball and [0, 1] and quantized to uint8 towards the clean image. Every sample takes the same number of
+to the eps ball and [0, 1] and quantized to uint8 inside it (``Problem.quantize``). Every sample takes the same number of
 iterations, so a unit of work is one whole batch of ``batch_size`` samples; their random numbers come from their
 own streams, so a sample's result does not depend on the batch.
 """
