@@ -68,13 +68,10 @@ def test_fixed_batch_records_do_not_depend_on_the_batch_size(tmp_path, attack, n
     assert sum(r["success"] for r in runs[0]) >= 6
 
 
-def test_without_fixed_batch_the_jitter_shows():
+def test_without_fixed_batch_the_jitter_shows(tmp_path):
     """The control of the test above: without ``fixed_batch`` the same runs' records differ with the batch size
     (so the proxy moves results, and the wrapper is what makes them equal)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        runs = _query_runs(Path(d), "hsja_l2", "l2", 1.5, (1, 7))
+    runs = _query_runs(tmp_path, "hsja_l2", "l2", 1.5, (1, 7))
     assert runs[0] != runs[1]
 
 
