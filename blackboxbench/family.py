@@ -9,7 +9,7 @@ A family declares
 * ``blocks``: what its recipes are made of, ``{kind: BlockKind(registry, many, default)}``;
 * ``hyper``: recipe-level hyper-parameters with their defaults (e.g. a transfer attack's iterations);
 * ``model_keys``: the config keys naming the models it needs, ``{key: ModelKey(role, required, many,
-  forward_only)}``;
+  forward_only, fixed_batch)}``;
 * ``threat_keys``: threat-model keys of its own (beyond norm, eps, targeted, target_label), with their types;
 * ``run_keys``: top-level config keys of its own (a query run's ``defense``), with their types;
 * ``record_fields``: the fields of its per-sample records beyond :data:`COMMON_FIELDS`, with their types;
@@ -65,12 +65,20 @@ class BlockKind:
 class ModelKey:
     """A config key naming models: their role for the worker, whether it is required, whether it is a list, and
     whether the worker only forwards them (no gradient, hook or surgery): such models may be inference copies
-    (``prep/inference.py``; the config's ``fuse``)."""
+    (``prep/inference.py``; the config's ``fuse``), and whether the runner puts them behind
+    :class:`~blackboxbench.prep.inference.FixedBatch` under the config's ``fixed_batch`` (None: when forward-only;
+    False: the worker gives them fixed shapes itself, as the transfer worker does its surrogates)."""
 
     role: str
     required: bool
     many: bool
     forward_only: bool = False
+    fixed_batch: Optional[bool] = None
+
+    @property
+    def wrapped(self):
+        """Whether the runner wraps these models in ``FixedBatch`` under ``fixed_batch``."""
+        return self.forward_only if self.fixed_batch is None else self.fixed_batch
 
 
 @dataclass
@@ -90,6 +98,7 @@ class RunInputs:
     save_path_every: int = 0  # > 0: each sample's iterates every k queries (query) or iterations (transfer)
     defenses: dict = field(default_factory=dict)  # config key -> list (per model) of defense lists (defense.py)
     lpips: Any = None        # the LPIPS network of the perceptual metrics, None when its weights are absent
+    fixed_batch: int = 0     # > 0: every model call has exactly that many images (the config's fixed_batch)
     skip: dict = field(default_factory=dict)  # sample index -> the earlier run of a cascade that fooled it
 
 

@@ -469,7 +469,7 @@ class Runner:
             bare = bare_spec(spec)  # a defense wraps the model (defense.py); a label names its results
             probe = data.x[:4] if exp["fuse"] and fam.model_keys[key].forward_only else None
             model = self.session.model(bare, data_root, self.device, source, label, exp["compile"], probe)
-            if exp.get("fixed_batch") and fam.model_keys[key].forward_only:
+            if exp.get("fixed_batch") and fam.model_keys[key].wrapped:
                 model = self.session.fixed_batch(model, exp["fixed_batch"])
             models.setdefault(key, []).append(model)
             side = trained_side(bare)
@@ -512,7 +512,7 @@ class Runner:
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
                          save_path_every=exp.get("save_path_every", 0), defenses=defenses,
-                         lpips=self.session.lpips(exp["lpips_path"], self.device, source), skip=self.fooled_before())
+                         fixed_batch=exp.get("fixed_batch") or 0, lpips=self.session.lpips(exp["lpips_path"], self.device, source), skip=self.fooled_before())
 
     @property
     def label(self):

@@ -9,7 +9,7 @@ from torch import nn
 
 from blackboxbench.cli import main
 from blackboxbench.errors import ConfigError
-from blackboxbench.prep.inference import FixedBatch
+from blackboxbench.prep.inference import FixedBatch, fixed_rows
 from blackboxbench.prep.models import _digits_model
 from blackboxbench.registry import MODEL
 from blackboxbench.runner import Session, run_experiment
@@ -41,6 +41,13 @@ SEEN = {}  # "target" -> the ShapeJitter last built (the sizes its run forwarded
 def shape_jitter_digits(data_root=None):
     SEEN["target"] = ShapeJitter(_digits_model("digits_mlp", True).double())
     return SEEN["target"]
+
+
+@MODEL.register("test_shape_jitter_digits_cnn", dataset="digits")
+def shape_jitter_digits_cnn(data_root=None):
+    """A surrogate (gradients, feature hooks) whose logits move by 1e-2 with the batch size."""
+    SEEN["surrogate"] = ShapeJitter(_digits_model("digits_cnn", True).double(), rel=1e-2)
+    return SEEN["surrogate"]
 
 
 def _query_runs(tmp_path, attack, norm, eps, sizes, **kw):
@@ -101,6 +108,20 @@ def test_fixed_batch_pads_and_keeps_gradients():
     assert fixed(x[:0]).shape == (0, 3)
 
 
+def test_fixed_rows_are_the_wrappers_calls():
+    """The partition the wrapper forwards (and Subspace's per-call hooks follow): runs of ``size`` rows, the last
+    padded with its last row; a cache key hashes the wrapped model's weights, not the wrapper's."""
+    assert [r.tolist() for r in fixed_rows(10, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 9, 9]]
+    assert [r.tolist() for r in fixed_rows(8, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    model = ShapeJitter(nn.Linear(5, 3).double(), rel=0.0)
+    x = torch.randn(10, 5, dtype=torch.float64)
+    assert torch.equal(FixedBatch(model, 4)(x), torch.cat([model(x[r]) for r in fixed_rows(10, 4)])[:10])
+    from blackboxbench.prep.data import Dataset
+    from blackboxbench.prep.trained import cache_key
+    data = Dataset("toy", torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), 3)
+    assert cache_key("b", {}, [FixedBatch(model, 4)], data, 0, "cpu") == cache_key("b", {}, [model], data, 0, "cpu")
+
+
 def test_runs_sharing_a_target_share_its_wrapper():
     session, model = Session(), nn.Linear(2, 2)
     assert session.fixed_batch(model, 8) is session.fixed_batch(model, 8)
@@ -116,3 +137,55 @@ def test_fixed_batch_is_checked(tmp_path, capsys):
     config = Path(__file__).resolve().parent.parent / "configs" / "detection_quickstart.yaml"
     assert main(["run", str(config), "--set", "fixed_batch=4"]) == 2
     assert "fixed_batch: family detection forwards its models its own way" in capsys.readouterr().err
+
+
+def _transfer_runs(tmp_path, attack, sizes, **kw):
+    runs = []
+    for bs in sizes:
+        run_dir, _ = run_experiment(_exp(tmp_path / f"{bs}", attack=attack, surrogates=["test_shape_jitter_digits_cnn"],
+                                         targets=["digits_mlp"], batch_size=bs, dataset={"name": "digits", "n": 16},
+                                         fuse=False, threat={"norm": "linf", "eps": 0.1}, **kw),
+                                    progress=False, session=Session())
+        runs.append(_records(run_dir))
+    return runs
+
+
+TRANSFER = {"mi_fgsm": {"recipe": "mi_fgsm", "hyper": {"iterations": 5}},
+            "si_fgsm": {"recipe": "si_fgsm", "hyper": {"iterations": 3}},  # 5 scaled copies per step
+            "ila": {"recipe": "ila", "hyper": {"iterations": 4}},  # a feature hook and a reference attack
+            "fia": {"recipe": "fia", "hyper": {"iterations": 3}}}  # an aggregate gradient over masked copies
+
+
+@pytest.mark.parametrize("name", TRANSFER)
+def test_fixed_batch_surrogate_calls_in_transfer_runs(tmp_path, name):
+    """The transfer worker attacks a batch in parts of ``fixed_batch`` samples: behind a surrogate whose logits
+    move with the batch size, batch_size 1, 7 and 16 give identical records (targets' verdicts, distances), and
+    the surrogate only sees calls of 4 images or 4 per copy (unwrapped, batch_size 7 would give it calls of 7 and
+    2 images)."""
+    runs = _transfer_runs(tmp_path, TRANSFER[name], (1, 16, 7), fixed_batch=4)
+    assert runs[0] == runs[1] == runs[2]
+    seen = SEEN["surrogate"].sizes - {1}  # the batch_size 7 run's; 1: the runner's shape check before the run
+    assert seen and all(size % 4 == 0 for size in seen), seen
+
+
+def test_without_fixed_batch_the_surrogate_jitter_shows(tmp_path):
+    """The control: without ``fixed_batch`` the surrogate's jitter moves some records (distances or verdicts)."""
+    runs = _transfer_runs(tmp_path, TRANSFER["mi_fgsm"], (1, 7))
+    assert runs[0] != runs[1]
+
+
+@pytest.mark.parametrize("attack", ["prgf", "subspace"])
+def test_fixed_batch_surrogates_of_query_runs(tmp_path, attack):
+    """A query run's surrogates are wrapped too (Subspace's per-row dropout hooks run inside each call of the
+    wrapper, on that call's rows): records identical at batch_size 1, 7 and 16, surrogate calls of 8 images."""
+    runs = _query_runs(tmp_path, attack, "linf", 0.2, (1, 7, 16), fixed_batch=8,
+                       surrogates=["test_shape_jitter_digits_cnn"])
+    assert runs[0] == runs[1] == runs[2]
+    assert SEEN["surrogate"].sizes == {8}
+    assert sum(r["success"] for r in runs[0]) >= 6
+
+
+@pytest.mark.parametrize("attack", ["prgf", "subspace"])
+def test_without_fixed_batch_query_surrogate_jitter_shows(tmp_path, attack):
+    runs = _query_runs(tmp_path, attack, "linf", 0.2, (1, 7), surrogates=["test_shape_jitter_digits_cnn"])
+    assert runs[0] != runs[1]

@@ -11,6 +11,9 @@ Runs are ``attack:norm:eps`` on the first ``--n`` CIFAR-10 test images against R
 ``--batch-sizes 16,5`` runs the two repetitions at those batch sizes (default: both at ``--n``) and ``--fixed-batch
 k`` sets the config's ``fixed_batch``: with both, the records must still be identical (README, "fixed_batch");
 ``--control`` reports the differing records without failing (the same runs without ``fixed_batch``).
+
+``--surrogates a,b`` gives the runs white-box surrogates (a query run's, e.g. ``prgf``); with ``--targets c,d`` the
+runs are transfer runs (``mi_fgsm:linf:0.03``: surrogates crafting, the targets judging; no query budget).
 """
 import argparse
 import json
@@ -44,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", default=None, help="a,b: the two repetitions' batch sizes (default n,n)")
     ap.add_argument("--fixed-batch", type=int, default=None)
     ap.add_argument("--control", action="store_true", help="report differences without failing")
+    ap.add_argument("--surrogates", default=None, help="a,b: white-box surrogates of every run")
+    ap.add_argument("--targets", default=None, help="c,d: transfer runs judged on these targets")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [args.n, args.n]
     out = Path(args.out or tempfile.mkdtemp(prefix="bbb_repeat_"))
@@ -54,6 +59,11 @@ def main(argv=None):
         attack, norm, eps = spec.split(":")
         config = {"dataset": {"name": "cifar10", "n": args.n}, "model": "cifar_resnet20", "device": args.device,
                   "seed": 0, "attack": attack, "threat": {"norm": norm, "eps": eps, "max_queries": args.budget}}
+        if args.surrogates:
+            config["surrogates"] = args.surrogates.split(",")
+        if args.targets:  # a transfer run: no target behind an oracle, no budget
+            del config["model"], config["threat"]["max_queries"]
+            config["targets"] = args.targets.split(",")
         if args.fixed_batch:
             config["fixed_batch"] = args.fixed_batch
         path = out / f"{attack}_{norm}.yaml"

@@ -154,14 +154,26 @@ def inference_copy(model, probe, name="model", in_place_ops=True):
     return fast
 
 
+def fixed_rows(n, size, device=None):
+    """The rows of ``n`` that calls of exactly ``size`` rows take, in order (a list of index tensors): consecutive
+    runs of ``size``, the last padded with copies of its last row (their answers are dropped)."""
+    rows = torch.arange(n, device=device)
+    pad = -n % size
+    if pad:
+        rows = torch.cat([rows, rows[-1:].expand(pad)])
+    return list(rows.split(size))
+
+
 class FixedBatch(nn.Module):
     """``model`` forwarded in calls of exactly ``size`` images (a config's ``fixed_batch``), the last call padded
-    with copies of its last image and the padding's answers dropped.
+    with copies of its last image and the padding's answers dropped (:func:`fixed_rows`).
 
     On a GPU the logits of one image move slightly with the batch it is forwarded in (kernels are chosen per
     shape), so a sample's record could depend on ``batch_size`` and on its neighbours; the rows of calls of one
     shape are computed independently of each other, so behind this wrapper a row's answer depends only on the
-    row. Forward-only models only (the runner wraps a query run's target and a transfer run's targets)."""
+    row. The runner wraps a query run's target and surrogates and a transfer run's targets (the transfer worker
+    attacks its batches in parts of ``size`` samples itself, so that feature hooks and surgery see whole calls).
+    Gradients flow through to the input."""
 
     def __init__(self, model, size):
         super().__init__()
@@ -171,7 +183,12 @@ class FixedBatch(nn.Module):
         n, k = x.shape[0], self.size
         if n == k or n == 0:
             return self.model(x)
-        pad = -n % k
+        pad = -n % k  # the calls of fixed_rows, without gathering the rows
         if pad:
             x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
         return torch.cat([self.model(part) for part in x.split(k)])[:n]
+
+
+def bare_model(model):
+    """The model inside a :class:`FixedBatch` wrapper, else ``model`` (for what hashes weights: a cache key)."""
+    return model.model if isinstance(model, FixedBatch) else model

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BenchError
+from .inference import bare_model
 from .models import cache_dir, cache_folder, load_cached, save_atomic, train_noted
 
 CACHE_VERSION = 1
@@ -45,7 +46,7 @@ def cache_key(block, params, models, data, seed, device):
     """The cache key of a trained artifact: block, resolved parameters, the weights and buffers of the model (or
     list of models) it learns from, the training images and labels, the seed and the device type."""
     models = models if isinstance(models, (list, tuple)) else [models]
-    return digest(CACHE_VERSION, block, params, [dict(m.state_dict()) for m in models], data.x, data.y,
+    return digest(CACHE_VERSION, block, params, [dict(bare_model(m).state_dict()) for m in models], data.x, data.y,
                   int(seed), torch.device(device).type)
 
 

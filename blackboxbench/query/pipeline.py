@@ -397,7 +397,7 @@ class QueryFamily(Family):
 
     blocks = {"init": BlockKind(INIT), "perturb": BlockKind(PERTURB), "accept": BlockKind(ACCEPT)}
     model_keys = {"model": ModelKey("target", True, False, forward_only=True),
-                  "surrogates": ModelKey("surrogate", False, True)}
+                  "surrogates": ModelKey("surrogate", False, True, fixed_batch=True)}
     threat_keys = {"max_queries": (int,), "feedback": (str,), "success_rule": (str, dict)}
     # defenses inside the oracle (defense.py); the attack path of every sample, every k queries (runner.save_path)
     run_keys = {"defense": (str, dict, list), "save_path_every": (int,)}

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..prep.inference import FixedBatch, fixed_rows
 from ..registry import INIT, PERTURB
 from ..threat import margin_loss
 from .common import bounded_calls, per_sample, query_margin, start_state
@@ -89,7 +90,8 @@ def surrogate_gradient(models, x, loss_fn, weights=None, choice=None, wrap=None)
     ``loss_fn(k, logits, rows)`` returns the (m,) losses of surrogate ``k`` on its rows (local sample indices
     ``rows``). ``weights`` (n, K) weighs the surrogates per sample (default 1); ``choice`` (n,) long gives every
     sample one surrogate instead of all; ``wrap(k, rows)`` may return a context manager active during surrogate
-    ``k``'s forward (e.g. :class:`conv_dropout`). Surrogates get ``x`` in their parameters' dtype; BatchNorm in
+    ``k``'s forward (e.g. :class:`conv_dropout`; behind :class:`~blackboxbench.prep.inference.FixedBatch`, one per
+    call of the wrapper, on the rows of that call). Surrogates get ``x`` in their parameters' dtype; BatchNorm in
     eval mode keeps the samples independent, so a sample's gradient does not depend on its neighbours.
     """
     n = x.shape[0]
@@ -107,6 +109,12 @@ def surrogate_gradient(models, x, loss_fn, weights=None, choice=None, wrap=None)
                 xin = xin.to(dtype)
             if wrap is None:
                 logits = model(xin)
+            elif isinstance(model, FixedBatch):  # the wrapper's calls, each inside its own rows' context
+                parts = []
+                for r in fixed_rows(len(rows), model.size, x.device):
+                    with wrap(k, rows[r]):
+                        parts.append(model.model(xin[r]))
+                logits = torch.cat(parts)[:len(rows)]
             else:
                 with wrap(k, rows):
                     logits = model(xin)

@@ -48,6 +48,7 @@ from ..errors import BenchError, ConfigError, describe
 from ..evaluation import sample_metrics, summarize_transfer
 from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, base_records, check_outputs, forward_logits,
                       pick_targets, to_uint8)
+from ..prep.inference import fixed_rows
 from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE, block_label
 from ..rng import run_stream
 from ..threat import Problem
@@ -219,18 +220,21 @@ class TransferWorker(WholeBatchWorker):
         self.model = self.attack.refine(base, list(self.surrogates))
         super().__init__()
 
-    def step(self):
-        index = self.take()
-        if not index:
-            return []
-        run, t, dev = self.run, self.threat, self.run.device
-        t0 = time.perf_counter()
-        idx = torch.tensor(index, dtype=torch.long)
-        x, y = run.data.x[idx].to(dev), run.data.y[idx].to(dev)
+    def _parts(self, n):
+        """The rows of a batch of ``n`` samples that each attack call takes: all of them, or under ``fixed_batch``
+        calls of exactly that many samples (:func:`~blackboxbench.prep.inference.fixed_rows`), so that every
+        forward and backward of the surrogate, feature hooks and auxiliary steps included, has one shape."""
+        k = self.run.fixed_batch
+        return fixed_rows(n, k) if k else [torch.arange(n)]
+
+    def _craft(self, idx, x, y):
+        """Clean check and targets on the surrogate, then the attack, for samples ``idx`` (distinct but for a
+        padding copy of the last): (x_adv, clean correct, target or None, attack paths or None)."""
+        run, t = self.run, self.threat
         rng = run.streams.view(idx)
         logits = forward_logits(self.model, x, "the surrogate")
         correct = logits.argmax(1) == y
-        given = None if run.data.given_target is None else run.data.given_target[idx].to(dev)
+        given = None if run.data.given_target is None else run.data.given_target[idx.cpu()].to(x.device)
         target = pick_targets(t, logits, y, rng, given)
         # the blocks' copy: the output check, the metrics, the records and the targets' evaluation read x, y, target
         problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes).copy()
@@ -245,7 +249,22 @@ class TransferWorker(WholeBatchWorker):
                 for path, im in zip(paths, to_uint8(problem.quantize(x_it))):
                     path.append((it + 1, im))
 
-        x_adv = self.attack.run(ctx, keep if every else None)
+        return self.attack.run(ctx, keep if every else None), correct, target, paths
+
+    def step(self):
+        index = self.take()
+        if not index:
+            return []
+        run, t, dev = self.run, self.threat, self.run.device
+        t0 = time.perf_counter()
+        idx = torch.tensor(index, dtype=torch.long)
+        x, y = run.data.x[idx].to(dev), run.data.y[idx].to(dev)
+        n, every = len(index), run.save_path_every
+        parts = [self._craft(idx[r], x[r], y[r]) for r in self._parts(n)]
+        x_adv, correct = (torch.cat([q[k] for q in parts])[:n] for k in (0, 1))
+        target = None if parts[0][2] is None else torch.cat([q[2] for q in parts])[:n]
+        paths = None if parts[0][3] is None else [p for q in parts for p in q[3]][:n]
+        problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes)
         check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
         metrics = sample_metrics(x_adv, x, run.lpips)
         valid = (torch.ones_like(y, dtype=torch.bool) if target is None else target != y).tolist()
