@@ -15,7 +15,8 @@ Parts (``--part``, default all):
   images: the minimum of each (a shared machine disturbs single runs), their ratio, and the median of the per-pair
   ratios with its 95 % sign-test interval (``--repeats`` >= 6). ``--malloc keep`` (the default, as ``blackboxbench
   run``) sets glibc to keep freed memory for the whole process, both sides alike (:mod:`blackboxbench.malloc`).
-* ``direction``: untargeted Linf 0.03, every new recipe against ``i_fgsm``, mean transfer ASR over the targets.
+* ``direction``: untargeted Linf 0.03 (``--norm l2``: L2 1, step 0.1), every new recipe against ``i_fgsm``, mean
+  transfer ASR over the targets.
   10 iterations (the original papers' count; the recipes' 100 cost 10x the CPU), RAP 40 with late start 10.
 * ``composites``: new blocks (cheap settings) x {alone, +MI, +DI, +NI} on the first ``--composite-n`` images, mean transfer ASR,
   as a CSV and a heatmap PNG (gray: incompatible pair).
@@ -47,6 +48,7 @@ from blackboxbench.threat import Problem, quantize
 
 HERE = Path(__file__).resolve().parent
 EPS, ALPHA, STEPS = 0.03, 0.003, 10
+L2_EPS = 1.0  # direction --norm l2: Table VII, CIFAR-10 (step eps / 10)
 TARGETS = ("cifar_resnet32", "cifar_resnet44", "cifar_resnet56", "oval_cifar_wide", "cifar_cnn_a_mix")
 
 
@@ -58,9 +60,9 @@ def build(recipe, targeted=False, eps=EPS, norm="linf"):
     return build_attack(rec, t, source)
 
 
-def run_ours(atk, model, x, y, pool, seed=0):
+def run_ours(atk, model, x, y, pool, seed=0, eps=EPS, norm="linf"):
     """``atk`` on ``x`` (on the model's device); waits for a GPU to finish, so that wall clocks are fair."""
-    problem = Problem(x=x, y=y, eps=EPS, norm="linf", num_classes=10)
+    problem = Problem(x=x, y=y, eps=eps, norm=norm, num_classes=10)
     ctx = BlockContext(problem=problem, rng=Streams(seed, len(x), x.device).view(torch.arange(len(x))),
                        pool=pool, model=model, iterations=atk.iterations, alpha=atk.alpha)
     out = atk.run(ctx)
@@ -100,7 +102,7 @@ def peers():
                                                                          diversity_prob=0.5)),
         # torchattacks' DI never resizes back: at resize_rate 1.25 the model sees 40 x 40 bilinear canvases, a
         # different transform; at its default 0.9 it shrinks to [28, 32) and pads to 32, the same input size as
-        # ours (nearest resize to [32, 40), pad to 40, nearest resize back to 32: a scale in [0.8, 1)).
+        # ours (nearest resize to [32, 40], pad to 40, nearest resize back to 32: a scale in [0.8, 1]).
         "DI (peer 0.9)": (ours_recipe("di2_fgsm"), lambda m: torchattacks.DIFGSM(m, EPS, ALPHA, STEPS, 0.0,
                                                                                    resize_rate=0.9,
                                                                                    diversity_prob=0.5)),
@@ -227,7 +229,8 @@ def timing(surrogate, x, y, pool, md, repeats=3, only=None, malloc="default"):
 
 
 DIRECTION = {
-    "i_fgsm": ours_recipe("i_fgsm"), "ni_fgsm": ours_recipe("ni_fgsm"), "pi_fgsm": ours_recipe("pi_fgsm"),
+    "i_fgsm": ours_recipe("i_fgsm"), "mi_fgsm": ours_recipe("mi_fgsm"), "ni_fgsm": ours_recipe("ni_fgsm"),
+    "pi_fgsm": ours_recipe("pi_fgsm"),
     "vt": ours_recipe("vt"), "si_fgsm": ours_recipe("si_fgsm"), "admix": ours_recipe("admix"),
     "sia": ours_recipe("sia"), "pgn": ours_recipe("pgn"),
     # SIA with momentum (Wang et al.'s setting) and with more iterations, to explain its rank on these models
@@ -248,13 +251,18 @@ DIRECTION = {
 }
 
 
-def direction(models, surrogate, x, y, pool, md, only=None):
+def direction(models, surrogate, x, y, pool, md, only=None, norm="linf"):
+    # L2: Table VII's CIFAR-10 eps 1 and step 0.1 (eps / 10) in place of Linf's 0.03 and 0.003
+    eps, alpha = (EPS, ALPHA) if norm == "linf" else (L2_EPS, L2_EPS / 10)
     rows = []
     for name, recipe in DIRECTION.items():
         if only and name not in only:
             continue
         t0 = time.perf_counter()
-        x_adv = run_ours(build(recipe), surrogate, x, y, pool)
+        recipe = copy.deepcopy(recipe)
+        if norm != "linf" and recipe["hyper"].get("alpha") == ALPHA:
+            recipe["hyper"]["alpha"] = alpha
+        x_adv = run_ours(build(recipe, eps=eps, norm=norm), surrogate, x, y, pool, eps=eps, norm=norm)
         a = asr(models, x_adv, x, y)
         white = asr({"surrogate": surrogate}, x_adv, x, y)["surrogate"]
         rows.append((name, a, sum(a.values()) / len(a), time.perf_counter() - t0, white))
@@ -264,7 +272,7 @@ def direction(models, surrogate, x, y, pool, md, only=None):
     # each row against the plain i_fgsm run of its own iteration count, else the 10-iteration one
     bases = {iters[n]: m for n, _, m, _, _ in rows if DIRECTION[n].get("blocks") is None
              and DIRECTION[n]["recipe"] == "i_fgsm"}
-    lines = ["", f"### Direction of effect ({len(x)} images, untargeted Linf {EPS}, step {ALPHA}, {STEPS} iterations "
+    lines = ["", f"### Direction of effect ({len(x)} images, untargeted {norm} {eps}, step {alpha}, {STEPS} iterations "
              "unless the name says otherwise; RAP 40 with late start 10; transfer ASR from ResNet-20)", "",
              "| recipe | white-box R20 | " + " | ".join(names) + " | mean | beats i_fgsm (same iterations, else "
              f"{STEPS}) | time s |", "|---|" + "---|" * (len(names) + 4)]
@@ -384,6 +392,8 @@ def main():
     ap.add_argument("--seeds", type=int, default=1, help="fidelity: run both sides once per seed, compare means")
     ap.add_argument("--composite-n", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--norm", choices=("linf", "l2"), default="linf",
+                    help="direction: the threat (l2: eps 1, step 0.1, Table VII CIFAR-10)")
     ap.add_argument("--md", default=str(HERE / "transfer_fidelity.md"))
     ap.add_argument("--malloc", choices=("keep", "default"), default="keep",
                     help="keep (as `blackboxbench run`): glibc keeps freed memory, for both sides of every "
@@ -404,7 +414,8 @@ def main():
         k = args.timing_n
         timing(surrogate, x[:k], y[:k], pool, args.md, repeats=args.repeats, only=args.only, malloc=args.malloc)
     if args.part in ("all", "direction"):
-        direction(models, surrogate, x, y, pool, args.md, only=args.only and set(args.only) | {"i_fgsm"})
+        direction(models, surrogate, x, y, pool, args.md, only=args.only and set(args.only) | {"i_fgsm"},
+                  norm=args.norm)
     if args.part in ("all", "composites"):
         k = args.composite_n
         composites(models, surrogate, x[:k], y[:k], Pool(x, y), HERE / "transfer_composites.csv",
