@@ -177,13 +177,13 @@ def test_di_matches_per_sample_reference_and_replays():
     for seed in range(20):
         p = draw_di(transfer_ctx(x, y, seed=seed), x.shape, resize_rate=1.25, prob=0.5)
         sizes.update(p["size"][0].tolist())
-        assert p["out"] == (40, 40) and ((32 <= p["size"][0]) & (p["size"][0] < 40)).all()
+        assert p["out"] == (40, 40) and ((32 <= p["size"][0]) & (p["size"][0] <= 40)).all()
         assert torch.equal(p["size"][0], p["size"][1])
         assert ((p["top"] >= 0) & (p["top"] <= 40 - p["size"][0])).all()
         assert torch.equal(apply_di(x, p), _di_loop(x, p))
         assert torch.equal(apply_di(x, p), apply_di(x, p))                    # replay
         assert torch.equal(TRANSFORM.get("di")(transfer_ctx(x, y, seed=seed), x), apply_di(x, p))  # draw + apply
-    assert len(sizes) == 8  # every size of [32, 40)
+    assert len(sizes) == 9  # every size of [32, 40], 40 included as the authors' randint(in_size, out_size + 1)
     p = draw_di(transfer_ctx(x, y), x.shape, prob=1.0)
     assert p["apply"].all() and len(set(p["top"].tolist())) > 1 and len(set(p["size"][0].tolist())) > 1
     assert torch.equal(TRANSFORM.get("di")(transfer_ctx(x, y), x, prob=0.0), x)

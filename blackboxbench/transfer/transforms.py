@@ -23,9 +23,10 @@ def nearest_index(dst, in_size, out_size):
 def draw_di(ctx, shape, *, resize_rate=1.25, prob=0.5):
     """Random parameters of one DI call for ``shape`` (m, C, H, W), m a multiple of the samples in ``ctx``.
 
-    Per row, from its sample's stream: a resized height uniform in [H, round(H * resize_rate)) (the width scales
-    with it), padding offsets uniform over the positions inside the canvas, and a coin: the row is transformed
-    with probability ``prob``.
+    Per row, from its sample's stream: a resized height uniform in [H, round(H * resize_rate)], both ends included
+    as the authors' DI (``randint(in_size, out_size + 1)``; Xie et al.'s code leaves the canvas size out), the width
+    scaling with it, padding offsets uniform over the positions inside the canvas, and a coin: the row is
+    transformed with probability ``prob``.
     """
     m, _, h, w = shape
     out_h, out_w = round(h * resize_rate), round(w * resize_rate)
@@ -33,7 +34,7 @@ def draw_di(ctx, shape, *, resize_rate=1.25, prob=0.5):
         raise BenchError(f"transform 'di': need resize_rate > 1 (got {resize_rate}, image height {h}) and "
                          f"prob in [0, 1] (got {prob})")
     u = ctx.rng.uniform((4,), rows=ctx.rows(m), dtype=torch.float64)
-    size_h = h + (u[:, 0] * (out_h - h)).long()
+    size_h = h + (u[:, 0] * (out_h - h + 1)).long()
     size_w = torch.clamp(torch.round(size_h * (w / h)).long(), max=out_w)
     top = (u[:, 1] * (out_h - size_h + 1)).long()
     left = (u[:, 2] * (out_w - size_w + 1)).long()
