@@ -182,6 +182,10 @@ def test_nesterov_and_pregrad_look_ahead():
     GRADIENT.get("pregrad")(ctx, rec, x1, state, step=0.01, decay=0.5)
     look = x1 + 0.01 * 0.5 * g0 / g0.abs().flatten(1).mean(1).view(2, 1, 1, 1)
     assert torch.allclose(rec.calls[1], look)
+    state, rec = {}, Recorder()  # L2: the same per-pixel look-ahead (the authors' look_ahead_PI), no / sqrt(d)
+    GRADIENT.get("pregrad")(l2, rec, x, state, step=0.01)
+    GRADIENT.get("pregrad")(l2, rec, x1, state, step=0.01, decay=0.5)
+    assert torch.allclose(rec.calls[1], look)
 
 
 def _replay_uniform(ctx, shape, k):

@@ -66,10 +66,12 @@ def pregrad(ctx, grad_fn, x, state, *, decay=1.0, step=0.01):
     returned at the previous iteration (none at t = 0).
 
     ``step`` 0.01: the authors' CIFAR-10 ``PI.json`` (``look_ahead_PI(step_size=1e-2)``), what their runs used;
-    Table VII prints 0.001 (spec sheet 10.3). ``decay`` 1: Table VII."""
+    Table VII prints 0.001 (spec sheet 10.3). ``decay`` 1: Table VII. The same displacement under both norms, as
+    the authors' code and their L2 ``PI.json`` (same step): ``step`` is a fixed per-pixel size, so unlike NI's
+    ``alpha`` times a growing sum it needs no L2 rescaling (``/ sqrt(d)`` would make it about 1 % of the CIFAR-10
+    L2 ball, and PI plain MI)."""
     last = state.get("pregrad")
-    g = grad_fn(x) if last is None else grad_fn(x + step * decay * lookahead(unit(last, "linf"),
-                                                                               ctx.problem.norm))
+    g = grad_fn(x) if last is None else grad_fn(x + step * decay * unit(last, "linf"))
     state["pregrad"] = g
     return g
 
