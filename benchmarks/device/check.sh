@@ -2,11 +2,12 @@
 # Run ON THE DEVICE MACHINE, as one call of the device tool (after benchmarks/device/prepare.sh here):
 #   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 420
 # Prints every row as it finishes. Bar: the whole script within 6 minutes (360 s). Each section runs under a time
-# budget (BUDGET_*_S; defaults 135 + 70 + 18 + 20 + 62 + 20 + 2 x 12 = 349 s, plus about 15 s of installs and start).
+# budget (BUDGET_*_S; defaults 115 + 70 + 18 + 20 + 62 + 20 + 2 x 12 + 2 x 10 = 349 s, plus about 15 s of installs and
+# start).
 # Expected on the H200 machine (16 cores), estimated from the run of 2026-12-04 (benchmarks/RESULTS.md, "GPU run of
 # 2026-12-04": 431 s, sections 1 and 2 cut by their budgets) and the CPU times in README's query table: about
 # 260 s in all (15 + 95 + 60 + 10 + 13 + 50 + 15).
-# 1. (budget 135 s, expected 80-110 s) Every query and transfer recipe of the CIFAR-10 configs (29 + 7 runs) on
+# 1. (budget 115 s, expected 80-110 s) Every query and transfer recipe of the CIFAR-10 configs (29 + 7 runs) on
 #    the same N images with device cpu and cuda: ASR on each and the difference (bar: 3 points); the runner checks
 #    every output and budget on both. Run one after the other (cpu then cuda) only 9 runs had finished at 190 s.
 #    Now the CPU runs go to 12 spawned worker processes (one torch thread a run; 3 for the forward-heavy runs,
@@ -37,7 +38,8 @@
 #    (their estimates' per-sample sums no longer use CUDA's atomic index_add_; repeat_records.py).
 # 7. (budget 2 x 12 s, expected 2 x 8 s) hsja_l2 and square_linf at batch sizes 16 and 5 on the same 16 images,
 #    without fixed_batch (a control: how many records move with the batch size) and with fixed_batch 8 (bar:
-#    identical records).
+#    identical records); then (budget 2 x 10 s, expected 2 x 7 s) the same for mi_fgsm crafted on ResNet-20 and
+#    judged on ResNet-32/56 (fixed_batch covers the surrogate's gradients).
 # DEVICE=cpu and N/N_TP/N_HSJA/N_COPIES/N_SHARED/N_REPEAT (and DET_MODEL=shapes_fcos DET_EXTRA=shapes_fcos_b
 # DET_SIZE=64) let the script itself be tried on a CPU machine (section 1 then runs the cpu side only, in min(12, nproc)
 # workers; CPU_WORKERS sets it; the budgets are then BUDGET_SCALE = 4 times the above).
@@ -61,7 +63,7 @@ budget() { echo $(( $1 * scale )); }
 devices=cpu,$device
 [ "$device" = cpu ] && devices=cpu
 cpu_workers=${CPU_WORKERS:-$(( $(nproc) < 12 ? $(nproc) : 12 ))}
-timeout "$(budget "${BUDGET_ASR_S:-135}")" python3 benchmarks/device/asr_cuda_vs_cpu.py \
+timeout "$(budget "${BUDGET_ASR_S:-115}")" python3 benchmarks/device/asr_cuda_vs_cpu.py \
     configs/cifar10_query_all.yaml configs/cifar10_transfer.yaml --n "${N:-32}" --devices "$devices" \
     --cpu-workers "$cpu_workers" --cpu-threads 1 --wide zo_signsgd,ppba:l2,nes:l2 --wide-threads 3 \
     --cuda-workers "${CUDA_WORKERS:-4}" \
@@ -93,5 +95,13 @@ timeout "$(budget "${BUDGET_FIXED_S:-12}")" python3 benchmarks/device/repeat_rec
 timeout "$(budget "${BUDGET_FIXED_S:-12}")" python3 benchmarks/device/repeat_records.py --device "$device" \
     --n "${N_REPEAT:-16}" --batch-sizes 16,5 --fixed-batch 8 hsja_l2:l2:1 square_linf:linf:0.03 2>&1 \
     | tee "$out/fixed.md" | grep '^|'
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+transfer=(--surrogates cifar_resnet20 --targets cifar_resnet32,cifar_resnet56 mi_fgsm:linf:0.03)
+timeout "$(budget "${BUDGET_FIXED_T_S:-10}")" python3 benchmarks/device/repeat_records.py --device "$device" \
+    --n "${N_REPEAT:-16}" --batch-sizes 16,5 --control "${transfer[@]}" 2>&1 | tee "$out/fixed_transfer_control.md" \
+    | grep '^|'
+timeout "$(budget "${BUDGET_FIXED_T_S:-10}")" python3 benchmarks/device/repeat_records.py --device "$device" \
+    --n "${N_REPEAT:-16}" --batch-sizes 16,5 --fixed-batch 8 "${transfer[@]}" 2>&1 | tee "$out/fixed_transfer.md" \
+    | grep '^|'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status
