@@ -92,12 +92,11 @@ def test_ila_baseline_and_projection_loss_match_a_hand_reference():
     ctx = ctx_for(net, x, y)
     aux = AUXILIARY.get("ila_baseline")(ctx, layer="stage2", iterations=3)
     try:
-        xb = x.clone()  # the baseline: 3 I-FGSM steps (CE, sign, eps-ball and [0, 1] clip), then uint8
-        for _ in range(3):
+        xb = x.clone()  # the baseline: 3 I-FGSM steps (CE, sign, eps-ball and [0, 1] clip), not rounded to uint8
+        for _ in range(3):  # (BlackboxBench's --as-baseline saves the float iterate as ILA's reference)
             xr = xb.clone().requires_grad_(True)
             g, = torch.autograd.grad(F.cross_entropy(net(xr), y, reduction="sum"), xr)
             xb = torch.min(torch.max(xb + 0.01 * g.sign(), x - 0.05), x + 0.05).clamp(0, 1)
-        xb = ctx.problem.quantize(xb)
         f0, fb = feats(net, "stage2", x), feats(net, "stage2", xb)
         d = unit(fb - f0)
         assert torch.allclose(aux["ila"].tensors["dir"], d, atol=1e-5)

@@ -85,12 +85,16 @@ def _true_logit_grad(model, module, x, y):
 def ila_baseline(ctx, *, layer="mid", iterations=10):
     """ILA stage 1: a baseline I-FGSM of ``iterations`` steps (CE loss, the pipeline's step ``ctx.alpha`` and
     update) gives x'; keeps F_l(x) and the unit direction (F_l(x') - F_l(x)) / ||.|| per sample for the loss.
-    ``iterations`` 10 (U) / 30 (T): Table VII CIFAR-10. The baseline starts at the clean image, as stage 2."""
+    ``iterations`` 10 (U) / 30 (T): Table VII CIFAR-10. The baseline starts at the clean image, as stage 2. x' is
+    the baseline's last iterate as it is, not rounded to uint8 (BlackboxBench saves the float iterate as ILA's
+    reference, ``--as-baseline``; so does the ILA authors' code, which hands its I-FGSM output on in memory)."""
     from .pipeline import TransferAttack  # the baseline is the pipeline's own I-FGSM
 
     module = _layer(ctx, layer, "ila_baseline")
     baseline = TransferAttack("ila_baseline", iterations, ctx.alpha, LOSS.get("ce"), UPDATE.get("step"))
-    x_base = baseline.run(ctx.at(iterations=iterations, aux={}))
+    last = {}
+    baseline.run(ctx.at(iterations=iterations, aux={}), lambda t, x_t: last.update(x=x_t))
+    x_base = last["x"]
     f_clean, _ = features_of(ctx.model, module, ctx.problem.x)
     f_base, _ = features_of(ctx.model, module, x_base)
     return {"ila": Features(FeatureTap(module), {"clean": f_clean, "dir": _flat_unit(f_base - f_clean)})}
