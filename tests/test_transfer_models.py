@@ -460,6 +460,8 @@ def test_recipes_cite_their_source_and_build():
     assert lgv.refiners[0].keywords["epochs"] == 10 and lgv.refiners[0].keywords["collects_per_epoch"] == 4
     assert build_recipe("rd", "linf", False, 0.03)[0].refiners[0].keywords["n_models"] == 10
     assert build_recipe("bayesian", "linf", False, 0.03)[0].refiners[0].keywords["n_models"] == 50
+    for name in ("lgv", "lgv_ghostnet"):  # BlackboxBench's LGV.json / LGV-GhostNet.json: "shuffle": true
+        assert build_recipe(name, "linf", False, 0.03)[0].refiners[-1].keywords.get("shuffle") is True
 
 
 def test_a_config_without_the_training_images_fails_in_one_line(tmp_path):
