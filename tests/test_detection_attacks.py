@@ -393,11 +393,11 @@ def test_sponge_max_objects_term_by_hand(setup):
             sponge_loss(model, x, 0.25, target_class=3)
 
 
-def _tog_ctx(model, x):
+def _tog_ctx(model, x, eps=8 / 255):
     from blackboxbench.context import BlockContext
     from blackboxbench.detection.family import DetProblem, forward_dets
 
-    prob = DetProblem(x, torch.zeros(len(x), dtype=torch.long), 8 / 255, "linf", None, 3, gt=[], clean=forward_dets(model, x, "m"))
+    prob = DetProblem(x, torch.zeros(len(x), dtype=torch.long), eps, "linf", None, 3, gt=[], clean=forward_dets(model, x, "m"))
     return BlockContext(problem=prob, rng=Streams(0, len(x), "cpu").view(list(range(len(x)))), model=model)
 
 
@@ -471,6 +471,30 @@ def test_tog_two_stage_vanishing_covers_every_anchor(frcnn):
     assert torch.allclose(got, torch.stack(want), atol=1e-5)
 
 
+def test_tog_untargeted_two_stage_fabricates_on_an_image_without_detection(frcnn):
+    """models/frcnn.py compute_object_untargeted_gradient: on an image where the victim detects nothing, TOG's
+    Faster R-CNN ascends the fabrication loss instead of the training loss (which has no target there); per image:
+    the images with detections keep the training loss on them, in the same batch. Shapes test image 47 has no
+    clean detection on the tiny Faster R-CNN; images 0 and 1 have some."""
+    from blackboxbench.detection.attacks import (_training_loss_each, objective_grad, pseudo_truth, tog_fabrication,
+                                                 tog_untargeted)
+
+    x = shapes(None, n=48).x[[47, 0, 1]]
+    ctx = _tog_ctx(frcnn, x)
+    truth = pseudo_truth(ctx, 0.2)
+    assert [len(t["labels"]) > 0 for t in truth] == [False, True, True]
+    with torch.no_grad():
+        got = tog_untargeted(ctx, x)
+        fab = tog_fabrication(ctx, x[:1])
+        unt = _training_loss_each(frcnn, x[1:], truth[1:])
+    assert torch.allclose(got, torch.cat([fab, unt]), atol=1e-5)
+    g = objective_grad(ctx, tog_untargeted, x)
+    g_fab = objective_grad(ctx, tog_fabrication, x[:1])
+    g_unt = objective_grad(ctx, lambda c, xi: _training_loss_each(frcnn, xi, truth[1:]), x[1:])
+    assert g_fab.abs().max() > 0 and g_unt.abs().max() > 0
+    assert torch.allclose(g[:1], g_fab, atol=1e-6) and torch.allclose(g[1:], g_unt, atol=1e-6)
+
+
 def test_osfd_rrb_second_copy_is_the_first_resized(setup):
     """attack/base/RRB.py: copy 2 is copy 1 (the rotated image) resized, not a second copy of the image; with
     resizing off (rho 0: scale 1) and no noise the two copies are the same image, which a rotation changed."""
@@ -487,6 +511,42 @@ def test_osfd_rrb_second_copy_is_the_first_resized(setup):
     got = _resize(img, box, [0.0, 0.5, 0.5, 0.9, 0.0], 1.0, 1.1)
     want = F_interp(F_pad(F_interp(img, (21, 21)), (0, 1, 1, 0)), (20, 20))
     assert torch.equal(got, want)
+
+
+def test_osfd_clips_the_noise_only_and_the_image_where_read(setup, monkeypatch):
+    """attack/base/IFGSM.py update_noise, attack/utils/pipelines.py: OSFD's state is the noise, clipped to +-eps
+    (theirs: +-5 in 0-255 units; the recipe's eps 5/255) and nothing else, so x + noise leaves [0, 1] on saturated
+    pixels between the steps; the image is clipped to [0, 1] where the backbone reads it (RRB's clip) and in the
+    output. Images with a white and a black patch, every point RRB takes and every backbone input recorded: not
+    the image clipped to the ball and [0, 1] after every step, nor an unclipped noise."""
+    import blackboxbench.detection.attacks as A
+    from blackboxbench.threat import quantize
+
+    model, data = setup
+    eps = 5 / 255
+    x = data.x[:3].clone()
+    x[..., :12, :12], x[..., -12:, -12:] = 1.0, 0.0
+    ctx = _tog_ctx(model, x, eps)
+    ctx.problem.gt = [data.targets[i] for i in range(3)]
+    states, reads, real_rrb, real_features = [], [], A.rrb, model.features
+    monkeypatch.setattr(A, "rrb", lambda c, xi, *a: states.append(xi.detach().clone()) or real_rrb(c, xi, *a))
+    monkeypatch.setattr(model, "features", lambda xi: reads.append(xi.detach().clone()) or real_features(xi))
+    out = A.osfd(ctx, None)
+    assert len(states) == 10 and len(reads) == 11  # the clean features, then one read per step
+    for s in states:
+        noise = (s - x).abs().max()
+        assert noise <= eps + 1e-6  # the noise clipped to the ball at every step
+        assert s.max() > 1 + 0.5 / 255 and s.min() < -0.5 / 255  # the image itself not clipped between steps
+    assert (states[-1] - x).abs().max() >= eps - 1e-6  # the clip is reached (without it: up to 11 / 255)
+    assert all(0 <= float(r.min()) and float(r.max()) <= 1 for r in reads)  # clipped where the backbone reads it
+    assert 0 <= float(out.min()) and float(out.max()) <= 1 and float((out - x).abs().max()) <= eps + 1e-6
+    q = quantize(out, x)
+    assert 0 <= float(q.min()) and float(q.max()) <= 1 and float((q - x).abs().max()) <= eps + 1e-6
+    assert torch.equal(q, (q * 255).round() / 255)  # on the uint8 grid
+    monkeypatch.undo()
+    records, _, t = run_recipe("osfd", model, shapes(None, n=4))  # the family's quantized output: in the ball
+    assert t["eps"] == pytest.approx(eps)
+    _check_bound(records, shapes(None, n=4), t)
 
 
 def F_interp(x, size):

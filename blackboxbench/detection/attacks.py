@@ -168,10 +168,25 @@ def tog_fabrication(ctx, x, *, rpn=1.0):
 
 
 @DET_OBJECTIVE.register("tog_untargeted", paper=TOG + " (untargeted: ascend the training loss on the clean "
-                        "detections, threshold 0.2)", ranges={"conf_thr": "[0, 1]"})
+                        "detections, threshold 0.2; R-CNN: the fabrication loss on an image without detection, "
+                        "models/frcnn.py compute_object_untargeted_gradient)", ranges={"conf_thr": "[0, 1]"})
 def tog_untargeted(ctx, x, *, conf_thr=0.2):
-    """Untargeted: ascend the training loss with the clean detections (score >= conf_thr) as ground truth."""
-    return _training_loss_each(ctx.model, x, pseudo_truth(ctx, conf_thr))
+    """Untargeted: ascend the training loss with the clean detections (score >= conf_thr) as ground truth. On a
+    two-stage head, an image without such a detection takes :func:`tog_fabrication` (RPN weight 1) instead, as
+    TOG's Faster R-CNN (one image per call there, so the switch is per image here). One-stage heads keep the
+    training loss, whose empty ground truth still has a target (every candidate background), as TOG's YOLOv3 and
+    SSD, which have no switch."""
+    model, truth = ctx.model, pseudo_truth(ctx, conf_thr)
+    if model.kind not in TWO_STAGE:
+        return _training_loss_each(model, x, truth)
+    empty = torch.tensor([not len(t["labels"]) for t in truth], device=x.device)
+    out = x.new_zeros(len(x))
+    if not bool(empty.all()):
+        keep = (~empty).nonzero()[:, 0]
+        out = out.index_put((keep,), _training_loss_each(model, x[keep], [truth[i] for i in keep.tolist()]))
+    if bool(empty.any()):
+        out = out.index_put((empty.nonzero()[:, 0],), tog_fabrication(ctx, x[empty]))
+    return out
 
 
 def mislabel_targets(ctx, conf_thr, mode):
