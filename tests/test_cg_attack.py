@@ -24,7 +24,7 @@ from blackboxbench.threat import margin_loss
 
 from attack_utils import count_calls
 from test_advflow import needs_data, resnet56_run
-from test_engine import _exp, records_by_batch_size, records_by_probe_values
+from test_engine import _exp, _records, records_by_batch_size, records_by_probe_values
 
 SMALL = {"x_hidden_channels": 4, "x_hidden_size": 8, "y_hidden_channels": 8, "flow_depth": 2, "num_levels": 2}
 
@@ -235,3 +235,46 @@ def test_population_calls_hold_whole_samples_within_the_bound(tmp_path, monkeypa
     assert whole == cut and sum(r["success"] for r in whole) >= 4
     assert max(updated[1 << 26]) >= 8 and set(updated[20 * 64]) == {1}
     assert len(left[20 * 64]) > 100 and set(left[20 * 64]) == {0}
+
+
+def test_es_state_covers_the_top_latent_alone(tmp_path, monkeypatch):
+    """The recipe's init knows the c-Glow's levels (cg_init num_levels 3, as the perturb block's): ``cov``,
+    ``p_sigma`` and ``p_c`` have the top latent's D / 4 values, ``mean`` keeps D (the split latents after the top
+    latent); at 296 x 296 that drops 3 x 788,544 unused bytes a copy. The records are those of the full-width
+    state (cg_init without num_levels, the old layout): 4 digits, 2 slots, both norms. An init whose levels
+    exceed the c-Glow's is a one-line error."""
+    from blackboxbench import catalog
+    from blackboxbench.config import load_yaml
+    from blackboxbench.errors import BenchError
+
+    widths, real = [], cg_attack.start_state
+
+    def start(ctx, x, **state):
+        widths.append({k: v.shape[1] for k, v in state.items() if v.dim() == 2})
+        return real(ctx, x, **state)
+
+    monkeypatch.setattr(cg_attack, "start_state", start)
+    recipe = load_yaml(catalog.find("cg_attack"))
+    assert recipe["blocks"]["init"] == {"name": "cg_init", "num_levels": recipe["blocks"]["perturb"]["num_levels"]}
+
+    def records(init, perturb=FAST, norm="linf", eps=0.2):
+        attack = {**recipe, "blocks": {**recipe["blocks"], "init": init,
+                                       "perturb": {**recipe["blocks"]["perturb"], **perturb}}}
+        run_dir, _ = run_experiment(_exp(tmp_path / f"{len(init)}_{norm}_{len(perturb)}", attack=attack, model="digits_mlp",
+                                         assets=_digits_assets(), surrogates=["digits_cnn"], batch_size=2,
+                                         threat={"norm": norm, "eps": eps, "max_queries": 200},
+                                         dataset={"name": "digits", "n": 4}), progress=False)
+        return _records(run_dir)
+
+    d = 64  # 8 x 8 digits
+    for norm, eps in (("linf", 0.2), ("l2", 2.0)):
+        widths.clear()
+        full = records({"name": "cg_init"}, norm=norm, eps=eps)
+        assert widths and all(w == {"mean": d, "cov": d, "p_sigma": d, "p_c": d} for w in widths)
+        widths.clear()
+        assert records(recipe["blocks"]["init"], norm=norm, eps=eps) == full
+        assert widths and all(w == {"mean": d, "cov": d // 4, "p_sigma": d // 4, "p_c": d // 4} for w in widths)
+        assert d // 4 == math.prod(CondGlow((1, 8, 8), **{**SMALL, "num_levels": 3}).top)
+    with pytest.raises(BenchError, match=r"the ES state covers 16 latent values, the c-Glow's top latent has 32: "
+                                         r"give blocks.init \(cg_init\) the perturb block's num_levels \(2\)"):
+        records({"name": "cg_init", "num_levels": 3}, {"num_levels": 2})

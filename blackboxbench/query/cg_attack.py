@@ -503,16 +503,26 @@ def sep_cma_update(es, z, fitness, k, w):
 ES_KEYS = ("mean", "sigma", "cov", "p_sigma", "p_c", "gen")
 
 
-@INIT.register("cg_init", paper=PAPER, norms=("linf", "l2"))
-def cg_init(ctx):
+def top_size(d, num_levels):
+    """The size of a c-Glow's top latent for images of ``d`` values: each of ``num_levels`` levels squeezes (the
+    same size) and every level but the last splits half off, so D / 2^(num_levels - 1)."""
+    return d >> (num_levels - 1)
+
+
+@INIT.register("cg_init", paper=PAPER, norms=("linf", "l2"), ranges={"num_levels": "int [1, inf)"})
+def cg_init(ctx, *, num_levels=None):
     """The clean image (one query; the authors' first query is their start's decode) with the evolution strategy
-    not yet started (``gen`` -1: the perturb block starts it, knowing the c-Glow). The per-sample ES tensors have
-    the image's size D: the c-Glow's top latent (the searched part) first, then its split latents (fixed)."""
+    not yet started (``gen`` -1: the perturb block starts it, knowing the c-Glow). The ES ``mean`` has the
+    image's size D: the c-Glow's top latent (the searched part) first, then its split latents (fixed). ``cov``,
+    ``p_sigma`` and ``p_c`` cover the searched part alone: the top latent of a c-Glow of ``num_levels`` levels
+    (the perturb block's, which the recipe repeats here: a slot's state has one shape from its init on), D /
+    2^(num_levels - 1); None: D (any c-Glow; the part past the top latent unused)."""
     n, d = ctx.problem.n, ctx.problem.x[0].numel()
-    zeros = torch.zeros(n, d, device=ctx.device)
-    return start_state(ctx, ctx.problem.x.clone(), mean=zeros, sigma=torch.zeros(n, device=ctx.device),
-                       cov=torch.ones(n, d, device=ctx.device), p_sigma=zeros.clone(), p_c=zeros.clone(),
-                       gen=torch.full((n,), -1, dtype=torch.long, device=ctx.device))
+    used = d if num_levels is None else top_size(d, int(num_levels))
+    zeros = torch.zeros(n, used, device=ctx.device)
+    return start_state(ctx, ctx.problem.x.clone(), mean=torch.zeros(n, d, device=ctx.device),
+                       sigma=torch.zeros(n, device=ctx.device), cov=torch.ones(n, used, device=ctx.device),
+                       p_sigma=zeros, p_c=zeros.clone(), gen=torch.full((n,), -1, dtype=torch.long, device=ctx.device))
 
 
 def _start(ctx, flow, cond, state, sigma0):
@@ -562,6 +572,11 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
     hp = {"epochs": int(epochs), "views": int(views), "lr": float(lr), "batch": int(batch),
           "max_grad_norm": float(max_grad_norm), "margin": float(margin), "seed": int(seed)}
     hp = stage_one(hp, ctx.problem.norm, "cg_attack", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
+    top = top_size(ctx.problem.x[0].numel(), int(num_levels))
+    if state["cov"].shape[1] < top:  # before the c-Glow is trained
+        raise BenchError(f"cg_attack: the ES state covers {state['cov'].shape[1]} latent values, the c-Glow's top "
+                         f"latent has {top}: give blocks.init (cg_init) the perturb block's num_levels "
+                         f"({num_levels}) or none")
     flow = trained_cglow(ctx, data, arch, hp)
     problem, dev = ctx.problem, ctx.device
     with torch.no_grad():
@@ -579,8 +594,9 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
 
 
 def _searched(t, dim):
-    """The searched part of an ES state tensor: the top latent's ``dim`` values of each row (a view), or the
-    per-sample tensor itself (``sigma``, ``gen``)."""
+    """The searched part of an ES state tensor: the top latent's ``dim`` values of each row (a view; ``cov``,
+    ``p_sigma`` and ``p_c`` have no more when ``cg_init`` knew the levels), or the per-sample tensor itself
+    (``sigma``, ``gen``)."""
     return t[:, :dim] if t.dim() == 2 else t
 
 
