@@ -87,15 +87,31 @@ def test_dct_probes_lie_in_the_low_frequency_band():
 
 
 def test_resize_probes_are_bilinear_upsampling_by_hand():
-    """4 x 4 from 2 x 2 (factor 2), pixel-centre bilinear: corners copy the coarse pixel, (1, 1) mixes with weights
-    3/4 and 1/4 per axis."""
+    """4 x 4 from 2 x 2 (factor 2), pixel-centre bilinear with the coarse image mirrored past its edge pixels (the
+    authors' ``skimage.transform.resize``, order 1, mode ``reflect``): (1, 1) mixes with weights 3/4 and 1/4 per
+    axis, and so do the corners (coarse index -1 reads 1), where clamped edges copied the coarse pixel."""
     shape = (1, 4, 4)
     got = draw_probes("resize", _ctx(1, shape=shape), torch.tensor([0]), shape, "l2", 2.0)[0, 0]
     a = _fresh(1).normal((1, 2, 2), rows=torch.tensor([0]))[0, 0]
-    assert torch.allclose(got[0, 0], a[0, 0]) and torch.allclose(got[3, 3], a[1, 1])
     w = torch.tensor([0.75, 0.25])
     assert torch.allclose(got[1, 1], w @ a @ w, atol=1e-6)
     assert torch.allclose(got[1, 2], w @ a @ w.flip(0), atol=1e-6)
+    assert torch.allclose(got[0, 0], w @ a @ w, atol=1e-6)
+    assert torch.allclose(got[0, 3], w @ a @ w.flip(0), atol=1e-6)
+    assert torch.allclose(got[3, 3], w.flip(0) @ a @ w.flip(0), atol=1e-6)
+    assert not torch.allclose(got[0, 0], a[0, 0], atol=1e-3)
+
+
+@pytest.mark.parametrize("side,factor", [(32, 2.0), (32, 4.0), (32, 3.0), (29, 2.5), (4, 4.0)])
+def test_resize_probes_match_skimage_resize(side, factor):
+    """QEBA-S probes equal the authors' ``transform.resize(p_small.transpose(1, 2, 0), (H, W, 3))`` of the same
+    coarse Gaussian image (skimage's defaults: order 1, mode reflect), outer ring included."""
+    transform = pytest.importorskip("skimage.transform")
+    shape = (3, side, side)
+    got = draw_probes("resize", _ctx(1, shape=shape), torch.tensor([0]), shape, "l2", factor)[0].double().numpy()
+    small = _fresh(1).normal((3, reduced(side, factor), reduced(side, factor)), rows=torch.tensor([0]))[0]
+    ref = transform.resize(small.double().numpy().transpose(1, 2, 0), (side, side, 3)).transpose(2, 0, 1)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
 def test_dct_gradient_estimate_is_the_normal_projected_on_the_subspace():

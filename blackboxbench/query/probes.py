@@ -16,11 +16,14 @@ clips the probes to [0, 1]; the ``hsja`` perturb block picks a generator with it
   ``dct_generator.py`` each channel's coefficient block is a random orthogonal matrix (the Q factor of a Gaussian
   matrix: its columns orthonormalized by Gram-Schmidt here, the rows when the block is wider than tall).
 * ``resize``: QEBA-S: a Gaussian image of ``int(H / factor) x int(W / factor)`` per channel, bilinearly upsampled
-  to ``H x W`` (the authors' ``resize_generator.py`` uses ``skimage.transform.resize``, order 1; this is
-  ``F.interpolate(..., "bilinear", align_corners=False)``, the same pixel-centre mapping, edges clamped).
+  to ``H x W`` as the authors' ``resize_generator.py`` (``skimage.transform.resize``, order 1, its default mode
+  ``reflect``): pixel-centre mapping (output pixel ``i`` reads coarse coordinate ``(i + 1/2) h / H - 1/2``) and,
+  past the outer coarse pixel centres, the coarse image mirrored about its edge pixels (index -1 reads 1, h reads
+  h - 2), so the outer ring of the probe mixes in its neighbour: ``(1, 0)`` of a 2 x 2 image of which only
+  ``(0, 0)`` is 1 gives 0.5625 in every corner of the 4 x 4 probe. (Up to 2026-12-04 this clamped the edges,
+  ``F.interpolate(..., align_corners=False)``, which copies the corner pixel: 1.0 there.)
 """
 import torch
-import torch.nn.functional as F
 
 from ..errors import BenchError
 from .ppba import idct2
@@ -85,9 +88,40 @@ def dct(ctx, owner, shape, norm, factor):
     return idct2(coeff)
 
 
+def upsample_weights(size, n, dtype=torch.float32, device=None):
+    """(size, n) matrix of linear interpolation from ``n`` coarse pixels to ``size`` fine ones: pixel-centre
+    mapping, coarse indices outside ``[0, n)`` mirrored about the edge pixels (skimage's ``reflect`` mode)."""
+    src = (torch.arange(size, dtype=torch.float64) + 0.5) * (n / size) - 0.5
+    lo = torch.floor(src)
+    frac = src - lo
+    lo = lo.long()
+
+    def mirror(i):
+        if n == 1:
+            return torch.zeros_like(i)
+        period = 2 * (n - 1)
+        i = torch.remainder(i, period)
+        return torch.where(i > n - 1, period - i, i)
+
+    rows = torch.arange(size)
+    mat = torch.zeros((size, n), dtype=torch.float64)
+    mat.index_put_((rows, mirror(lo)), 1 - frac, accumulate=True)
+    mat.index_put_((rows, mirror(lo + 1)), frac, accumulate=True)
+    return mat.to(dtype=dtype, device=device)
+
+
+def upsample(small, hw):
+    """(..., h, w) -> (..., H, W): the authors' ``skimage.transform.resize(..., order=1)`` upsampling (see
+    :func:`upsample_weights`)."""
+    h, w = small.shape[-2:]
+    wh = upsample_weights(hw[0], h, small.dtype, small.device)
+    ww = upsample_weights(hw[1], w, small.dtype, small.device)
+    return wh @ small @ ww.T
+
+
 @probe_generator("resize")
 def resize(ctx, owner, shape, norm, factor):
-    """QEBA-S: a low-resolution Gaussian image per channel, bilinearly upsampled."""
+    """QEBA-S: a low-resolution Gaussian image per channel, bilinearly upsampled (edges mirrored, as skimage)."""
     c, h, w = shape
     small = ctx.rng.normal((c, reduced(h, factor), reduced(w, factor)), rows=owner)
-    return F.interpolate(small, size=(h, w), mode="bilinear", align_corners=False)
+    return upsample(small, (h, w))
