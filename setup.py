@@ -23,8 +23,9 @@ setup(
     install_requires=["torch>=2.1", "torchvision", "timm", "numpy", "pyyaml", "scipy", "lpips", "pytorch-msssim", "torchmetrics", "matplotlib",
                       "tqdm", "scikit-learn", "greenlet"],
     extras_require={
-        # -n 2 workers; pycocotools: the detection mAP cross-check; ai-edge-litert: the TFLite targets' tests
-        "test": ["pytest", "pytest-xdist", "pycocotools", "ai-edge-litert"],
+        # -n 2 workers; pycocotools: the detection mAP cross-check; ai-edge-litert: the TFLite targets' tests;
+        # scikit-image: QEBA-S's probe upsampling checked against the authors' skimage.transform.resize
+        "test": ["pytest", "pytest-xdist", "pycocotools", "ai-edge-litert", "scikit-image"],
         "tflite": ["ai-edge-litert"],  # model "tflite": the data root's opaque quantized ImageNet classifiers
         # torchattacks pins an old `requests`: install it with `pip install --no-deps torchattacks`.
         "bench": ["adversarial-robustness-toolbox", "foolbox"],
