@@ -512,7 +512,8 @@ class Runner:
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
                          save_path_every=exp.get("save_path_every", 0), defenses=defenses,
-                         fixed_batch=exp.get("fixed_batch") or 0, lpips=self.session.lpips(exp["lpips_path"], self.device, source), skip=self.fooled_before())
+                         fixed_batch=exp.get("fixed_batch") or 0,
+                         lpips=self.session.lpips(exp["lpips_path"], self.device, source), skip=self.fooled_before())
 
     @property
     def label(self):

@@ -234,7 +234,7 @@ class TransferWorker(WholeBatchWorker):
         rng = run.streams.view(idx)
         logits = forward_logits(self.model, x, "the surrogate")
         correct = logits.argmax(1) == y
-        given = None if run.data.given_target is None else run.data.given_target[idx.cpu()].to(x.device)
+        given = None if run.data.given_target is None else run.data.given_target[idx].to(x.device)
         target = pick_targets(t, logits, y, rng, given)
         # the blocks' copy: the output check, the metrics, the records and the targets' evaluation read x, y, target
         problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes).copy()
@@ -261,9 +261,10 @@ class TransferWorker(WholeBatchWorker):
         x, y = run.data.x[idx].to(dev), run.data.y[idx].to(dev)
         n, every = len(index), run.save_path_every
         parts = [self._craft(idx[r], x[r], y[r]) for r in self._parts(n)]
-        x_adv, correct = (torch.cat([q[k] for q in parts])[:n] for k in (0, 1))
-        target = None if parts[0][2] is None else torch.cat([q[2] for q in parts])[:n]
-        paths = None if parts[0][3] is None else [p for q in parts for p in q[3]][:n]
+        x_adv, correct, target, paths = zip(*parts)  # the padding rows (at the end) dropped
+        x_adv, correct = torch.cat(x_adv)[:n], torch.cat(correct)[:n]
+        target = None if target[0] is None else torch.cat(target)[:n]
+        paths = None if paths[0] is None else [p for part in paths for p in part][:n]
         problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes)
         check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
         metrics = sample_metrics(x_adv, x, run.lpips)
