@@ -104,6 +104,8 @@ def main():
         sur_names, target_names, attacks = SETTINGS[setting]
         attacks = [n for n in attacks + [v for v in VARIANTS if VARIANTS[v][0] in attacks]
                    if a.attacks is None or n in a.attacks]
+        if not attacks:  # --attacks names none of this setting's
+            continue
         surrogates = [build_model(s, root) for s in sur_names]
         targets = {t: build_model(t, root) for t in target_names}
         rows, base = [], None

@@ -227,3 +227,40 @@ def run_stream(seed, device, salt):
     s.key = sample_keys(seed, torch.tensor([(1 << 62) + int(salt)], device=s.device))
     s.counter = torch.zeros(1, dtype=torch.int64, device=s.device)
     return s.view(torch.zeros(1, dtype=torch.long))
+
+
+class RowDraws:
+    """Where a random module inside a model (GhostNet's eroded blocks) takes its numbers. While a worker has bound
+    the streams of the ``n`` samples it attacks (:func:`drawing_from`), a forward of ``m`` rows holds ``m / n``
+    stacked copies of the batch (copy-major) and each copy is one draw of every sample, so that a sample's
+    draws, like every other draw of its attack, depend neither on its batch nor on a padding copy beside it.
+    Unbound, every row is a row of one draw of the run's stream ``rng``."""
+
+    def __init__(self, rng):
+        self.default = self.rng = rng
+
+    def uniform(self, shape, m, dtype=torch.float32):
+        """(m, *shape) uniform [0, 1) values for a forward of ``m`` rows."""
+        if self.rng is self.default:
+            return self.rng.uniform(shape, torch.zeros(m, dtype=torch.long), dtype)
+        n = self.rng.n
+        if m % n:
+            raise BenchError(f"a random module of the model was forwarded {m} rows for {n} samples; it draws "
+                             "per sample, so a forward must hold whole copies of the batch")
+        return torch.cat([self.rng.uniform(shape, dtype=dtype) for _ in range(m // n)])
+
+
+@contextlib.contextmanager
+def drawing_from(model, rng):
+    """Bind every :class:`RowDraws` inside ``model`` (modules with a ``draws`` attribute; None: no model) to the
+    view ``rng`` for the duration of the block; they return to their earlier binding afterwards, even on an
+    error."""
+    found = [] if model is None else (getattr(m, "draws", None) for m in model.modules())
+    before = {id(d): (d, d.rng) for d in found if isinstance(d, RowDraws)}
+    for d, _ in before.values():
+        d.rng = rng
+    try:
+        yield
+    finally:
+        for d, old in before.values():
+            d.rng = old

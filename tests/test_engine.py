@@ -131,11 +131,15 @@ def test_query_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, e
     assert sum(r["success"] for r in runs[0]) >= 6  # the attack did something worth comparing
 
 
-def test_transfer_records_do_not_depend_on_the_batch_size(tmp_path):
+@pytest.mark.parametrize("attack", [
+    {"recipe": "mi_di_ti_fgsm", "hyper": {"iterations": 10}},
+    {"recipe": "ghostnet", "hyper": {"iterations": 6}},  # a fresh ghost per forward, drawn per sample
+    {"recipe": "ghostnet", "hyper": {"iterations": 4, "copies_per_forward": 0},  # 5 scaled copies in one forward
+     "blocks": {"transform": [{"name": "si", "copies": 5}]}}], ids=["mi_di_ti_fgsm", "ghostnet", "ghostnet_si"])
+def test_transfer_records_do_not_depend_on_the_batch_size(tmp_path, attack):
     runs = []
     for bs in (1, 7, 100):
-        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack={"recipe": "mi_di_ti_fgsm",
-                                                                     "hyper": {"iterations": 10}},
+        run_dir, _ = run_experiment(_exp(tmp_path / str(bs), attack=attack,
                                          surrogates=["test_digits_mlp_f64"], targets=["digits_cnn"], batch_size=bs,
                                          threat={"norm": "linf", "eps": 0.2, "targeted": True,
                                                  "target_label": "random"}), progress=False)

@@ -153,7 +153,8 @@ def _transfer_runs(tmp_path, attack, sizes, **kw):
 TRANSFER = {"mi_fgsm": {"recipe": "mi_fgsm", "hyper": {"iterations": 5}},
             "si_fgsm": {"recipe": "si_fgsm", "hyper": {"iterations": 3}},  # 5 scaled copies per step
             "ila": {"recipe": "ila", "hyper": {"iterations": 4}},  # a feature hook and a reference attack
-            "fia": {"recipe": "fia", "hyper": {"iterations": 3}}}  # an aggregate gradient over masked copies
+            "fia": {"recipe": "fia", "hyper": {"iterations": 3}},  # an aggregate gradient over masked copies
+            "ghostnet": {"recipe": "ghostnet", "hyper": {"iterations": 3}}}  # a fresh ghost per forward and sample
 
 
 @pytest.mark.parametrize("name", TRANSFER)

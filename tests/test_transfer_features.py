@@ -22,6 +22,7 @@ from blackboxbench.prep.cifar_resnet import CifarResNet
 from blackboxbench.prep.layers import arch_id, get_layer, per_arch
 from blackboxbench.prep.models import Normalized, arch_name, build_model, input_mean
 from blackboxbench.registry import AUXILIARY, LOSS, REFINE, ParamError, check_params
+from blackboxbench.rng import RowDraws, Streams, drawing_from
 from blackboxbench.transfer.surgery import GhostAdd, GhostDropout, LinBPBlock, SkipGradientAdd, residual_blocks
 
 from attack_utils import build as build_recipe
@@ -306,12 +307,15 @@ def test_iaa_softplus_and_residual_decay_in_closed_form():
         assert torch.allclose(iaa(x), ref, atol=1e-5)
 
 
-def test_ghost_skip_erosion_draws_lambda_per_forward_from_the_run_stream():
-    add = GhostAdd(0.4, refine_ctx(3).rng)
-    lam = torch.tensor([float(add(torch.zeros(1), torch.ones(1))) for _ in range(300)])
+def test_ghost_skip_erosion_draws_lambda_per_forward_and_row():
+    add = GhostAdd(0.4, RowDraws(refine_ctx(3).rng))
+    lam = torch.cat([add(torch.zeros(3, 2), torch.ones(3, 2)) for _ in range(100)])  # unbound: the run's stream
+    assert torch.equal(lam[:, 0], lam[:, 1])  # one lambda per row, broadcast over the row
+    lam = lam[:, 0]
     assert lam.min() >= 0.6 and lam.max() <= 1.4 and lam.max() - lam.min() > 0.7 and abs(lam.mean() - 1) < 0.05
-    again = GhostAdd(0.4, refine_ctx(3).rng)
-    assert torch.equal(lam[:20], torch.tensor([float(again(torch.zeros(1), torch.ones(1))) for _ in range(20)]))
+    assert len(lam[:3].unique()) == 3  # the rows of one forward meet different ghosts
+    again = GhostAdd(0.4, RowDraws(refine_ctx(3).rng))
+    assert torch.equal(lam[:12], torch.cat([again(torch.zeros(3, 2), torch.ones(3, 2)) for _ in range(4)])[:, 0])
     net = small_resnet()
     x = torch.rand(2, 3, 16, 16, generator=gen(13))
     (g0,) = REFINE.get("ghost")(refine_ctx(), [net], r=0.0)
@@ -322,6 +326,30 @@ def test_ghost_skip_erosion_draws_lambda_per_forward_from_the_run_stream():
     assert all(isinstance(b.merge, GhostAdd) for _, b in residual_blocks(g1))
 
 
+def test_ghost_draws_per_sample_while_bound():
+    """Bound to the samples' streams, a sample meets the same ghosts in any batch, beside a padding copy of
+    itself, and in a forward of K stacked copies each copy is one draw; a forward of a partial copy is refused."""
+    net = small_resnet()
+    (g,) = REFINE.get("ghost")(refine_ctx(), [net], r=1.0)
+    x = torch.rand(4, 3, 16, 16, generator=gen(17))
+
+    def forwards(idx, rows, copies=1):
+        with drawing_from(g, Streams(5, 4, "cpu").view(idx)), torch.no_grad():
+            return [g(x[rows].repeat(copies, 1, 1, 1)) for _ in range(3)]
+
+    whole = forwards([0, 1, 2, 3], [0, 1, 2, 3])
+    part = forwards([2, 3, 3], [2, 3, 3])  # a part of a fixed batch: sample 3 padded with a copy of itself
+    for a, b in zip(whole, part):
+        assert torch.allclose(a[2:], b[:2], atol=1e-5) and torch.allclose(b[1], b[2])
+    stacked = forwards([1, 2], [1, 2], copies=2)
+    assert not torch.allclose(stacked[0][:2], stacked[0][2:])  # the second copy meets other ghosts
+    with drawing_from(g, Streams(5, 4, "cpu").view([0, 1])), pytest.raises(BenchError, match="whole copies"):
+        g(x[:3])
+    with drawing_from(g, Streams(5, 4, "cpu").view([0, 1])):
+        pass
+    assert all(b.merge.draws.rng is b.merge.draws.default for _, b in residual_blocks(g))  # unbound again
+
+
 def test_ghost_dropout_erosion_on_a_plain_network():
     cnn = build_model({"name": "digits_cnn", "pretrained": False})
     (ghost,) = REFINE.get("ghost")(refine_ctx(), [cnn], p=0.5)
@@ -330,6 +358,7 @@ def test_ghost_dropout_erosion_on_a_plain_network():
     h = torch.ones(4, 16, 8, 8)
     out = drops[0](h)
     assert set(out.unique().tolist()) <= {0.0, 2.0} and 0.45 < (out == 0).float().mean() < 0.55
+    assert not torch.equal(out[0], out[1])  # a mask per row
 
 
 @pytest.mark.parametrize("block,params", [("sgm", {}), ("linbp", {}), ("iaa", {"decay": [1.0, 0.8, 0.5]}),
@@ -414,8 +443,7 @@ def test_recipe_runs_inside_the_ball_per_sample(name):
     out = run()
     check_output(out, x, 0.05, "linf")
     assert not torch.equal(out, x) and torch.equal(out, run())  # deterministic given the seed
-    if name != "ghostnet":  # GhostNet's draws are the run's, shared by the batch (see its recipe)
-        assert torch.equal(out[3:], run(torch.tensor([3, 4])))
+    assert torch.equal(out[3:], run(torch.tensor([3, 4])))
 
 
 # ------------------------------------------------------------------------------------- real CIFAR models ----

@@ -528,7 +528,7 @@ def test_recipe_on_cifar_resnets_transfers_to_resnet56(name, transfer_run):
 def test_recipe_runs_inside_the_ball_per_sample(name):
     """On small random networks (two for the ensembles; the refinements train on 40 other images): the output is
     on the uint8 grid inside the ball, the same on a rerun, and a sample's result does not depend on its batch
-    (AdaEA's weights and CWA's state are per sample). GhostNet's draws are the run's (see lgv_ghostnet)."""
+    (AdaEA's weights and CWA's state are per sample; GhostNet's ghosts are drawn per sample)."""
     nets = [small_resnet(7), small_resnet(8)] if name in ENSEMBLE else [small_resnet(7)]
     x, y = images(5, 15, size=16)
     atk = build_recipe(name, "linf", False, 0.05, 3)[0]
@@ -542,8 +542,7 @@ def test_recipe_runs_inside_the_ball_per_sample(name):
     out = run()
     check_output(out, x, 0.05, "linf")
     assert not torch.equal(out, x) and torch.equal(out, run())
-    if name != "lgv_ghostnet":
-        assert torch.equal(out[3:], run(torch.tensor([3, 4])))
+    assert torch.equal(out[3:], run(torch.tensor([3, 4])))
 
 
 def test_a_run_that_trains_says_on_what_in_its_leaderboard_row(tmp_path):

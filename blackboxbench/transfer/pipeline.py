@@ -18,7 +18,8 @@ blocks may use to keep per-sample tensors such as momentum):
   ``general_grad`` loops over Admix samples and SI copies and as torchattacks does; on 2 CPU cores it is 25-37 %
   faster at 100 images, 1.4-1.6x slower at 4, see benchmarks/RESULTS.md); 0 forwards all K copies as one batch (fewer, larger calls, which a
   launch-bound GPU may prefer: not measured yet). Both give the same gradient for any surrogate whose rows are
-  independent, not for GhostNet, which draws a ghost per forward.
+  independent; GhostNet's ghosts differ between the two (each forward draws new ones), each run stays
+  reproducible and batch-independent.
 * ``loss(ctx, logits, label, **params) -> (N,)``: per-sample loss that the attack *maximizes*.
 * ``gradient(ctx, grad_fn, x, state, **params) -> grad``: gradient calculation; ``grad_fn(x)`` is the gradient
   of the summed loss of the transformed input, and a listed gradient block wraps the one before it.
@@ -50,7 +51,7 @@ from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, base_record
                       pick_targets, to_uint8)
 from ..prep.inference import fixed_rows
 from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE, block_label
-from ..rng import run_stream
+from ..rng import drawing_from, run_stream
 from ..threat import Problem
 from .compat import check_compatible
 from .refine import active
@@ -172,7 +173,12 @@ class TransferAttack:
 
     def run(self, ctx, on_iterate=None):
         """Craft adversarial images for ``ctx.problem`` on the refined surrogate ``ctx.model``; ``on_iterate(t,
-        x_adv)`` (optional) sees the iterate after each iteration ``t`` (0-based)."""
+        x_adv)`` (optional) sees the iterate after each iteration ``t`` (0-based). A random surrogate (GhostNet)
+        draws from the samples' streams ``ctx.rng`` meanwhile."""
+        with drawing_from(ctx.model, ctx.rng):
+            return self._run(ctx, on_iterate)
+
+    def _run(self, ctx, on_iterate):
         aux = {}
         try:
             for a in self.auxiliaries:
@@ -229,10 +235,15 @@ class TransferWorker(WholeBatchWorker):
 
     def _craft(self, idx, x, y):
         """Clean check and targets on the surrogate, then the attack, for samples ``idx`` (distinct but for a
-        padding copy of the last): (x_adv, clean correct, target or None, attack paths or None)."""
+        padding copy of the last): (x_adv, clean correct, target or None, attack paths or None). A random
+        surrogate (GhostNet) draws from these samples' streams meanwhile."""
+        rng = self.run.streams.view(idx)
+        with drawing_from(self.model, rng):
+            return self._attack(rng, x, y, idx)
+
+    def _attack(self, rng, x, y, idx):
         run, t = self.run, self.threat
-        rng = run.streams.view(idx)
-        logits = forward_logits(self.model, x, "the surrogate")
+        logits = forward_logits(self.model, x, "the surrogate", chunk=max(1, len(x)))
         correct = logits.argmax(1) == y
         given = None if run.data.given_target is None else run.data.given_target[idx].to(x.device)
         target = pick_targets(t, logits, y, rng, given)

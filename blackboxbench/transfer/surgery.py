@@ -18,6 +18,7 @@ from ..errors import BenchError
 from ..prep.cifar_resnet import ResidualAdd
 from ..prep.layers import layer_map, per_arch, unwrap
 from ..registry import REFINE
+from ..rng import RowDraws
 
 
 def residual_blocks(net):
@@ -242,26 +243,30 @@ def iaa(ctx, models, *, beta=25.0, decay=None):
 # ----------------------------------------------------------------------------------------------- GhostNet ----
 
 class GhostAdd(ResidualAdd):
-    """``branch + lambda * skip``, lambda ~ U[1 - r, 1 + r] drawn at every forward from ``rng`` (skip erosion)."""
+    """``branch + lambda * skip``, lambda ~ U[1 - r, 1 + r] drawn at every forward for every row from ``draws``
+    (a :class:`~blackboxbench.rng.RowDraws`; skip erosion)."""
 
-    def __init__(self, r, rng):
+    def __init__(self, r, draws):
         super().__init__()
-        self.r, self.rng = r, rng
+        self.r, self.draws = r, draws
 
     def forward(self, branch, skip):
-        u = self.rng.uniform((1,), dtype=torch.float64)[0, 0]  # a 0-dim tensor: no host sync per forward
-        return branch + (1 - self.r + 2 * self.r * u).to(branch.dtype) * skip
+        m = skip.shape[0]
+        u = self.draws.uniform((), m, torch.float64)
+        lam = (1 - self.r + 2 * self.r * u).to(skip.dtype).view(m, *[1] * (skip.dim() - 1))
+        return branch + lam * skip
 
 
 class GhostDropout(nn.Module):
-    """Inverted dropout with probability ``p``, a fresh mask at every forward from ``rng`` (dropout erosion)."""
+    """Inverted dropout with probability ``p``, a fresh mask at every forward for every row from ``draws``
+    (dropout erosion)."""
 
-    def __init__(self, p, rng):
+    def __init__(self, p, draws):
         super().__init__()
-        self.p, self.rng = p, rng
+        self.p, self.draws = p, draws
 
     def forward(self, x):
-        keep = self.rng.uniform(x.shape).view(x.shape).to(x.device) >= self.p
+        keep = self.draws.uniform(x.shape[1:], x.shape[0]).to(x.device) >= self.p
         return x * keep.to(x.dtype) / (1 - self.p)
 
 
@@ -273,14 +278,16 @@ def ghost(ctx, models, *, r=1.0, p=0.1):
     erosion (inverted dropout with probability ``p`` after every activation, a fresh mask at every forward). So
     each iteration attacks a new ghost (a longitudinal ensemble). Table VII CIFAR-10: r 1 (ResNet-50), p 0.1
     (VGG-19); ``r`` and ``p`` may be per-architecture mappings (:func:`~blackboxbench.prep.layers.per_arch`).
-    The draws come from the run's random stream ``ctx.rng`` (one lambda per block per forward, as the authors,
-    shared by the samples of the forward): unlike the other transfer attacks, a sample's result then depends on
-    the batches before it and on its batch."""
+    Each sample attacks its own ghosts: its lambdas (one per block per forward) and masks come from its own
+    stream while the transfer worker attacks it (:func:`~blackboxbench.rng.drawing_from`), from ``ctx.rng`` (the
+    run's stream) otherwise. The authors draw one lambda per block per forward for the whole batch; per sample,
+    the ghosts an image meets follow the same law, and its result does not depend on its batch."""
     out = _copies(models, "ghost")
     for net in out:
+        draws = RowDraws(ctx.rng)
         blocks = residual_blocks(net)
         for _, b in blocks:
-            b.merge = GhostAdd(per_arch(r, net), ctx.rng)
+            b.merge = GhostAdd(per_arch(r, net), draws)
         if blocks:
             continue
         root = unwrap(net)
@@ -290,5 +297,5 @@ def ghost(ctx, models, *, r=1.0, p=0.1):
             raise BenchError(f"refine 'ghost': the surrogate {_arch(net)} has neither residual blocks nor ReLU "
                              "modules to erode")
         for par, name, c in acts:
-            setattr(par, name, nn.Sequential(c, GhostDropout(per_arch(p, net), ctx.rng)))
+            setattr(par, name, nn.Sequential(c, GhostDropout(per_arch(p, net), draws)))
     return out
