@@ -161,8 +161,10 @@ class StreamView:
         call_key = mix64_(counter.clone())
         call_key.bitwise_xor_(s.key[owner])
         mix64_(call_key)
-        if rows is not None:  # value j of a row is mix64(call_key + (rank * width + 1 + j) * GOLDEN)
-            call_key.add_(rank_within_group(owner).mul_(_signed(width * GOLDEN)))
+        if rows is not None:  # value j of a row is mix64(call_key + (rank * width + 1 + j) * GOLDEN), ranked
+            # among the rows of its local sample, so that a padding copy of a sample (the same stream under
+            # another local row) draws what the sample draws, as without ``rows``
+            call_key.add_(rank_within_group(rows.to(self.idx.device)).mul_(_signed(width * GOLDEN)))
         s.counter.index_put_((owner,), counter)  # repeated owners write the same value
         steps = _steps(width, self.device)
         chunk = max(1, _CHUNK.get(self.device.type, 1 << 62) // width)
@@ -230,24 +232,22 @@ def run_stream(seed, device, salt):
 
 
 class RowDraws:
-    """Where a random module inside a model (GhostNet's eroded blocks) takes its numbers. While a worker has bound
-    the streams of the ``n`` samples it attacks (:func:`drawing_from`), a forward of ``m`` rows holds ``m / n``
-    stacked copies of the batch (copy-major) and each copy is one draw of every sample, so that a sample's
-    draws, like every other draw of its attack, depend neither on its batch nor on a padding copy beside it.
-    Unbound, every row is a row of one draw of the run's stream ``rng``."""
+    """Where a random module inside a model (GhostNet's eroded blocks) takes its numbers: the view ``rng`` of the
+    samples being attacked, which a worker binds for the duration of their attack (:func:`drawing_from`), else the
+    run's stream (one sample). A forward of ``m`` rows holds ``m / n`` stacked copies of the ``n`` samples
+    (copy-major) and draws once, one row per copy, so that a sample's draws, like every other draw of its
+    attack, depend neither on its batch nor on a padding copy beside it."""
 
     def __init__(self, rng):
         self.default = self.rng = rng
 
     def uniform(self, shape, m, dtype=torch.float32):
         """(m, *shape) uniform [0, 1) values for a forward of ``m`` rows."""
-        if self.rng is self.default:
-            return self.rng.uniform(shape, torch.zeros(m, dtype=torch.long), dtype)
         n = self.rng.n
         if m % n:
             raise BenchError(f"a random module of the model was forwarded {m} rows for {n} samples; it draws "
                              "per sample, so a forward must hold whole copies of the batch")
-        return torch.cat([self.rng.uniform(shape, dtype=dtype) for _ in range(m // n)])
+        return self.rng.uniform(shape, torch.arange(n).repeat(m // n), dtype)
 
 
 @contextlib.contextmanager

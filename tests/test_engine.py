@@ -133,9 +133,11 @@ def test_query_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, e
 
 @pytest.mark.parametrize("attack", [
     {"recipe": "mi_di_ti_fgsm", "hyper": {"iterations": 10}},
+    {"recipe": "mi_di_ti_si", "hyper": {"iterations": 3}},  # 5 copies per step, each DI-transformed per row
+    {"recipe": "sia", "hyper": {"iterations": 2}},
     {"recipe": "ghostnet", "hyper": {"iterations": 6}},  # a fresh ghost per forward, drawn per sample
     {"recipe": "ghostnet", "hyper": {"iterations": 4, "copies_per_forward": 0},  # 5 scaled copies in one forward
-     "blocks": {"transform": [{"name": "si", "copies": 5}]}}], ids=["mi_di_ti_fgsm", "ghostnet", "ghostnet_si"])
+     "blocks": {"transform": [{"name": "si", "copies": 5}]}}], ids=["mi_di_ti_fgsm", "mi_di_ti_si", "sia", "ghostnet", "ghostnet_si"])
 def test_transfer_records_do_not_depend_on_the_batch_size(tmp_path, attack):
     runs = []
     for bs in (1, 7, 100):

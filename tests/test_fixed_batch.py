@@ -154,7 +154,10 @@ TRANSFER = {"mi_fgsm": {"recipe": "mi_fgsm", "hyper": {"iterations": 5}},
             "si_fgsm": {"recipe": "si_fgsm", "hyper": {"iterations": 3}},  # 5 scaled copies per step
             "ila": {"recipe": "ila", "hyper": {"iterations": 4}},  # a feature hook and a reference attack
             "fia": {"recipe": "fia", "hyper": {"iterations": 3}},  # an aggregate gradient over masked copies
-            "ghostnet": {"recipe": "ghostnet", "hyper": {"iterations": 3}}}  # a fresh ghost per forward and sample
+            "ghostnet": {"recipe": "ghostnet", "hyper": {"iterations": 3}},
+            "mi_di_ti_si": {"recipe": "mi_di_ti_si", "hyper": {"iterations": 2}},
+            "admix": {"recipe": "admix", "hyper": {"iterations": 2}},
+            "sia": {"recipe": "sia", "hyper": {"iterations": 2}}}  # a fresh ghost per forward and sample
 
 
 @pytest.mark.parametrize("name", TRANSFER)

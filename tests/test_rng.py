@@ -58,6 +58,18 @@ def test_repeated_rows_take_consecutive_parts_of_the_stream():
     assert rank_within_group(rows).tolist() == [0, 0, 1, 2, 1]
 
 
+def test_a_padding_copy_draws_what_its_sample_draws():
+    """A view whose last sample is repeated (a ``fixed_batch`` part padded with a copy of its last sample): with
+    rows for K stacked copies, every row of the original draws what it draws without the padding, and the
+    padding copy the same values."""
+    a, b = Streams(4, 5, "cpu"), Streams(4, 5, "cpu")
+    k = 3
+    padded = a.view(torch.tensor([3, 4, 4])).uniform((2,), rows=torch.arange(3).repeat(k)).view(k, 3, 2)
+    plain = b.view(torch.tensor([3, 4])).uniform((2,), rows=torch.arange(2).repeat(k)).view(k, 2, 2)
+    assert torch.equal(padded[:, :2], plain) and torch.equal(padded[:, 2], padded[:, 1])
+    assert torch.equal(a.counter, b.counter)
+
+
 def test_seeds_and_samples_give_different_streams():
     keys = torch.cat([sample_keys(s, torch.arange(1000)) for s in range(3)])
     assert keys.unique().numel() == 3000
