@@ -94,6 +94,58 @@ def test_fullgrad_leaves_the_model_as_it_was():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_fullgrad_psi_by_hand():
+    """psi as the FullGrad authors' code: abs, one min-max over all channels of the term (not per channel; eps 1e-6
+    on the maximum), bilinear resize with aligned corners (2 x 2 -> 3 x 3: the corners kept, the midpoints the means
+    of their neighbours)."""
+    from blackboxbench.analysis.saliency import _psi
+
+    t = torch.tensor([[[[1.0, -2.0], [3.0, 4.0]], [[0.0, 0.5], [-1.0, 2.0]]]], dtype=torch.float64)
+    ref = torch.tensor([[[1.0, 1.5, 2.0], [2.0, 2.5, 3.0], [3.0, 3.5, 4.0]],
+                        [[0.0, 0.25, 0.5], [0.5, 0.875, 1.25], [1.0, 1.5, 2.0]]], dtype=torch.float64) / (4 + 1e-6)
+    assert torch.allclose(_psi(t, (3, 3))[0], ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(_psi(t, (2, 2))[0], t[0].abs() / (4 + 1e-6))  # at the image size: no resize
+    shifted = _psi(t.abs() + 1.0, (2, 2))[0]  # the minimum over the whole term is subtracted
+    assert float(shifted.min()) == 0.0 and float(shifted[0, 1, 1]) == pytest.approx(1.0, abs=1e-6)
+
+
+def _bilinear_aligned(m, size):
+    """Bilinear resize of a NumPy map (H, W) to ``size`` with the corner pixels aligned, written out."""
+    h, w = m.shape
+    out = np.empty(size)
+    for i in range(size[0]):
+        for j in range(size[1]):
+            u = i * (h - 1) / (size[0] - 1) if size[0] > 1 else 0.0
+            v = j * (w - 1) / (size[1] - 1) if size[1] > 1 else 0.0
+            i0, j0 = min(int(u), h - 2) if h > 1 else 0, min(int(v), w - 2) if w > 1 else 0
+            a, b = u - i0, v - j0
+            i1, j1 = min(i0 + 1, h - 1), min(j0 + 1, w - 1)
+            out[i, j] = ((1 - a) * (1 - b) * m[i0, j0] + (1 - a) * b * m[i0, j1] + a * (1 - b) * m[i1, j0]
+                         + a * b * m[i1, j1])
+    return out
+
+
+def test_fullgrad_map_against_the_authors_recipe_in_numpy():
+    """S_f of eq. I.1 assembled from the full-gradient terms by the FullGrad authors' recipe, written in NumPy:
+    per term and image abs, (t - min) / (max - min + 1e-6) over all its channels, aligned-corner bilinear resize
+    of 4-D maps (the linear layer's left out), channels and terms summed, then min-max for display."""
+    model = small_net()
+    x = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+    y = torch.tensor([1, 4])
+    _, inp, biases = full_gradients(model, x, y, "label")
+    ref = []
+    for k in range(2):
+        total = np.zeros((8, 8))
+        for term in [inp] + [b for b in biases if b.dim() == 4]:
+            a = np.abs(term[k].double().numpy())
+            a = a - a.min()
+            a = a / (a.max() + 1e-6)
+            total += sum(_bilinear_aligned(c, (8, 8)) for c in a)
+        ref.append((total - total.min()) / (total.max() - total.min()))
+    got = fullgrad_map(model, x, y, "label").double().numpy()
+    assert np.allclose(got, np.stack(ref), atol=1e-5)
+
+
 class Linear(nn.Module):
     def __init__(self, w, b):
         super().__init__()

@@ -141,20 +141,27 @@ def full_gradients(model, x, y, score="label"):
     return f.detach(), (x.grad * x).detach(), [(t.grad * shape(b, t)).detach() for t, b in sites if t.grad is not None]
 
 
+PSI_EPS = 1e-6  # added to the maximum before dividing, as the FullGrad authors' post-processing
+
+
 def _psi(t, size):
-    """FullGrad's post-processing of a map (N, C, H, W): absolute value, min-max rescaling of each channel's map,
-    bilinear resize to the image size."""
+    """FullGrad's post-processing psi of one term (N, C, H, W), as the FullGrad authors' code (idiap/fullgrad-saliency,
+    ``FullGrad._postProcess`` then ``F.interpolate``): absolute value; min-max rescaling over the whole term of each
+    image (all its channels together, so a channel keeps its size relative to the layer's others: (t - min) /
+    (max - min + 1e-6)); bilinear resize to the image size with the corner pixels aligned (``align_corners=True``).
+    The channels are summed by the caller."""
     t = t.abs()
-    flat = t.flatten(2)
-    lo, hi = flat.amin(2, keepdim=True), flat.amax(2, keepdim=True)
-    t = ((flat - lo) / (hi - lo).clamp_min(1e-12)).view_as(t)
-    return F.interpolate(t, size=size, mode="bilinear", align_corners=False) if t.shape[-2:] != size else t
+    flat = t.flatten(1)
+    flat = flat - flat.amin(1, keepdim=True)
+    t = (flat / (flat.amax(1, keepdim=True) + PSI_EPS)).view_as(t)
+    return F.interpolate(t, size=size, mode="bilinear", align_corners=True) if t.shape[-2:] != size else t
 
 
 def fullgrad_map(model, x, y, score="label"):
-    """S_f(x) of eq. I.1, (N, H, W): psi of the input term plus psi of every bias term, summed over channels and
-    layers (maps of fewer than 2 spatial dimensions, e.g. a linear layer's, carry no spatial information and are
-    left out, as in the FullGrad authors' code), then rescaled to [0, 1] per image for display."""
+    """S_f(x) of eq. I.1, (N, H, W): psi of the input term plus psi of every bias term (:func:`_psi`: rescaled per
+    layer, as the FullGrad authors' code), summed over channels and layers (maps of fewer than 2 spatial
+    dimensions, e.g. a linear layer's, carry no spatial information and are left out, as in the FullGrad authors'
+    code), then rescaled to [0, 1] per image for display (as their ``save_saliency_map``)."""
     _, inp, biases = full_gradients(model, x, y, score)
     size = tuple(x.shape[-2:])
     s = _psi(inp, size).sum(1)
