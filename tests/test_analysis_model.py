@@ -215,16 +215,37 @@ def test_dbviz_plane_passes_through_its_images():
     x = torch.rand(3, 1, 5, 5, generator=g)
     inputs = Inputs(model, "lin", x, torch.tensor([0, 1, 2]), [0, 1, 2])
     _, rows, arrays, _ = dbviz(inputs, resolution=61, margin=0.1)
-    labels, t = arrays["labels"][0], arrays["axis"]
+    labels, t = arrays["labels"][0], arrays["axis_p"]
     with torch.no_grad():
         pred = model(x).argmax(1).tolist()
+    (c, one) = arrays["marks"][0][2]
+    assert 0 < c < 1 and np.array_equal(arrays["axis_b"][0], t)  # x3 between x1 and x2 along v1: the box is [0, 1]^2
     assert t[5] == pytest.approx(0.0, abs=1e-6) and t[55] == pytest.approx(1.0)
     assert labels[5, 5] == pred[0] and labels[55, 5] == pred[1]
-    (c, one) = arrays["marks"][0][2]
     v1, v2 = x[1] - x[0], x[2] - x[0]
     assert one == 1.0 and torch.allclose(x[0] + c * v1 + (v2 - c * v1), x[2])
     assert rows[0][4] == len(np.unique(labels))
     assert rows[0][5:] == pytest.approx([float((labels == k).mean()) for k in (0, 1, 2)])
+
+
+def test_dbviz_plane_covers_a_third_image_beyond_the_second():
+    """dbViz's plane_dataset spans the three images' bounding box (widened by the margin times its side): with x3
+    projecting 5 x (x2 - x1) along v1, b runs from -0.5 to 5.5 and the grid point (5, 1) is x3."""
+    g = torch.Generator().manual_seed(8)
+    model = Linear(torch.randn(4, 1, 5, 5, generator=g), torch.zeros(4))
+    x1, e, f = torch.rand(1, 5, 5, generator=g), torch.randn(1, 5, 5, generator=g), torch.randn(1, 5, 5, generator=g)
+    f = f - (f * e).sum() / (e * e).sum() * e  # orthogonal to e
+    x = torch.stack([x1, x1 + 0.1 * e, x1 + 0.5 * e + 0.1 * f])
+    inputs = Inputs(model, "lin", x, torch.tensor([0, 1, 2]), [0, 1, 2])
+    _, _, arrays, _ = dbviz(inputs, resolution=61, margin=0.1)
+    (c, one), tb, tp = arrays["marks"][0][2], arrays["axis_b"][0], arrays["axis_p"]
+    assert c == pytest.approx(5.0, rel=1e-4) and one == 1.0
+    assert tb[0] == pytest.approx(-0.5, abs=1e-4) and tb[-1] == pytest.approx(5.5, abs=1e-4)
+    assert tb[55] == pytest.approx(5.0, abs=1e-4) and tb[15] == pytest.approx(1.0, abs=1e-4)
+    with torch.no_grad():
+        pred = model(x).argmax(1).tolist()
+    labels = arrays["labels"][0]
+    assert [labels[5, 5], labels[15, 5], labels[55, 55]] == pred
 
 
 @pytest.fixture(scope="module")

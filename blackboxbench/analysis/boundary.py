@@ -101,20 +101,26 @@ def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
                            "classes_shown": "int [1, 20]"})
 def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
     """The predicted class on the plane through three images x1, x2, x3 (consecutive in the selection): points
-    x1 + b v1 + p (v2 - proj_v1 v2), v1 = x2 - x1, v2 = x3 - x1, b and p from -``margin`` to 1 + ``margin`` on a
-    ``resolution`` x ``resolution`` grid (dbViz's plane; no clipping). The figure colours the ``classes_shown``
-    most frequent classes of the plane (the paper shows the top 10) and marks the three images. The table gives,
-    per plane, the number of distinct classes and the share of the plane each image's own label holds."""
+    x1 + b v1 + p (v2 - proj_v1 v2), v1 = x2 - x1, v2 = x3 - x1 (the images at (b, p) = (0, 0), (1, 0), (c, 1), c =
+    <v1, v2> / <v1, v1>), on a ``resolution`` x ``resolution`` grid over the three images' bounding box widened by
+    ``margin`` times its side on each side, as dbViz's ``plane_dataset`` (range_l = range_r = ``margin``): b from
+    min(0, c) - ``margin`` L to max(1, c) + ``margin`` L, L = max(1, c) - min(0, c), p from -``margin`` to 1 +
+    ``margin`` (no clipping). The figure colours the ``classes_shown`` most frequent classes of the plane (the
+    paper shows the top 10) and marks the three images. The table gives, per plane, the number of distinct classes
+    and the share of the plane each image's own label holds."""
     if len(inputs.x) < 3 * planes:
         raise BenchError(f"dbviz needs 3 images per plane: {planes} plane(s), {len(inputs.x)} image(s) given")
-    t = torch.linspace(-margin, 1 + margin, resolution, device=inputs.x.device)
-    b, p = torch.meshgrid(t, t, indexing="ij")
-    grids, marks, header, rows = [], [], ["plane", "index_1", "index_2", "index_3", "n_classes", "share_1",
-                                          "share_2", "share_3"], []
+    t = torch.linspace(-margin, 1 + margin, resolution, device=inputs.x.device)  # p: the images at 0, 0 and 1
+    grids, marks, axes_b, header, rows = [], [], [], ["plane", "index_1", "index_2", "index_3", "n_classes",
+                                                      "share_1", "share_2", "share_3"], []
     for q in range(planes):
         x1, x2, x3 = inputs.x[3 * q:3 * q + 3]
         v1, v2 = x2 - x1, x3 - x1
         c = float((v1 * v2).sum() / (v1 * v1).sum().clamp_min(1e-12))
+        lo, hi = min(0.0, c), max(1.0, c)  # b: the images at 0, 1 and c
+        tb = torch.linspace(lo - margin * (hi - lo), hi + margin * (hi - lo), resolution, device=inputs.x.device)
+        axes_b.append(tb.cpu().numpy())
+        b, p = torch.meshgrid(tb, t, indexing="ij")
         pts = x1 + b.reshape(-1, 1, 1, 1) * v1 + p.reshape(-1, 1, 1, 1) * (v2 - c * v1)
         labels = forward_logits(inputs.model, pts, inputs.model_name).argmax(1)
         labels = labels.view(resolution, resolution).cpu().numpy()
@@ -123,8 +129,8 @@ def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
         own = [int(v) for v in inputs.y[3 * q:3 * q + 3]]
         rows.append([q, *inputs.index[3 * q:3 * q + 3], int(len(np.unique(labels))),
                      *[float((labels == k).mean()) for k in own]])
-    arrays = {"labels": np.stack(grids), "axis": t.cpu().numpy(), "marks": np.array(marks),
-              "index": np.array(inputs.index[:3 * planes])}
+    arrays = {"labels": np.stack(grids), "axis_b": np.stack(axes_b), "axis_p": t.cpu().numpy(),
+              "marks": np.array(marks), "index": np.array(inputs.index[:3 * planes])}
 
     def panel(ax, q):
         import matplotlib
@@ -136,9 +142,9 @@ def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
             shown[grids[q] == k] = rank
         colors = matplotlib.colormaps["tab10" if len(top) <= 10 else "tab20"].colors[:len(top)] + ((0.8, 0.8, 0.8),)
         cmap = matplotlib.colors.ListedColormap(colors)
-        ext = (t[0].item(), t[-1].item(), t[0].item(), t[-1].item())
+        ext = (float(axes_b[q][0]), float(axes_b[q][-1]), t[0].item(), t[-1].item())
         ax.imshow(shown.T, origin="lower", extent=ext, cmap=cmap, vmin=-0.5, vmax=len(top) + 0.5,
-                  interpolation="nearest")
+                  interpolation="nearest", aspect="auto")
         for (u, w), lab in zip(marks[q], inputs.y[3 * q:3 * q + 3].tolist()):
             ax.plot([u], [w], "k^", ms=7)
             ax.annotate(str(lab), (u, w), textcoords="offset points", xytext=(4, 4), fontsize=8)
