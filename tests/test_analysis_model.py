@@ -21,7 +21,7 @@ from blackboxbench.config import load_config, load_yaml
 from blackboxbench.errors import BenchError
 from blackboxbench.prep.cifar_resnet import CifarResNet
 from blackboxbench.prep.models import Normalized
-from blackboxbench.registry import ANALYSIS
+from blackboxbench.registry import ANALYSIS, ParamError
 from blackboxbench.runner import run_experiment
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -200,6 +200,18 @@ def test_decision_surface_of_a_two_class_linear_model():
     assert torch.allclose(beta.flatten(1).norm(dim=1), torch.ones(3), atol=1e-5)
     # a sample's direction depends on (seed, index), not on the other images selected with it
     assert torch.equal(random_directions(7, [9], alpha[1:2]), beta[1:2])
+
+
+def test_decision_surface_needs_an_odd_grid():
+    """With an even number of steps the clean image is no grid point: the ray along +alpha starts half a cell
+    out (a boundary nearer than that read as none) and the one along -beta is read at the wrong distances."""
+    g = torch.Generator().manual_seed(4)
+    model = Linear(torch.randn(2, 1, 4, 4, generator=g), torch.tensor([0.3, -0.2]))
+    x = torch.rand(2, 1, 4, 4, generator=g)
+    inputs = Inputs(model, "lin", x, torch.tensor([0, 1]), [0, 1], x_adv=x + 0.1, seed=7)
+    with pytest.raises(ParamError, match="steps: must be odd"):
+        decision_surface(inputs, steps=8)
+    assert decision_surface(inputs, steps=9)[2]["surface"].shape == (2, 9, 9)
 
 
 def test_first_crossing():

@@ -12,7 +12,7 @@ import torch
 from ..errors import BenchError
 from ..family import forward_logits
 from ..plotting import figure, grid_figure
-from ..registry import ANALYSIS
+from ..registry import ANALYSIS, ParamError
 from ..rng import Streams
 from ..threat import flat_norm, margin_loss, per_sample
 
@@ -50,13 +50,15 @@ def first_crossing(values, steps):
 @ANALYSIS.register("decision_surface", inputs="model", paper="BlackboxBench Supp. I, eqs. I.11-I.12 (DBV-A)",
                    ranges={"steps": "int [3, 401]", "scale": "(0, inf)", "max_images": "int [1, 64]"})
 def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
-    """V(i, j) = S(o + i alpha + j beta) (eq. I.11) on a ``steps`` x ``steps`` grid, i and j from -R to R in L2
-    units, R = ``scale`` x ||x_adv - o||_2 per image: o the clean image, alpha the unit direction of the run's
-    adversarial perturbation, beta a unit random direction orthogonal to it (from the image's stream). Points are
+    """V(i, j) = S(o + i alpha + j beta) (eq. I.11) on a ``steps`` x ``steps`` grid (``steps`` odd: o at its
+    centre), i and j from -R to R in L2 units, R = ``scale`` x ||x_adv - o||_2 per image: o the clean image, alpha
+    the unit direction of the run's adversarial perturbation, beta a unit random direction orthogonal to it (from the image's stream). Points are
     not clipped to [0, 1] (eq. I.11 has no clip). The table gives each image's distance to the boundary (S = 0)
     along +alpha and along the nearer of +-beta, to the grid's resolution."""
     if inputs.x_adv is None:
         raise BenchError("decision_surface needs the run's adversarial images: give a run saved with save_adv: true")
+    if steps % 2 == 0:  # else the clean image o is no grid point: no centre, and the rays start half a cell out
+        raise ParamError("steps", f"must be odd, so that the clean image is the grid's centre point; got {steps}")
     x, y = inputs.x[:max_images], inputs.y[:max_images]
     alpha, size = unit(inputs.x_adv[:max_images] - x)
     if bool((size == 0).any()):
