@@ -254,6 +254,7 @@ def test_dbviz_plane_covers_a_third_image_beyond_the_second():
     assert c == pytest.approx(5.0, rel=1e-4) and one == 1.0
     assert tb[0] == pytest.approx(-0.5, abs=1e-4) and tb[-1] == pytest.approx(5.5, abs=1e-4)
     assert tb[55] == pytest.approx(5.0, abs=1e-4) and tb[15] == pytest.approx(1.0, abs=1e-4)
+    assert tp[5] == pytest.approx(0.0, abs=1e-6) and tp[55] == pytest.approx(1.0)
     with torch.no_grad():
         pred = model(x).argmax(1).tolist()
     labels = arrays["labels"][0]
