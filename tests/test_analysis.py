@@ -4,6 +4,7 @@ leaderboard CSV, every registered tool and every catalog recipe writing a PNG an
 one end-to-end plot of real runs."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -190,6 +191,69 @@ def test_heatmap_gray_cells_and_average(results, tmp_path):
     assert math.isclose(got["r20"]["average"], 0.8) and math.isclose(got["r32"]["average"], 0.4)
     _, table, _, _ = run_recipe("aev_heatmap", results, tmp_path / "all")  # query runs too: no surrogate, no row
     assert [r["surrogates \\ target_model"] for r in read_csv(table)] == ["r20", "r32"]
+
+
+# a hand-made leaderboard of transfer ASRs: models ra, rb of family R and va of family V; (rb, rb) has two runs
+FAMILY_ROWS = [{"surrogates": s, "target_model": t, "asr": a, "label": f"atk_{s}"}
+               for s, t, a in [("ra", "ra", 1.0), ("ra", "rb", 0.6), ("ra", "va", 0.2), ("rb", "ra", 0.8),
+                               ("rb", "rb", 1.0), ("rb", "rb", 0.9), ("rb", "va", 0.3), ("va", "ra", 0.1),
+                               ("va", "va", 0.9)]]
+
+
+def test_heatmap_averaged_per_model_family():
+    """Figs. 14 and 33, second row: the mean of each (surrogate family, target family) block of the ASR matrix,
+    by hand. The cells, each the mean of its runs: ra: 1.0 0.6 0.2 / rb: 0.8 0.95 0.3 / va: 0.1 - 0.9."""
+    heat = ANALYSIS.get("aev_heatmap")
+    fam = {"ra": "R", "rb": "R", "va": "V"}
+    header, body, _ = heat(FAMILY_ROWS, x="target_model", y="asr", hue="surrogates", families=fam)
+    assert header == ["surrogates \\ target_model, averaged per family", "R", "V", "average"]
+    want = {"R": [(1.0 + 0.6 + 0.8 + 0.95) / 4, (0.2 + 0.3) / 2], "V": [0.1, 0.9]}  # cells, not runs: R-R not 0.86
+    for line in body:
+        assert line[1:] == pytest.approx(want[line[0]] + [np.mean(want[line[0]])])
+    assert [line[0] for line in body] == ["R", "V"]
+    _, body, _ = heat(FAMILY_ROWS, x="target_model", y="asr", hue="surrogates", families=fam, self_pairs=False,
+                      average=False)
+    assert body == [["R", pytest.approx((0.6 + 0.8) / 2), pytest.approx(0.25)], ["V", pytest.approx(0.1), None]]
+    _, body, _ = heat(FAMILY_ROWS, x="target_model", y="asr", hue="surrogates", families={"va": "V"},
+                      average=False)  # a value the mapping leaves out stays a group of its own
+    assert [line[0] for line in body] == ["ra", "rb", "V"] and body[2][1:] == [0.1, None, 0.9]
+
+
+def test_heatmap_rows_averaged_per_column_family():
+    """``families`` naming a column (an attack's category): the attacks' rows averaged per category, columns kept."""
+    rows = [{**r, "category": "gradient" if r["surrogates"] in ("ra", "rb") else "input"} for r in FAMILY_ROWS]
+    header, body, _ = ANALYSIS.get("aev_heatmap")(rows, x="target_model", y="asr", hue="label", families="category",
+                                                  average=False)
+    assert header[1:] == ["ra", "rb", "va"]
+    assert body == [["gradient", pytest.approx(0.9), pytest.approx((0.6 + 0.95) / 2), pytest.approx(0.25)],
+                    ["input", pytest.approx(0.1), None, pytest.approx(0.9)]]
+    rows[0]["category"] = "other"
+    with pytest.raises(BenchError, match="families: the runs of label 'atk_ra' have several values in column "
+                                         "'category' .gradient, other."):
+        ANALYSIS.get("aev_heatmap")(rows, x="target_model", y="asr", hue="label", families="category")
+
+
+@pytest.mark.parametrize("families,message", [
+    ({"ra": "R", "rc": "R"}, "families: 'rc' is no value of surrogates or target_model in these results"),
+    (["ra", "rb"], "families: expected a mapping {value of surrogates or target_model: family name}"),
+    ({"ra": 3}, "families: expected a mapping"),
+    ({}, "families: expected a mapping"),
+    ("categry", "no column 'categry' in the results"),
+])
+def test_heatmap_families_errors(families, message):
+    with pytest.raises(BenchError, match=re.escape(message)):
+        ANALYSIS.get("aev_heatmap")(FAMILY_ROWS, x="target_model", y="asr", hue="surrogates", families=families)
+
+
+def test_heatmap_families_from_the_command_line(tmp_path):
+    board = tmp_path / "board.csv"
+    keys = ["surrogates", "target_model", "asr", "label"]
+    board.write_text("\n".join([",".join(keys)] + [",".join(str(r[k]) for k in keys) for r in FAMILY_ROWS]) + "\n")
+    assert main(["plot", str(board), "-r", "aev_heatmap", "--param", "families={ra: R, rb: R, va: V}",
+                 "-o", str(tmp_path / "fam.png")]) == 0
+    got = {r["surrogates \\ target_model, averaged per family"]: r for r in read_csv(tmp_path / "fam.csv")}
+    assert got["V"]["R"] == pytest.approx(0.1) and got["R"]["average"] == pytest.approx((0.8375 + 0.25) / 2)
+    assert (tmp_path / "fam.png").read_bytes()[:8] == PNG
 
 
 @pytest.mark.parametrize("args,message", [

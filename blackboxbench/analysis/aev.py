@@ -22,8 +22,8 @@ from pathlib import Path
 
 from ..errors import BenchError
 from ..leaderboard import collect, is_number, label
-from ..plotting import error_bars, figure, heatmap, read_csv
-from ..registry import ANALYSIS, close_matches
+from ..plotting import error_bars, figure, heatmap, matrix_panel, read_csv
+from ..registry import ANALYSIS, ParamError, close_matches
 
 AGGREGATE_HEADER = ("mean", "std", "n", "low", "high")
 
@@ -182,23 +182,96 @@ def aev_bar(rows, *, x, y, hue=""):
     return (*_aggregate_table(table, x, hue), _figure(axes, x, y, hue))
 
 
+def _family_groups(rows, families, hue, x, rl, cl):
+    """``(row families, column families)``: each matrix row's and column's group under ``families`` (see
+    :func:`aev_heatmap`); a value without a family is a group of its own."""
+    if isinstance(families, str):
+        need(rows, families)
+        named = {}
+        for r in rows:
+            if r.get(hue) is not None and r.get(families) is not None:
+                named.setdefault(key(r[hue]), set()).add(key(r[families]))
+        split = {h: sorted(map(str, f)) for h, f in named.items() if len(f) > 1}
+        if split:
+            h, f = next(iter(split.items()))
+            raise ParamError("families", f"the runs of {hue} {h!r} have several values in column '{families}' "
+                                         f"({', '.join(f)}): a row of the matrix needs one family")
+        return [next(iter(named[h])) if h in named else h for h in rl], list(cl)
+    if not isinstance(families, dict) or not families or not all(isinstance(f, str) and f for f in families.values()):
+        raise ParamError("families", f"expected a mapping {{value of {hue} or {x}: family name}} or the name of a "
+                                     f"column of the results, got {families!r}")
+    named = {str(k): f for k, f in families.items()}
+    unknown = [k for k in named if k not in {str(v) for v in (*rl, *cl)}]
+    if unknown:
+        raise ParamError("families", f"{unknown[0]!r} is no value of {hue} or {x} in these results"
+                                     f"{close_matches(unknown[0], [str(v) for v in (*rl, *cl)])}")
+    return [named.get(str(v), v) for v in rl], [named.get(str(v), v) for v in cl]
+
+
+def family_matrix(m, rl, cl, rf, cf, self_pairs=True):
+    """``(row families, column families, matrix)``: the mean of the present (non-NaN) cells of ``m`` (rows ``rl``,
+    columns ``cl``) over each block (row family, column family), the families in order of first appearance along
+    ``rf`` / ``cf`` (each row's and column's family); ``self_pairs`` false leaves out the cells whose row and column
+    values are equal (a model with itself). A block without a present cell is NaN."""
+    fr, fc = list(dict.fromkeys(rf)), list(dict.fromkeys(cf))
+    out = [[math.nan] * len(fc) for _ in fr]
+    for a, ga in enumerate(fr):
+        for b, gb in enumerate(fc):
+            vals = [m[i][j] for i in range(len(rl)) for j in range(len(cl)) if rf[i] == ga and cf[j] == gb
+                    and not math.isnan(m[i][j]) and (self_pairs or str(rl[i]) != str(cl[j]))]
+            out[a][b] = statistics.fmean(vals) if vals else math.nan
+    return fr, fc, out
+
+
+def _with_average(m, cl, average):
+    if not average:
+        return m, cl
+    mean = [statistics.fmean(v) if (v := [c for c in line if not math.isnan(c)]) else math.nan for line in m]
+    return [line + [a] for line, a in zip(m, mean)], cl + ["average"]
+
+
 @ANALYSIS.register("aev_heatmap", paper="BlackboxBench Tab. III (AEV, heatmap); Figs. 7, 14, 25, 26, 33")
-def aev_heatmap(rows, *, x, y, hue, average=True):
+def aev_heatmap(rows, *, x, y, hue, average=True, families=None, self_pairs=True):
     """Mean of ``y`` with rows ``hue`` and columns ``x`` (e.g. transfer ASR, surrogate x target); a missing
     combination is a gray cell; ``average`` adds a column with each row's mean over its present cells (Fig. 7).
-    Rows without a ``hue`` value (a query run has no surrogates) make no heatmap row."""
+    Rows without a ``hue`` value (a query run has no surrogates) make no heatmap row.
+
+    ``families`` averages the matrix over groups, as the second row of Figs. 14 and 33 does. The paper groups
+    models, not attacks: its 12 surrogates and 12 targets are three variants of each of four architecture families
+    (ResNet, ConvNeXt, ViT, Swin), and each entry of its 4 x 4 matrix averages the ASRs of one block (surrogate
+    family, target family). ``families`` is a mapping {value: family name} applied to the row (``hue``) and column
+    (``x``) values alike, as Fig. 14 (a value it does not name stays a group of its own, so a mapping of attack
+    labels groups the rows only; a name that is no row or column value is an error); or the name of a column of the
+    results holding each row's family, rows only (e.g. ``category``, the recipes' taxonomy of the attacks, with
+    ``hue: label``). A family cell is the mean of the block's present cells, each of them already the mean of its
+    runs, so every member counts once; ``self_pairs: false`` leaves out the cells whose row and column values are
+    equal (a model attacked through itself, white-box; ``adm`` leaves them out of its AD blocks, where they are 0
+    by definition). The paper says only that it averages the block's entries: by default they all count. The table
+    is then the family matrix; the figure shows the member matrix and the family matrix side by side."""
     need(rows, hue)
     table = aggregate([r for r in rows if r.get(hue) is not None], x, y, hue)
     rl, cl = order([r["hue"] for r in table]), order([r["x"] for r in table])
     m = [[math.nan] * len(cl) for _ in rl]
     for r in table:
         m[rl.index(r["hue"])][cl.index(r["x"])] = r["mean"]
-    if average:
-        m = [line + [statistics.fmean([v for v in line if not math.isnan(v)])] for line in m]
-        cl = cl + ["average"]
-    header = [f"{hue} \\ {x}", *cl]
-    body = [[h] + [None if math.isnan(v) else v for v in line] for h, line in zip(rl, m)]
-    return header, body, lambda path, title: heatmap(path, [str(v) for v in rl], [str(v) for v in cl], m, title)
+    panels = [(rl, *_with_average(m, cl, average), f"{hue} \\ {x}")]
+    if families is not None:
+        fr, fc, fm = family_matrix(m, rl, cl, *_family_groups(rows, families, hue, x, rl, cl), self_pairs)
+        panels.append((fr, *_with_average(fm, fc, average), f"{hue} \\ {x}, averaged per family"))
+    rl, mat, cl, corner = panels[-1]
+    header = [corner, *cl]
+    body = [[h] + [None if math.isnan(v) else v for v in line] for h, line in zip(rl, mat)]
+    if len(panels) == 1:
+        return header, body, lambda path, title: heatmap(path, [str(v) for v in rl], [str(v) for v in cl], mat, title)
+
+    def draw(path, title):
+        width = sum(0.3 + 0.07 * max(len(str(v)) for v in r) + 1.1 * len(c) + 1.0 for r, _, c, _ in panels)
+        with figure(path, (width, 1.4 + 0.45 * len(panels[0][0])), 1, 2) as (fig, axes):
+            for ax, (r, mt, c, what) in zip(axes[0], panels):
+                matrix_panel(fig, ax, [str(v) for v in r], [str(v) for v in c], mt, f"{title}: {what}")
+        return path
+
+    return header, body, draw
 
 
 def _points(rows, columns):
