@@ -304,16 +304,120 @@ def test_path_tsne_embeds_every_snapshot(saved_run):
     from blackboxbench.analysis.boundary import path_tsne
 
     inputs = load_inputs(run=saved_run[0], n=3)
-    _, rows, arrays, _ = path_tsne(inputs, max_images=3)
     steps = [s for i in inputs.index for s in inputs.paths[i][0].tolist()]
-    assert [r[2] for r in rows] == steps and arrays["embedding"].shape == (len(steps), 2)
-    assert [r[0] for r in rows if r[2] == 0] == inputs.index  # each path starts at its clean image
-    again = path_tsne(inputs, max_images=3)[2]["embedding"]
-    assert np.array_equal(again, arrays["embedding"])  # seeded by the run's seed
+    for layout in ("per_path", "joint"):
+        _, rows, arrays, _ = path_tsne(inputs, max_images=3, layout=layout)
+        assert [r[2] for r in rows] == steps and arrays["embedding"].shape == (len(steps), 2)
+        assert [r[0] for r in rows if r[2] == 0] == inputs.index  # each path starts at its clean image
+        again = path_tsne(inputs, max_images=3, layout=layout)[2]["embedding"]
+        assert np.array_equal(again, arrays["embedding"])  # seeded by the run's seed
     short = Inputs(inputs.model, "m", inputs.x[:1], inputs.y[:1], inputs.index[:1],
                    paths={inputs.index[0]: (np.array([0, 3]), inputs.paths[inputs.index[0]][1][:2])})
-    with pytest.raises(BenchError, match="path_tsne needs at least 4 snapshots"):
-        path_tsne(short)
+    for layout in ("per_path", "joint"):
+        with pytest.raises(BenchError, match="path_tsne needs at least 4 snapshots"):
+            path_tsne(short, layout=layout)
+
+
+def test_path_tsne_one_panel_per_path(saved_run, monkeypatch, tmp_path):
+    """Fig. 11's layout (the default): each path embedded on its own, in its own panel: a path's coordinates are
+    those of that path embedded alone, whatever the other paths; the joint layout embeds them together, one panel."""
+    import blackboxbench.analysis.boundary as boundary
+
+    inputs = load_inputs(run=saved_run[0], n=3)
+    _, _, per, draw = boundary.path_tsne(inputs, max_images=3)
+    _, _, joint, draw_joint = boundary.path_tsne(inputs, max_images=3, layout="joint")
+    assert per["panel"].tolist() == [inputs.index.index(i) for i in per["owner"]] and set(joint["panel"]) == {0}
+    for k, i in enumerate(inputs.index):
+        alone = Inputs(inputs.model, "m", inputs.x[k:k + 1], inputs.y[k:k + 1], [i], seed=inputs.seed,
+                       paths={i: inputs.paths[i]})
+        own = boundary.path_tsne(alone, layout="joint")[2]["embedding"]
+        assert np.array_equal(per["embedding"][per["owner"] == i], own)
+    assert not np.allclose(joint["embedding"][joint["owner"] == inputs.index[0]],
+                           per["embedding"][per["owner"] == inputs.index[0]])
+    drawn = []
+    monkeypatch.setattr(boundary, "grid_figure", lambda path, title, panels, fn, cols: drawn.append(list(panels)))
+    draw(tmp_path / "p.png", "t")
+    assert drawn == [inputs.index]  # one panel per path
+    assert draw_joint(tmp_path / "j.png", "t").read_bytes()[:8] == PNG and len(drawn) == 1
+
+
+class _Brightness(nn.Module):
+    """Three class scores from an image's mean brightness m (one channel): 0.5 - m, m - 0.5, 6 (m - 0.8) (a 1 x 1
+    convolution, then the mean): class 0 below m = 0.5, class 1 above, class 2 above m = 0.9 (m = 0.902 here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 1)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.tensor([-1.0, 1.0, 6.0]).view(3, 1, 1, 1))
+            self.conv.bias.copy_(torch.tensor([0.5, -0.5, -4.8]))
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3))
+
+
+def _brightness_path(levels):
+    """A path of 4 x 4 gray images of the given uint8 levels, steps 0, 2, 4, ..."""
+    return np.arange(len(levels)) * 2, np.stack([np.full((1, 4, 4), v, np.uint8) for v in levels])
+
+
+def test_fullgrad_path_ends_at_the_first_success():
+    """Figs. 28-29: a successful transfer path runs to its first successful snapshot; Figs. 27, 30-32: to its end.
+    The brightness model changes its mind at known snapshots: at step 6 (class 0 -> 1) and step 10 (-> 2)."""
+    from blackboxbench.analysis.saliency import first_success, fullgrad_path
+
+    model = _Brightness().eval()
+    fooled = _brightness_path([26, 77, 115, 153, 179, 230])   # means 0.10, 0.30, 0.45, 0.60, 0.70, 0.90
+    never = _brightness_path([26, 51, 77, 102, 115, 120])     # stays below 0.5: class 0 throughout
+    x = torch.stack([torch.from_numpy(p[1][0]).float().div(255) for p in (fooled, never)])
+    assert model(x).argmax(1).tolist() == [0, 0]
+    assert first_success(model, fooled[1], 0) == 3 and first_success(model, fooled[1], 0, target=2) == 5
+    assert first_success(model, never[1], 0) is None
+    assert first_success(model, _brightness_path([153, 26, 153])[1], 0) == 2  # the clean image itself is not counted
+
+    def run(family, end="auto", targets=None):
+        inputs = Inputs(model, "m", x, torch.tensor([0, 0]), [4, 9], paths={4: fooled, 9: never}, family=family,
+                        targets=targets)
+        header, rows, arrays, _ = fullgrad_path(inputs, stages=6, end=end)
+        steps = {i: [r[3] for r in rows if r[0] == i] for i in (4, 9)}
+        return steps, arrays["first_success"].tolist(), {i: [r[-1] for r in rows if r[0] == i] for i in (4, 9)}
+
+    whole = [0, 2, 4, 6, 8, 10]
+    steps, first, adv = run("transfer")                               # auto: the paper's choice for transfer runs
+    assert steps == {4: [0, 2, 4, 6], 9: whole} and first == [6, -1]  # linspace(0, 3, 6) rounded: 0, 1, 2, 3
+    assert adv == {4: [False, False, False, True], 9: [False] * 6}
+    assert run("transfer", "final")[0] == {4: whole, 9: whole}
+    assert run("score")[0] == {4: whole, 9: whole}                    # query runs: 6 stages to the end (Figs. 30-32)
+    assert run("score", "first_success")[0][4] == [0, 2, 4, 6]
+    steps, first, adv = run("transfer", targets={4: 2, 9: 2})         # targeted: the target class 2 at step 10
+    assert steps[4] == whole and first == [10, -1] and adv[4] == [False] * 5 + [True]
+
+
+def test_fullgrad_path_of_a_targeted_transfer_run(tmp_path):
+    """A real targeted transfer run: the inputs know its family and its targets, and by default each path ends at
+    its first snapshot that the analysed model (the run's target) puts in the target class."""
+    from blackboxbench.analysis.saliency import fullgrad_path
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 4}}\noutput_dir: {tmp_path / 'results'}\nsurrogates: [digits_cnn]\n"
+                   "targets: [digits_mlp]\nattack: {recipe: mi_fgsm, hyper: {iterations: 10}}\nsave_path_every: 1\n"
+                   "threat: {norm: linf, eps: 0.3, targeted: true}\n")
+    (exp,), _ = load_config(cfg, [])
+    run_dir, _ = run_experiment(exp, progress=False)
+    inputs = load_inputs(run=run_dir)
+    records = {r["index"]: r for r in map(json.loads, (run_dir / "records.jsonl").read_text().splitlines())}
+    assert inputs.family == "transfer" and inputs.targets == {i: records[i]["target"] for i in inputs.index}
+    _, rows, arrays, _ = fullgrad_path(inputs, max_images=4)
+    cut = 0
+    for k, i in enumerate(inputs.index):
+        steps, images = inputs.paths[i]
+        with torch.no_grad():
+            pred = inputs.model(torch.from_numpy(images).float() / 255).argmax(1).tolist()
+        hits = [s for s, p in zip(steps.tolist()[1:], pred[1:]) if p == records[i]["target"]]
+        last = hits[0] if hits else int(steps[-1])
+        assert [r[3] for r in rows if r[0] == i][-1] == last and arrays["first_success"][k] == (hits or [-1])[0]
+        cut += last < steps[-1]
+    assert cut >= 1  # some path ends before the final iterate
 
 
 def test_a_run_without_some_images(saved_run, tmp_path):

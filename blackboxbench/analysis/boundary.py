@@ -157,16 +157,37 @@ def dbviz(inputs, *, resolution=50, margin=0.1, planes=1, classes_shown=10):
     return header, rows, arrays, lambda path, title: grid_figure(path, title, list(range(planes)), panel)
 
 
-@ANALYSIS.register("path_tsne", inputs="model", paper="BlackboxBench Sec. IV, Fig. 11 (attack paths by t-SNE; not "
-                   "among the 10 tools)", ranges={"max_images": "int [1, 16]", "perplexity": "(0, inf)"})
-def path_tsne(inputs, *, max_images=3, perplexity=10.0):
-    """The attack paths of a run saved with ``save_path_every`` in two dimensions: every snapshot of the first
-    ``max_images`` paths (clean image first, returned image last) embedded together by t-SNE (scikit-learn, PCA
-    start, ``perplexity`` capped below the number of points, seeded by the run's seed), each path drawn as a line
-    from its clean image (dot) to its returned image (star), as the paper's Fig. 11 does for NES and PGD. The
-    model is not used: the embedding is of the images alone."""
+TSNE_LAYOUTS = ("per_path", "joint")
+
+
+def tsne(points, perplexity, seed):
+    """The 2-D t-SNE embedding of ``points`` (K, D): scikit-learn's, PCA start, ``perplexity`` capped below a third
+    of the points, seeded."""
     from sklearn.manifold import TSNE
 
+    return TSNE(n_components=2, perplexity=min(perplexity, (len(points) - 1) / 3), init="pca",
+                random_state=seed % 2 ** 32).fit_transform(points)
+
+
+def _draw_path(ax, pts, label=None):
+    """One path's embedded snapshots ``pts`` (K, 2): a line from the clean image (dot) to the returned one (star)."""
+    line, = ax.plot(pts[:, 0], pts[:, 1], "-", lw=1, alpha=0.8, label=label)
+    ax.scatter(pts[1:-1, 0], pts[1:-1, 1], s=8, color=line.get_color())
+    ax.plot(*pts[0], "o", color="tab:blue", ms=7)
+    ax.plot(*pts[-1], "*", color="tab:red", ms=11)
+
+
+@ANALYSIS.register("path_tsne", inputs="model", paper="BlackboxBench Sec. IV, Fig. 11 (attack paths by t-SNE; not "
+                   "among the 10 tools)", ranges={"max_images": "int [1, 16]", "perplexity": "(0, inf)",
+                                                  "layout": TSNE_LAYOUTS})
+def path_tsne(inputs, *, max_images=3, perplexity=10.0, layout="per_path"):
+    """The attack paths of a run saved with ``save_path_every`` in two dimensions: every snapshot of the first
+    ``max_images`` paths (clean image first, returned image last) embedded by t-SNE (:func:`tsne`, seeded by the
+    run's seed), each path drawn as a line from its clean image (dot) to its returned image (star), as the paper's
+    Fig. 11 does for NES and PGD. ``layout``: ``per_path`` (default), each path embedded on its own and drawn in
+    its own panel, as Fig. 11 (one panel per sample and method: an easy, a medium and a hard sample for each of
+    the two attacks); ``joint``, the paths embedded together in one panel, to compare them on common axes. The
+    model is not used: the embedding is of the images alone."""
     if inputs.paths is None:
         raise BenchError("path_tsne needs the run's attack paths: run the attack with save_path_every: k")
     chosen = inputs.index[:max_images]
@@ -176,26 +197,40 @@ def path_tsne(inputs, *, max_images=3, perplexity=10.0):
         owner += [i] * len(s)
         steps += [int(v) for v in s]
         points.append(images.reshape(len(s), -1).astype(np.float32) / 255)
-    points = np.concatenate(points)
-    if len(points) < 4:
-        raise BenchError(f"path_tsne needs at least 4 snapshots, the paths hold {len(points)}: save them more often "
-                         "(a smaller save_path_every) or pick more images")
-    emb = TSNE(n_components=2, perplexity=min(perplexity, (len(points) - 1) / 3), init="pca",
-               random_state=inputs.seed % 2 ** 32).fit_transform(points)
+    short = [(i, len(p)) for i, p in zip(chosen, points) if len(p) < 4] if layout == "per_path" else []
+    if short:
+        raise BenchError(f"path_tsne needs at least 4 snapshots in each path (layout per_path), the path of index "
+                         f"{short[0][0]} holds {short[0][1]}: save them more often (a smaller save_path_every), pick "
+                         "other images (--indices) or use layout: joint")
+    if layout == "joint" and sum(map(len, points)) < 4:
+        raise BenchError(f"path_tsne needs at least 4 snapshots, the paths hold {sum(map(len, points))}: save them "
+                         "more often (a smaller save_path_every) or pick more images")
+    if layout == "joint":
+        emb = tsne(np.concatenate(points), perplexity, inputs.seed)
+    else:
+        emb = np.concatenate([tsne(p, perplexity, inputs.seed) for p in points])
     rows = [[i, k, st, float(a), float(b)] for k, (i, st, (a, b)) in enumerate(zip(owner, steps, emb))]
+    own = np.array(owner)
+    arrays = {"embedding": emb, "owner": own, "steps": np.array(steps),  # panel: each point's panel of the figure
+              "panel": np.zeros(len(owner), int) if layout == "joint" else np.array([chosen.index(i) for i in owner])}
 
-    def draw(path, title):
+    def draw_joint(path, title):
         with figure(path, (5.6, 4.8)) as (_, axes):
             ax = axes[0, 0]
             for i in chosen:
-                pts = emb[np.array(owner) == i]
-                line, = ax.plot(pts[:, 0], pts[:, 1], "-", lw=1, alpha=0.8, label=f"image {i}")
-                ax.scatter(pts[1:-1, 0], pts[1:-1, 1], s=8, color=line.get_color())
-                ax.plot(*pts[0], "o", color="tab:blue", ms=7)
-                ax.plot(*pts[-1], "*", color="tab:red", ms=11)
+                _draw_path(ax, emb[own == i], f"image {i}")
             ax.set_title(title + " (dot: clean image, star: returned image)", fontsize=8)
             ax.legend(fontsize=7)
         return path
 
-    return ["index", "point", "step", "tsne_1", "tsne_2"], rows, {"embedding": emb, "owner": np.array(owner),
-                                                                   "steps": np.array(steps)}, draw
+    def panel(ax, i):
+        _draw_path(ax, emb[own == i])
+        for (u, w), st in list(zip(emb[own == i], arrays["steps"][own == i]))[::max(1, int((own == i).sum()) // 5)]:
+            ax.annotate(str(st), (u, w), textcoords="offset points", xytext=(3, 3), fontsize=6)
+        ax.set_title(f"image {i}", fontsize=8)
+
+    def draw_panels(path, title):
+        return grid_figure(path, f"{title} (dot: clean image, star: returned image; labels: steps)", list(chosen),
+                           panel, cols=min(len(chosen), 6))
+
+    return ["index", "point", "step", "tsne_1", "tsne_2"], rows, arrays, draw_joint if layout == "joint" else draw_panels

@@ -5,6 +5,7 @@ images. An analysis sees the model's gradients: it is a tool for the evaluator, 
 :func:`load_inputs` builds them from a run directory (its ``config.yaml`` names the dataset and the model, its
 ``adv/<index>.png`` hold the returned images) or from a model and a dataset spec.
 """
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ class Inputs:
     paths: Optional[dict] = None  # dataset index -> (steps (K,), uint8 images (K, C, H, W)) of a run's attack paths
     models: Optional[list] = None  # tools that compare models (ADM): [(name, model)], the first is ``model``
     data_root: Optional[str] = None  # where the tool may read more data (ADM's training images)
+    family: Optional[str] = None  # the run's attack family (score, decision, transfer), None without a run
+    targets: Optional[dict] = None  # a targeted run's dataset index -> target class (from its records), else None
 
 
 def _spec_name(spec):
@@ -112,6 +115,22 @@ def _attack_paths(run, index):
         with np.load(p) as z:
             out[i] = (z["steps"], z["images"])
     return out
+
+
+def _run_targets(run):
+    """{index: target class} of a targeted run's records (None when no record names a target)."""
+    path = Path(run) / "records.jsonl"
+    if not path.is_file():
+        return None
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash: the runner redoes that sample
+            continue
+        if isinstance(r, dict) and isinstance(r.get("index"), int) and isinstance(r.get("target"), int):
+            out[r["index"]] = r["target"]
+    return out or None
 
 
 def _saved_indices(run):
@@ -199,4 +218,6 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
         _check_pairing(x_adv, data.x[index], index, cfg.get("threat") or {}, run)
     return Inputs(nets[0][1], ", ".join(names), data.x[index].to(device), data.y[index].to(device), index,
                   None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)), paths,
-                  nets if many else None, None if root is None else str(root))
+                  nets if many else None, None if root is None else str(root),
+                  (cfg.get("attack") or {}).get("family") if isinstance(cfg.get("attack"), dict) else None,
+                  _run_targets(run) if run is not None else None)

@@ -220,21 +220,50 @@ def overlay(ax, image, saliency, title):
     ax.axis("off")
 
 
+PATH_ENDS = ("auto", "first_success", "final")
+
+
+def first_success(model, images, label, target=None, device="cpu"):
+    """The position in ``images`` (a path's uint8 snapshots (K, C, H, W), the clean image first) of the first
+    snapshot after the clean image that fools ``model``: its prediction differs from ``label``, or, for a targeted
+    run (``target`` a class), is ``target``. None when none does."""
+    x = torch.from_numpy(images).float().div(255)
+    with torch.no_grad():
+        pred = torch.cat([model(x[i:i + CHUNK].to(device)).argmax(1).cpu() for i in range(0, len(x), CHUNK)])
+    hit = (pred == target) if target is not None else (pred != label)
+    found = np.flatnonzero(hit[1:].numpy())
+    return int(found[0]) + 1 if len(found) else None
+
+
 @ANALYSIS.register("fullgrad_path", inputs="model", paper="BlackboxBench Supp. I, eq. I.1 and Figs. 27-32 (MAV-A "
                    "along the attack path)", ranges={"score": SCORES, "max_images": "int [1, 16]",
-                                                     "stages": "int [2, 12]"})
-def fullgrad_path(inputs, *, score="predicted", max_images=4, stages=6):
+                                                     "stages": "int [2, 12]", "end": PATH_ENDS})
+def fullgrad_path(inputs, *, score="predicted", max_images=4, stages=6, end="auto"):
     """FullGrad saliency along each image's attack path (a run saved with ``save_path_every``): ``stages``
-    snapshots evenly spaced from the clean image to the returned one (the paper shows 6), the maps on the path
+    snapshots evenly spaced from the clean image to the path's end (the paper shows 6), the maps on the path
     image's own prediction (``score``). The table gives, per stage, the step (queries, or the transfer
-    iteration), the prediction and the cosine of the map to the clean image's."""
+    iteration), the prediction, the cosine of the map to the clean image's and whether the stage's image fools the
+    model analysed (the label changed, or a targeted run's target class reached).
+
+    ``end``: ``final``, the returned image, as the paper's query attacks (Figs. 30-32: "6 stages from the
+    beginning to the end, no matter fails or succeeds") and its failed transfer attacks (Fig. 27: "between the
+    first iteration and the final iteration"); ``first_success``, the first snapshot after the clean image that
+    fools the model analysed, as its successful transfer attacks (Figs. 28-29: "between the first iteration and the
+    first successfully attacked iteration"; a path that never fools it runs to its final iterate, as Fig. 27);
+    ``auto`` (default), the paper's choice: ``first_success`` for a transfer run, ``final`` for any other. The first
+    success is found among the saved snapshots, so to the nearest ``save_path_every`` iterations."""
     if inputs.paths is None:
         raise BenchError("fullgrad_path needs the run's attack paths: run the attack with save_path_every: k")
-    stage_rows, images, labels, width = [], [], [], 1  # every chosen stage of every image, mapped in one batch
+    cut = end == "first_success" or (end == "auto" and inputs.family == "transfer")
+    stage_rows, images, labels, width, ends = [], [], [], 1, []  # every chosen stage of every image, one batch
     for k in range(min(max_images, len(inputs.index))):
         i = inputs.index[k]
         steps, path = inputs.paths[i]
-        pick = sorted(set(np.linspace(0, len(steps) - 1, stages).round().astype(int).tolist()))
+        hit = first_success(inputs.model, path, int(inputs.y[k]), (inputs.targets or {}).get(i),
+                            inputs.x.device) if cut else None
+        last = len(steps) - 1 if hit is None else hit
+        ends.append(-1 if hit is None else int(steps[hit]))
+        pick = sorted(set(np.linspace(0, last, stages).round().astype(int).tolist()))
         stage_rows += [(i, j, int(steps[s])) for j, s in enumerate(pick)]
         images.append(torch.from_numpy(path[pick]))
         labels += [int(inputs.y[k])] * len(pick)
@@ -246,10 +275,13 @@ def fullgrad_path(inputs, *, score="predicted", max_images=4, stages=6):
     clean = {i: n for n, (i, j, _) in enumerate(stage_rows) if j == 0}  # each path's clean-image row
     flat = maps.flatten(1)
     cos = F.cosine_similarity(flat, flat[[clean[i] for i, _, _ in stage_rows]], dim=1).tolist()
-    header = ["index", "label", "stage", "step", "predicted", "cosine_to_clean"]
-    rows = [[i, labels[n], j, st, pred[n], cos[n]] for n, (i, j, st) in enumerate(stage_rows)]
+    goal = [(inputs.targets or {}).get(i) for i, _, _ in stage_rows]
+    fooled = [p == g if g is not None else p != lab for p, g, lab in zip(pred, goal, labels)]
+    header = ["index", "label", "stage", "step", "predicted", "cosine_to_clean", "adversarial"]
+    rows = [[i, labels[n], j, st, pred[n], cos[n], fooled[n]] for n, (i, j, st) in enumerate(stage_rows)]
     arrays = {"maps": maps.cpu().numpy(), "owner": np.array([i for i, _, _ in stage_rows]),
-              "steps": np.array([st for _, _, st in stage_rows])}
+              "steps": np.array([st for _, _, st in stage_rows]),
+              "first_success": np.array(ends)}  # per path: the step of its first success, -1 (none, or end final)
 
     def panel(ax, n):
         overlay(ax, xs[n], arrays["maps"][n], f"{rows[n][0]} step {rows[n][3]}: pred {rows[n][4]}")
