@@ -313,9 +313,11 @@ def test_path_tsne_embeds_every_snapshot(saved_run):
         assert np.array_equal(again, arrays["embedding"])  # seeded by the run's seed
     short = Inputs(inputs.model, "m", inputs.x[:1], inputs.y[:1], inputs.index[:1],
                    paths={inputs.index[0]: (np.array([0, 3]), inputs.paths[inputs.index[0]][1][:2])})
-    for layout in ("per_path", "joint"):
-        with pytest.raises(BenchError, match="path_tsne needs at least 4 snapshots"):
-            path_tsne(short, layout=layout)
+    for layout in ("per_path", "joint"):  # 2 snapshots: too few for t-SNE, placed by principal components
+        emb = path_tsne(short, layout=layout)[2]["embedding"]
+        a, b = short.paths[inputs.index[0]][1].reshape(2, -1).astype(np.float64) / 255
+        assert emb.shape == (2, 2) and np.allclose(emb[:, 1], 0) and np.allclose(emb[:, 0], -emb[::-1, 0])
+        assert abs(emb[0, 0] - emb[1, 0]) == pytest.approx(np.linalg.norm(a - b), rel=1e-4)
 
 
 def test_path_tsne_one_panel_per_path(saved_run, monkeypatch, tmp_path):

@@ -162,9 +162,17 @@ TSNE_LAYOUTS = ("per_path", "joint")
 
 def tsne(points, perplexity, seed):
     """The 2-D t-SNE embedding of ``points`` (K, D): scikit-learn's, PCA start, ``perplexity`` capped below a third
-    of the points, seeded."""
+    of the points, seeded. Fewer than 4 points (too few for t-SNE's neighbourhoods): their first two principal
+    components instead (zero where the points span fewer dimensions)."""
     from sklearn.manifold import TSNE
 
+    if len(points) < 4:
+        centred = points - points.mean(0)
+        _, sv, vt = np.linalg.svd(centred, full_matrices=False)
+        out = np.zeros((len(points), 2), dtype=np.float32)
+        k = min(2, int((sv > 1e-6 * max(float(sv[0]), 1e-30)).sum())) if len(sv) else 0
+        out[:, :k] = centred @ vt[:k].T
+        return out
     return TSNE(n_components=2, perplexity=min(perplexity, (len(points) - 1) / 3), init="pca",
                 random_state=seed % 2 ** 32).fit_transform(points)
 
@@ -186,7 +194,9 @@ def path_tsne(inputs, *, max_images=3, perplexity=10.0, layout="per_path"):
     run's seed), each path drawn as a line from its clean image (dot) to its returned image (star), as the paper's
     Fig. 11 does for NES and PGD. ``layout``: ``per_path`` (default), each path embedded on its own and drawn in
     its own panel, as Fig. 11 (one panel per sample and method: an easy, a medium and a hard sample for each of
-    the two attacks); ``joint``, the paths embedded together in one panel, to compare them on common axes. The
+    the two attacks); ``joint``, the paths embedded together in one panel, to compare them on common axes. A path
+    (or, joint, all of them) of fewer than 4 snapshots, e.g. a sample fooled before its first saved step, is
+    placed by its first two principal components (:func:`tsne`). The
     model is not used: the embedding is of the images alone."""
     if inputs.paths is None:
         raise BenchError("path_tsne needs the run's attack paths: run the attack with save_path_every: k")
@@ -197,14 +207,6 @@ def path_tsne(inputs, *, max_images=3, perplexity=10.0, layout="per_path"):
         owner += [i] * len(s)
         steps += [int(v) for v in s]
         points.append(images.reshape(len(s), -1).astype(np.float32) / 255)
-    short = [(i, len(p)) for i, p in zip(chosen, points) if len(p) < 4] if layout == "per_path" else []
-    if short:
-        raise BenchError(f"path_tsne needs at least 4 snapshots in each path (layout per_path), the path of index "
-                         f"{short[0][0]} holds {short[0][1]}: save them more often (a smaller save_path_every), pick "
-                         "other images (--indices) or use layout: joint")
-    if layout == "joint" and sum(map(len, points)) < 4:
-        raise BenchError(f"path_tsne needs at least 4 snapshots, the paths hold {sum(map(len, points))}: save them "
-                         "more often (a smaller save_path_every) or pick more images")
     if layout == "joint":
         emb = tsne(np.concatenate(points), perplexity, inputs.seed)
     else:
