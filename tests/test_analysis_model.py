@@ -264,14 +264,17 @@ def test_dbviz_plane_covers_a_third_image_beyond_the_second():
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """A finished Square run on 6 digits images with its adversarial images and attack paths saved."""
-    tmp = tmp_path_factory.mktemp("run")
+    return finished_run(tmp_path_factory.mktemp("run"), "dataset: {name: digits, n: 6}\nmodel: digits_cnn\n"
+                        "attack: square_linf\nsave_adv: true\nsave_path_every: 5\n"
+                        "threat: {norm: linf, eps: 0.3, max_queries: 300}\n")
+
+
+def finished_run(tmp, config):
+    """(run folder, summary) of the run of ``config`` (YAML text without output_dir), results under ``tmp``."""
     cfg = tmp / "run.yaml"
-    cfg.write_text(f"dataset: {{name: digits, n: 6}}\noutput_dir: {tmp / 'results'}\nmodel: digits_cnn\n"
-                   "attack: square_linf\nsave_adv: true\nsave_path_every: 5\n"
-                   "threat: {norm: linf, eps: 0.3, max_queries: 300}\n")
+    cfg.write_text(f"output_dir: {tmp / 'results'}\n" + config)
     (exp,), _ = load_config(cfg, [])
-    run_dir, summary = run_experiment(exp, progress=False)
-    return run_dir, summary
+    return run_experiment(exp, progress=False)
 
 
 def test_inputs_of_a_run(saved_run):
@@ -400,12 +403,9 @@ def test_fullgrad_path_of_a_targeted_transfer_run(tmp_path):
     its first snapshot that the analysed model (the run's target) puts in the target class."""
     from blackboxbench.analysis.saliency import fullgrad_path
 
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"dataset: {{name: digits, n: 4}}\noutput_dir: {tmp_path / 'results'}\nsurrogates: [digits_cnn]\n"
-                   "targets: [digits_mlp]\nattack: {recipe: mi_fgsm, hyper: {iterations: 10}}\nsave_path_every: 1\n"
-                   "threat: {norm: linf, eps: 0.3, targeted: true}\n")
-    (exp,), _ = load_config(cfg, [])
-    run_dir, _ = run_experiment(exp, progress=False)
+    run_dir, _ = finished_run(tmp_path, "dataset: {name: digits, n: 4}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
+                              "attack: {recipe: mi_fgsm, hyper: {iterations: 10}}\nsave_path_every: 1\n"
+                              "threat: {norm: linf, eps: 0.3, targeted: true}\n")
     inputs = load_inputs(run=run_dir)
     records = {r["index"]: r for r in map(json.loads, (run_dir / "records.jsonl").read_text().splitlines())}
     assert inputs.family == "transfer" and inputs.targets == {i: records[i]["target"] for i in inputs.index}
