@@ -157,6 +157,7 @@ def build_attack(recipe, threat, source):
             bound[kind] = _bind(bk.registry, blocks.get(kind, bk.default), threat, source, key)
         else:
             raise ConfigError("missing required block", source, key)
+    check_agreement(bound, source)
     given = recipe.get("hyper") or {}
     if given and not family.hyper:
         raise ConfigError(f"{family.name} recipes take parameters in their blocks", source, "attack.hyper")
@@ -170,6 +171,27 @@ def build_attack(recipe, threat, source):
     meta = {k: recipe.get(k) for k in ("name", "family", "paper", "defaults")}
     meta.update(source=source, needs=block_needs(bound), assets=block_assets(bound), layers=block_layers(bound))
     return family.build(recipe["name"], bound, hyper, meta)
+
+
+def _value(block, param):
+    return block.keywords.get(param, block_params(block.func)[param])
+
+
+def check_agreement(bound, source):
+    """A one-line error where a bound block registered with ``agree={param: kind}`` gives ``param`` a value other
+    than the block bound for ``kind`` (when that block has the parameter; None agrees with anything): two blocks
+    that must describe the same object (cg_init's and the cg_attack block's c-Glow levels) cannot drift apart."""
+    for kind, block in bound.items():
+        if isinstance(block, list):
+            continue
+        for param, other_kind in block.func.registry_meta.get("agree", {}).items():
+            other = bound.get(other_kind)
+            if isinstance(other, list) or other is None or param not in block_params(other.func):
+                continue
+            mine, theirs = _value(block, param), _value(other, param)
+            if mine is not None and mine != theirs:
+                raise ConfigError(f"must equal attack.blocks.{other_kind}.{param} ({theirs!r}), got {mine!r}", source,
+                                  f"attack.blocks.{kind}.{param}")
 
 
 def _blocks(bound):

@@ -275,6 +275,68 @@ def test_es_state_covers_the_top_latent_alone(tmp_path, monkeypatch):
         assert records(recipe["blocks"]["init"], norm=norm, eps=eps) == full
         assert widths and all(w == {"mean": d, "cov": d // 4, "p_sigma": d // 4, "p_c": d // 4} for w in widths)
         assert d // 4 == math.prod(CondGlow((1, 8, 8), **{**SMALL, "num_levels": 3}).top)
-    with pytest.raises(BenchError, match=r"the ES state covers 16 latent values, the c-Glow's top latent has 32: "
-                                         r"give blocks.init \(cg_init\) the perturb block's num_levels \(2\)"):
+    with pytest.raises(BenchError, match=r"attack\.blocks\.init\.num_levels: must equal "
+                                         r"attack\.blocks\.perturb\.num_levels \(2\), got 3"):
         records({"name": "cg_init", "num_levels": 3}, {"num_levels": 2})
+
+
+def test_init_and_perturb_levels_must_agree(tmp_path):
+    """cg_init sizes the ES state to the top latent of a c-Glow of its ``num_levels``, which the perturb block
+    builds: a config that changes one block's levels and not the other's is a one-line config error naming the
+    init's key, before anything runs; both changed, or the init's None (a full-width state), build."""
+    from blackboxbench.errors import ConfigError
+    from blackboxbench.runner import prepare
+
+    def exp(init, perturb):
+        attack = {"recipe": "cg_attack", "blocks": {"init": {"name": "cg_init", **init},
+                                                    "perturb": {"name": "cg_attack", **FAST, **perturb}}}
+        return prepare(_exp(tmp_path, attack=attack, model="digits_mlp", assets=_digits_assets(),
+                            surrogates=["digits_cnn"], threat={"norm": "linf", "eps": 0.2, "max_queries": 200},
+                            dataset={"name": "digits", "n": 2}))
+
+    with pytest.raises(ConfigError, match=r"attack\.blocks\.init\.num_levels: must equal "
+                                          r"attack\.blocks\.perturb\.num_levels \(2\), got 3$"):
+        exp({}, {"num_levels": 2})
+    with pytest.raises(ConfigError, match=r"attack\.blocks\.init\.num_levels: .* \(3\), got 2$"):
+        exp({"num_levels": 2}, {})
+    exp({"num_levels": 2}, {"num_levels": 2})
+    exp({"num_levels": None}, {"num_levels": 2})
+
+
+def test_first_candidate_is_the_cglows_mode(tmp_path, monkeypatch):
+    """A sample's first perturb call queries one candidate, ``x + eps sign(decode)`` at the top latent 0 with the
+    split latents its ES keeps (the authors' start, queried before their CMA-ES: run_attack.py), and no
+    generation; its generations of ``n_pop`` follow. 3 digits in 2 slots: the first call queries the 2 modes
+    alone, every later call a multiple of 20 candidates or the third sample's mode, and each mode is the decode
+    of the c-Glow at the split latents its ES got, recomputed here."""
+    calls, starts, real_query, real_start = [], [], cg_attack.query_margin, cg_attack._start
+
+    def query(ctx, images, idx=None):
+        calls.append(images.clone())
+        return real_query(ctx, images, idx)
+
+    def start(ctx, flow, cond, state, sigma0):
+        rows, delta = real_start(ctx, flow, cond, state, sigma0)
+        dim = math.prod(flow.top)
+        starts.append((flow, ctx.problem.x[rows].clone(), state["mean"][rows, dim:].clone(), ctx.problem.eps))
+        return rows, delta
+
+    monkeypatch.setattr(cg_attack, "query_margin", query)
+    monkeypatch.setattr(cg_attack, "_start", start)
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path / "cache"))
+    attack = {"recipe": "cg_attack", "blocks": {"perturb": {"name": "cg_attack", **FAST}}}
+    run_experiment(_exp(tmp_path, attack=attack, model="digits_mlp", assets=_digits_assets(), surrogates=["digits_cnn"],
+                        threat={"norm": "linf", "eps": 0.2, "max_queries": 100}, batch_size=2,
+                        dataset={"name": "digits", "n": 3}), progress=False)
+    sizes = [len(c) for c in calls]
+    assert sizes[0] == 2 and all(k <= 2 or k % 20 == 0 for k in sizes), sizes
+    modes = torch.cat([c for c in calls if len(c) <= 2])
+    assert len(modes) == 3
+    want = []
+    with torch.no_grad():
+        for flow, x, tail, eps in starts:
+            if len(x):
+                zs = cg_attack.unflatten(tail, flow.split_shapes())
+                delta = flow.decode(flow.condition(x), torch.zeros(len(x), *flow.top), zs=zs)[0]
+                want.append((x + eps * delta.sign()).clamp(0, 1))
+    assert torch.allclose(modes, torch.cat(want), atol=1e-6)

@@ -109,3 +109,44 @@ def test_per_image_finetuning_matches_a_copy_per_image():
         before = flow.decode(flow.condition(x), top, zs=zs)[0]
         margins = [margin_loss(model(training_point(x, d, 0.2, "linf")), y).clamp_min(-5) for d in (before, got)]
     assert (margins[1] < margins[0]).all(), margins
+
+
+def test_meta_training_loss_sees_max_normalised_decodes(tmp_path, monkeypatch):
+    """Stage 2's loss clamps each decode divided by its largest absolute value (the authors' meta-training decode,
+    ``decode(return_prob=True)``): the margin train_cglow reports before training is that of
+    ``clamp(x + clamp(decode / max|decode|, +-eps), 0, 1)``, recomputed here from the same c-Glow and draws, and
+    differs from the raw decode's clamp (CG-Attack's training point). mcg_init asks for it when it meta-trains
+    (``epochs`` > 0) and leaves a stage-1-only c-Glow's parameters (its cache key) as they were."""
+    from blackboxbench.query import mcg
+    from blackboxbench.rng import seeded
+    from blackboxbench.runner import run_experiment
+    from test_cg_attack import _digits_assets
+    from test_engine import _exp
+
+    cnn, data, eps = build_model("digits_cnn"), digits(n=16, split="train"), 0.2
+    out = train_cglow([cnn], data.x, data.y, TINY, eps=eps, norm="linf", epochs=0, views=1, lr=1e-2, batch=16,
+                      max_grad_norm=10.0, margin=5.0, seed=0, inner_steps=5, max_norm=True)
+    with seeded(0):
+        flow = CondGlow(data.x.shape[1:], **TINY)
+    g = torch.Generator().manual_seed(0)
+    noise = [torch.randn((16, *s), generator=g) for s in flow.split_shapes()]
+    with torch.no_grad():
+        delta = flow.decode(flow.condition(data.x), torch.zeros(16, *flow.top), noise=noise)[0]
+        peak = delta.abs().amax(dim=(1, 2, 3), keepdim=True)
+        want = adversarial_loss([cnn], (data.x + (delta / peak).clamp(-eps, eps)).clamp(0, 1), data.y, 5.0)
+        raw = adversarial_loss([cnn], training_point(data.x, delta, eps, "linf"), data.y, 5.0)
+    assert abs(out["margin"][0].item() - want.item()) < 1e-5 and abs(raw - want).item() > 1e-2
+
+    asked = []
+
+    def fake(ctx, data, arch, hp, block):
+        asked.append(hp)
+        return CondGlow(ctx.problem.x.shape[1:], **arch).eval().requires_grad_(False)
+
+    monkeypatch.setattr(mcg, "trained_cglow", fake)
+    for epochs in (1, 0):
+        attack = {"recipe": "mcg", "blocks": {"init": {"name": "mcg_init", **TINY, "epochs": epochs, "chunk": 2}}}
+        run_experiment(_exp(tmp_path / str(epochs), attack=attack, model="digits_mlp", assets=_digits_assets(16),
+                            surrogates=["digits_cnn"], threat={"norm": "linf", "eps": eps, "max_queries": 5},
+                            batch_size=2, dataset={"name": "digits", "n": 2}), progress=False)
+    assert asked[0]["max_norm"] is True and "max_norm" not in asked[1]

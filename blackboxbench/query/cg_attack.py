@@ -49,8 +49,12 @@ clipped to [0, 1], its fitness the target's CW margin floored at -20. The author
 CMA-ES one image at a time; here a batched separable CMA-ES (Ros and Hansen 2008: diagonal covariance, learning
 rates scaled by (N + 2) / 3): at the top latent's 768 dimensions, pycma's full covariance moves by about 3e-6 per
 generation and stays near the identity over a 10,000-query budget (500 generations). The clean image is the first
-query (theirs: the start's decode); each generation's best candidate is kept when it beats the best so far (no
-extra query: ``es_best``), and a success is the oracle's answer on that exact image.
+query (the init cannot decode: the perturb block builds the c-Glow), the c-Glow's mode the second: a sample's first
+perturb call queries ``x + eps sign(decode)`` at the top latent 0 and its split latents alone, without an ES
+update (the authors' start, their first query, which stops the attack when it fools the target), so a sample
+fooled there costs 2 queries (theirs 1) where it cost 22 (the clean image and a whole generation); each
+generation's best candidate is kept when it beats the best so far (no extra query: ``es_best``), and a success is
+the oracle's answer on that exact image.
 """
 import math
 
@@ -360,9 +364,18 @@ def stage_one(hp, norm, where, pretrain_epochs, pretrain_lr, pseudo_iters, pseud
             "pseudo_iters": int(pseudo_iters), "pseudo_step": float(pseudo_step)}
 
 
+def max_normalised(y, eps):
+    """MCG's meta-training decode (the authors' ``decode(return_prob=True)``, ``tanh`` False): each decode divided by
+    its largest absolute value, so that the perturbation's largest pixel is 1 against a ball of radius eps (Linf)
+    and the decode's overall scale counts for nothing; returned in units of eps, the unit :func:`training_point`
+    takes (an all-zero decode stays 0)."""
+    peak = y.abs().flatten(1).amax(1).clamp_min(torch.finfo(y.dtype).tiny)
+    return y / (eps * peak.view(-1, *[1] * (y.dim() - 1)))
+
+
 def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_grad_norm, margin, seed,
-                inner_steps=None, outer_step=1.0, pretrain_epochs=0, pretrain_lr=1e-3, pseudo_iters=30,
-                pseudo_step=0.005):
+                inner_steps=None, outer_step=1.0, max_norm=False, pretrain_epochs=0, pretrain_lr=1e-3,
+                pseudo_iters=30, pseudo_step=0.005):
     """The state dict of a :class:`CondGlow` of ``arch`` trained on images ``x`` with labels ``y`` against
     ``models`` (see the module docstring), deterministic in ``seed``, and the surrogates' mean margin on its
     perturbations of ``x`` before and after training.
@@ -370,6 +383,7 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
     ``inner_steps`` None: one step of one Adam per batch (CG-Attack). An integer: Reptile meta-training (MCG,
     ``query/mcg.py``): every batch is a task; a fresh Adam takes ``inner_steps`` steps on it, then the weights move
     ``outer_step`` of the way from where the task started to where those steps ended (1: keep the inner weights).
+    ``max_norm`` (MCG's meta-training, Linf): the adversarial loss sees :func:`max_normalised` decodes.
     ``pretrain_epochs`` > 0 (MCG's stage 1, Linf): first :func:`pretrain_nll` at ``pretrain_lr`` on the
     :func:`pseudo_labels` (``pseudo_iters``, ``pseudo_step``) of ``x`` against ``models``."""
     gen = torch.Generator().manual_seed(seed)
@@ -381,6 +395,8 @@ def train_cglow(models, x, y, arch, *, eps, norm, epochs, views, lr, batch, max_
         noise = [torch.randn((len(xb), *s), generator=gen).to(x.device) for s in flow.split_shapes()]
         top = torch.zeros((len(xb), *flow.top), device=x.device)
         delta = flow.decode(flow.condition(xb), top, noise=noise)[0]
+        if max_norm:
+            delta = max_normalised(delta, eps)
         return adversarial_loss(models, training_point(xb, delta, eps, norm), yb, margin)
 
     with torch.no_grad():
@@ -509,14 +525,16 @@ def top_size(d, num_levels):
     return d >> (num_levels - 1)
 
 
-@INIT.register("cg_init", paper=PAPER, norms=("linf", "l2"), ranges={"num_levels": "int [1, inf)"})
+@INIT.register("cg_init", paper=PAPER, norms=("linf", "l2"), ranges={"num_levels": "int [1, inf)"},
+               agree={"num_levels": "perturb"})
 def cg_init(ctx, *, num_levels=None):
     """The clean image (one query; the authors' first query is their start's decode) with the evolution strategy
     not yet started (``gen`` -1: the perturb block starts it, knowing the c-Glow). The ES ``mean`` has the
     image's size D: the c-Glow's top latent (the searched part) first, then its split latents (fixed). ``cov``,
     ``p_sigma`` and ``p_c`` cover the searched part alone: the top latent of a c-Glow of ``num_levels`` levels
-    (the perturb block's, which the recipe repeats here: a slot's state has one shape from its init on), D /
-    2^(num_levels - 1); None: D (any c-Glow; the part past the top latent unused)."""
+    (the perturb block's, which the recipe repeats here: a slot's state has one shape from its init on; the
+    builder rejects a config whose two values differ, naming this key), D / 2^(num_levels - 1); None: D (any
+    c-Glow; the part past the top latent unused)."""
     n, d = ctx.problem.n, ctx.problem.x[0].numel()
     used = d if num_levels is None else top_size(d, int(num_levels))
     zeros = torch.zeros(n, used, device=ctx.device)
@@ -528,17 +546,27 @@ def cg_init(ctx, *, num_levels=None):
 def _start(ctx, flow, cond, state, sigma0):
     """Start the samples that have not (``gen`` -1), given every sample's conditions ``cond``: step ``sigma0`` and
     split latents drawn from their priors at the top latent 0 (``cg_init`` set the mean 0, the identity covariance
-    and the empty paths). Writes into ``state``'s tensors (the working set's own copy, see query/pipeline.py)."""
-    fresh = state["gen"] < 0
-    if not bool(fresh.any()):
-        return
-    rows, dev = fresh.nonzero().squeeze(1), ctx.device
+    and the empty paths). Writes into ``state``'s tensors (the working set's own copy, see query/pipeline.py).
+    Returns the started samples (long (m,)) and their decodes there, the c-Glow's mode (m, C, H, W)."""
+    rows, dev = (state["gen"] < 0).nonzero().squeeze(1), ctx.device
     m, dim = len(rows), math.prod(flow.top)
+    if m == 0:
+        return rows, None
     noise = [ctx.rng.normal(s, rows=rows).to(dev) for s in flow.split_shapes()]
-    zs = flow.decode(expand(cond, rows), torch.zeros((m, *flow.top), device=dev), noise=noise)[1]
+    delta, zs = flow.decode(expand(cond, rows), torch.zeros((m, *flow.top), device=dev), noise=noise)
     state["mean"][rows, dim:] = torch.cat([z.flatten(1) for z in zs], 1)
     state["sigma"][rows] = float(sigma0)
     state["gen"][rows] = 0
+    return rows, delta
+
+
+def _mode(ctx, rows, delta):
+    """The first candidate of the samples ``rows``, their c-Glow's mode (the ``delta`` :func:`_start` decoded at the
+    top latent 0), queried: its fitness (m,), the oracle's verdict (m,) and the candidates (m, C, H, W)."""
+    problem = ctx.problem
+    candidates = problem.sub(rows).project(problem.x[rows] + to_boundary(delta, problem.eps, problem.norm))
+    f, adv, _ = query_margin(ctx, candidates, rows)
+    return f.clamp_min(-FLOOR), adv, candidates
 
 
 def unflatten(flat, shapes):
@@ -565,7 +593,8 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
               pseudo_step=0.005):
     """One CMA-ES generation of ``n_pop`` c-Glow candidates per sample, queried in calls of whole samples of about
     ``PROBE_VALUES`` values (one call on CIFAR-10), each call's ES updated in the state's tensors in place; proposes
-    each sample's best candidate with the oracle's answer on it (see the module docstring for every parameter)."""
+    each sample's best candidate with the oracle's answer on it. A sample's first call starts its ES and queries
+    one candidate, the c-Glow's mode (see the module docstring for every parameter)."""
     arch = {"x_hidden_channels": int(x_hidden_channels), "x_hidden_size": int(x_hidden_size),
             "y_hidden_channels": int(y_hidden_channels), "flow_depth": int(flow_depth),
             "num_levels": int(num_levels)}
@@ -581,13 +610,19 @@ def cg_attack(ctx, state, *, n_pop=20, sigma=1.0, data="train", x_hidden_channel
     problem, dev = ctx.problem, ctx.device
     with torch.no_grad():
         cond = flow.condition(problem.x)
-        _start(ctx, flow, cond, state, sigma)
+        fresh, delta = _start(ctx, flow, cond, state, sigma)
         k, w = cma_constants(math.prod(flow.top), n_pop)
-        fit = torch.empty((problem.n, n_pop), device=dev)
-        adv, best = torch.empty_like(fit, dtype=torch.bool), torch.empty_like(problem.x)
+        fit = torch.full((problem.n, n_pop), math.inf, device=dev)
+        adv, best = torch.zeros_like(fit, dtype=torch.bool), torch.empty_like(problem.x)
+        first = torch.zeros(problem.n, dtype=torch.long, device=dev)  # a fresh sample's row of delta, plus one
+        first[fresh] = torch.arange(1, len(fresh) + 1, device=dev)
+        running = (first == 0).long()
+        # a fresh sample's query: its mode alone, no ES update (the authors' start, queried before their ES)
+        for sel in bounded_calls(first.clamp(max=1), problem.x[0].numel()):
+            fit[sel, 0], adv[sel, 0], best[sel] = _mode(ctx, sel, delta[first[sel] - 1])
         # calls of whole samples of about PROBE_VALUES values (one on CIFAR-10); each call's population, decode and
         # ES update live only within _generation, so no sample's population outlives its call
-        for sel in bounded_calls(torch.ones(problem.n, dtype=torch.long, device=dev), n_pop * problem.x[0].numel()):
+        for sel in bounded_calls(running, n_pop * problem.x[0].numel()):
             fit[sel], adv[sel], best[sel] = _generation(ctx, flow, cond, state, sel, n_pop, k, w)
     rows, pick = torch.arange(problem.n, device=dev), fit.argmin(1)
     return {"x_adv": best, "margin": fit[rows, pick], "adv": adv[rows, pick]}

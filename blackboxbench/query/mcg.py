@@ -18,7 +18,11 @@ surrogates), and the c-Glow learns those labels by maximum likelihood (``pretrai
 ``batch`` images is a task; a fresh Adam (``lr`` 4e-4, betas 0.9/0.9999) takes ``inner_steps`` (5) steps on the
 surrogates' mean CW margin floored at
 ``-margin`` (5), gradient norm clipped at ``max_grad_norm`` (10), decoding from the top latent 0 with split latents
-drawn from their priors (the authors' sampler), for ``epochs`` (5) epochs. The values are those of the authors'
+drawn from their priors (the authors' sampler), for ``epochs`` (5) epochs. The decode is divided by its largest
+absolute value before the eps clamp (``cg_attack.max_normalised``: their ``decode(return_prob=True)``, ``tanh``
+False, where CG-Attack's training and the per-image fine-tuning below clamp the raw decode), so this loss cannot
+grow the decode's scale: without the division the reduced c-Glow's decodes grew until every pixel saturated the
+clamp, one sign pattern for every image, which left step 2 below no gradient (``benchmarks/RESULTS.md``). The values are those of the authors'
 only meta-training script (``imagenet_metatrain.sh``; Table VI lists the generator only as a path). The outer step
 moves the weights ``outer_step`` of the way from the task's start to the inner steps' end. The authors' code
 computes that interpolation (factor 0.01-0.02 / batch x 2 / inner steps) into the dict ``state_dict()`` returns and
@@ -145,7 +149,8 @@ def mcg_init(ctx, *, data="train", x_hidden_channels=64, x_hidden_size=128, y_hi
             "num_levels": int(num_levels)}
     hp = {"epochs": int(epochs), "views": 1, "lr": float(lr), "batch": int(batch),
           "max_grad_norm": float(max_grad_norm), "margin": float(margin), "seed": int(seed),
-          "inner_steps": int(inner_steps), "outer_step": float(outer_step)}
+          "inner_steps": int(inner_steps), "outer_step": float(outer_step),
+          **({"max_norm": True} if int(epochs) > 0 else {})}  # a stage-1-only c-Glow keeps its cache key
     hp = stage_one(hp, problem.norm, "mcg_init", pretrain_epochs, pretrain_lr, pseudo_iters, pseudo_step)
     flow = trained_cglow(ctx, data, arch, hp, block="mcg_init")
     x, n = problem.x, problem.n
