@@ -20,9 +20,8 @@ surrogates' mean CW margin floored at
 ``-margin`` (5), gradient norm clipped at ``max_grad_norm`` (10), decoding from the top latent 0 with split latents
 drawn from their priors (the authors' sampler), for ``epochs`` (5) epochs. The decode is divided by its largest
 absolute value before the eps clamp (``cg_attack.max_normalised``: their ``decode(return_prob=True)``, ``tanh``
-False, where CG-Attack's training and the per-image fine-tuning below clamp the raw decode), so this loss cannot
-grow the decode's scale: without the division the reduced c-Glow's decodes grew until every pixel saturated the
-clamp, one sign pattern for every image, which left step 2 below no gradient (``benchmarks/RESULTS.md``). The values are those of the authors'
+False, where CG-Attack's training and the per-image fine-tuning below clamp the raw decode), so the loss does not
+see the decode's scale. The values are those of the authors'
 only meta-training script (``imagenet_metatrain.sh``; Table VI lists the generator only as a path). The outer step
 moves the weights ``outer_step`` of the way from the task's start to the inner steps' end. The authors' code
 computes that interpolation (factor 0.01-0.02 / batch x 2 / inner steps) into the dict ``state_dict()`` returns and
@@ -54,8 +53,9 @@ deterministic form (rounds of samples, each fine-tuning on the rounds before it)
 generator is trained untargeted, and their attack is Linf.
 
 Measured (``configs/cifar10_mcg.yaml``, ``benchmarks/RESULTS.md``): on the CPU-reduced c-Glow, stage 2 collapses it
-to one saturated sign pattern for every image (its loss has no term that keeps decodes inside the clamp), which
-leaves step 2 no gradient; after stage 1 alone the c-Glow keeps a spread and step 2 halves the queries.
+to one saturated sign pattern for every image (the universal perturbation its loss favours; with or without the
+division above, the same records), which leaves step 2 no gradient; after stage 1 alone the c-Glow keeps a spread
+and step 2 halves the queries.
 """
 import torch
 from torch import nn
