@@ -13,6 +13,10 @@ mapping ``{pattern: number, ..., default: number}`` resolved per model by
 :func:`blackboxbench.prep.layers.per_arch`, as Table VII gives several values per surrogate architecture); or a
 tuple of the allowed values, ``("geometric_progression",)``. A declared ``int``/``odd``/``list``/``arch`` is also
 the type of a parameter whose default is None; a plain interval on it means a number.
+
+``agree={"num_levels": "perturb"}`` ties a parameter to the parameter of the same name of the block bound for
+another kind of the same recipe (two blocks that describe one object): the builder rejects a config where they
+differ (:func:`blackboxbench.builder.check_agreement`). The parameter must be the entry's own.
 """
 import difflib
 import inspect
@@ -158,6 +162,11 @@ class Registry:
                 if key in meta and meta[key] not in allowed:
                     raise BenchError(f"{self.kind} '{name}' ({_where(obj)}): {key} must be one of "
                                      f"{', '.join(map(str, allowed))}, got {meta[key]!r}")
+            own = inspect.signature(obj).parameters if callable(obj) else {}
+            for param in (meta.get("agree") or {}):
+                if param not in own:
+                    raise BenchError(f"{self.kind} '{name}' ({_where(obj)}): agree names {param!r}, which is not "
+                                     "one of its parameters")
             parsed = parse_ranges(obj, ranges) if ranges else {}
             self._entries[name] = obj
             obj.registry_meta = dict(meta, name=name, kind=self.kind, ranges=parsed)

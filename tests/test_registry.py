@@ -97,6 +97,14 @@ def test_range_for_unknown_param_fails_at_registration():
         _block({"pp": "(0, 1]"})
 
 
+def test_agree_names_a_parameter_of_the_entry():
+    reg = Registry("thing")
+    with pytest.raises(BenchError, match="agree names 'levels', which is not one of its parameters"):
+        reg.register("a", agree={"levels": "perturb"})(lambda *, num_levels=3: None)
+    reg.register("b", agree={"num_levels": "perturb"})(lambda *, num_levels=3: None)
+    assert reg.get("b").registry_meta["agree"] == {"num_levels": "perturb"}
+
+
 def test_ranges_are_parsed_once_into_meta():
     fn = _block({"p": "(0, 1]", "odd": "odd [1, inf)", "mode": ("a", "b")})
     ranges = fn.registry_meta["ranges"]
