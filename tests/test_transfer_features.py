@@ -307,15 +307,17 @@ def test_iaa_softplus_and_residual_decay_in_closed_form():
         assert torch.allclose(iaa(x), ref, atol=1e-5)
 
 
-def test_ghost_skip_erosion_draws_lambda_per_forward_and_row():
+def test_ghost_skip_erosion_draws_lambda_per_forward_row_and_channel():
     add = GhostAdd(0.4, RowDraws(refine_ctx(3).rng))
-    lam = torch.cat([add(torch.zeros(3, 2), torch.ones(3, 2)) for _ in range(100)])  # unbound: the run's stream
-    assert torch.equal(lam[:, 0], lam[:, 1])  # one lambda per row, broadcast over the row
-    lam = lam[:, 0]
+    lam = torch.cat([add(torch.zeros(3, 2, 4, 4), torch.ones(3, 2, 4, 4)) for _ in range(100)])  # the run's stream
+    # one lambda per channel (the GhostNet authors' code: tf.random_uniform((depth,)) on the shortcut; not one
+    # scalar per block), broadcast over the channel's pixels
+    assert torch.equal(lam, lam[:, :, :1, :1].expand_as(lam)) and not torch.equal(lam[:, 0], lam[:, 1])
+    lam = lam[:, :, 0, 0]
     assert lam.min() >= 0.6 and lam.max() <= 1.4 and lam.max() - lam.min() > 0.7 and abs(lam.mean() - 1) < 0.05
-    assert len(lam[:3].unique()) == 3  # the rows of one forward meet different ghosts
+    assert len(lam[:3, 0].unique()) == 3  # the rows of one forward meet different ghosts
     again = GhostAdd(0.4, RowDraws(refine_ctx(3).rng))
-    assert torch.equal(lam[:12], torch.cat([again(torch.zeros(3, 2), torch.ones(3, 2)) for _ in range(4)])[:, 0])
+    assert torch.equal(lam[:12], torch.cat([again(torch.zeros(3, 2), torch.ones(3, 2)) for _ in range(4)]))
     net = small_resnet()
     x = torch.rand(2, 3, 16, 16, generator=gen(13))
     (g0,) = REFINE.get("ghost")(refine_ctx(), [net], r=0.0)

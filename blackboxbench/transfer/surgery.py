@@ -243,17 +243,19 @@ def iaa(ctx, models, *, beta=25.0, decay=None):
 # ----------------------------------------------------------------------------------------------- GhostNet ----
 
 class GhostAdd(ResidualAdd):
-    """``branch + lambda * skip``, lambda ~ U[1 - r, 1 + r] drawn at every forward for every row from ``draws``
-    (a :class:`~blackboxbench.rng.RowDraws`; skip erosion)."""
+    """``branch + lambda * skip``, one lambda ~ U[1 - r, 1 + r] per channel of the skip (dimension 1), drawn at
+    every forward for every row from ``draws`` (a :class:`~blackboxbench.rng.RowDraws`; skip erosion). Per
+    channel as the GhostNet authors' code (``tf.random_uniform((depth,), ...)`` on the shortcut of every residual
+    unit) and TransferAttack's ghost ResNets (shape (1, C, 1, 1))."""
 
     def __init__(self, r, draws):
         super().__init__()
         self.r, self.draws = r, draws
 
     def forward(self, branch, skip):
-        m = skip.shape[0]
-        u = self.draws.uniform((), m, torch.float64)
-        lam = (1 - self.r + 2 * self.r * u).to(skip.dtype).view(m, *[1] * (skip.dim() - 1))
+        m, c = skip.shape[:2]
+        u = self.draws.uniform((c,), m, torch.float64)
+        lam = (1 - self.r + 2 * self.r * u).to(skip.dtype).view(m, c, *[1] * (skip.dim() - 2))
         return branch + lam * skip
 
 
@@ -274,14 +276,15 @@ class GhostDropout(nn.Module):
                                 "AAAI 2020", norms=("linf", "l2"), ranges={"r": "arch [0, 1]", "p": "arch [0, 1)"})
 def ghost(ctx, models, *, r=1.0, p=0.1):
     """Ghost network: a residual surrogate gets skip erosion (every block computes branch + lambda * skip with
-    lambda ~ U[1 - ``r``, 1 + ``r``] redrawn at every forward); a surrogate without residual blocks gets dropout
-    erosion (inverted dropout with probability ``p`` after every activation, a fresh mask at every forward). So
-    each iteration attacks a new ghost (a longitudinal ensemble). Table VII CIFAR-10: r 1 (ResNet-50), p 0.1
+    lambda ~ U[1 - ``r``, 1 + ``r``] per channel, redrawn at every forward); a surrogate without residual blocks
+    gets dropout erosion (inverted dropout with probability ``p`` after every activation, a fresh mask at every
+    forward). So each iteration attacks a new ghost (a longitudinal ensemble). Table VII CIFAR-10: r 1 (ResNet-50), p 0.1
     (VGG-19); ``r`` and ``p`` may be per-architecture mappings (:func:`~blackboxbench.prep.layers.per_arch`).
-    Each sample attacks its own ghosts: its lambdas (one per block per forward) and masks come from its own
-    stream while the transfer worker attacks it (:func:`~blackboxbench.rng.drawing_from`), from ``ctx.rng`` (the
-    run's stream) otherwise. The authors draw one lambda per block per forward for the whole batch; per sample,
-    the ghosts an image meets follow the same law, and its result does not depend on its batch."""
+    Each sample attacks its own ghosts: its lambdas (one per channel per block per forward) and masks come from its
+    own stream while the transfer worker attacks it (:func:`~blackboxbench.rng.drawing_from`), from ``ctx.rng``
+    (the run's stream) otherwise. The authors draw one lambda per channel per block per forward for the whole
+    batch; per sample, the ghosts an image meets follow the same law, and its result does not depend on its
+    batch."""
     out = _copies(models, "ghost")
     for net in out:
         draws = RowDraws(ctx.rng)
