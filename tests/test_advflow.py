@@ -85,6 +85,48 @@ def test_training_raises_the_likelihood_of_held_out_images():
     assert abs(out["bits_per_dim"].item() - bits[1]) < 1.0  # the reported figure is on the training images
 
 
+def test_training_batches_are_the_authors_loader_and_noise(monkeypatch):
+    """The batches the flow trains on are the authors' (data.py, train.py): each image flipped horizontally with
+    probability 1/2, uniformly dequantized, (255 x + u) / 256, then Gaussian noise of std 0.02. Images of zeros with
+    one bright pixel at the top left: the bright pixel lands top right in about half of them, its value averages
+    (255 + 1/2) / 256 and the dark ones 1/2 / 256 (the mean of 4,096 noise draws varies by about 3e-4)."""
+    seen = []
+    real = advflow.nll
+
+    def spy(flow, xb):
+        seen.append(xb.detach().clone())
+        return real(flow, xb)
+
+    monkeypatch.setattr(advflow, "nll", spy)
+    x = torch.zeros(64, 1, 8, 8)
+    x[:, 0, 0, 0] = 1
+    train_flow(x, SMALL, epochs=1, views=1, flow_lr=1e-4, batch=64, noise=0.02, seed=0)
+    batches = torch.cat(seen[:-1])  # the last call is the final likelihood on x itself
+    assert len(batches) == 128
+    left, right = batches[:, 0, 0, 0] > 0.5, batches[:, 0, 0, 7] > 0.5
+    assert torch.equal(left, ~right) and 40 < int(right.sum()) < 88  # flips: about 64 of 128
+    bright = torch.where(right, batches[:, 0, 0, 7], batches[:, 0, 0, 0])
+    assert abs(bright.mean().item() - 255.5 / 256) < 0.005
+    dark = torch.cat([batches.flatten(1)[:, 1:7], batches.flatten(1)[:, 8:]], 1)  # 0 in every image
+    assert abs(dark.mean().item() - 0.5 / 256) < 0.001  # without the dequantization: 0
+
+
+def test_training_learning_rates_are_the_authors_steplr(monkeypatch):
+    """The learning rate of each epoch: 0.02 x lr for the warm-up, then the authors' StepLR under their torch 1.3.1
+    (base x gamma^k after k steps, the warm-up's included), gamma = 0.01^(1 / epochs): the last epoch runs at
+    0.01 x lr."""
+    lrs = []
+    step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    train_flow(torch.rand(8, 1, 4, 4), SMALL, epochs=2, views=1, flow_lr=1e-3, batch=8, noise=0.02, seed=0)
+    assert lrs == pytest.approx([2e-5, 1e-4, 1e-5])  # before: 2e-5, 1e-3, 1e-4
+
+
 class Scores(nn.Module):
     """Fixed random linear logits over 4 classes."""
 

@@ -24,15 +24,17 @@ image. Couplings are Glow's (both halves transformed in turn) with scales soft-c
 ``log s = 0.636 clamping atan(s' / clamping)``. Parameters start at 0.03 times a normal draw and the last layer of
 every sub-network at zero (the flow starts as a fixed orthogonal map).
 
-**Training** (the authors' ``train.py`` and ``config.py``): maximum likelihood under a standard normal latent,
-``0.5 |z|^2 - log|det J|``, on images with Gaussian noise of std ``noise`` (0.02) added; Adam (lr ``flow_lr``
-1e-4, betas 0.9/0.999, eps 1e-6, weight decay 1e-5), batches of ``batch`` (64), one warm-up epoch at 0.02 times
-the lr, then the lr decays to 0.01 times its start over ``epochs`` (350). The authors train on the 50,000 CIFAR-10
-training images; here on the attacker's ``train_images`` asset (never the evaluation images: checked), ``views``
-passes per epoch (the first as is, the others randomly cropped and flipped), a small flow on split A that the
-leaderboard's ``trained_on`` column flags (spec sheet section 3). Trained on the run's device, cached in
-``BLACKBOXBENCH_CACHE``/flows under a hash of the architecture, the training parameters, the images, the seed and
-the device type, and built once per run.
+**Training** (the authors' ``train.py``, ``data.py`` and ``config.py``): maximum likelihood under a standard normal
+latent, ``0.5 |z|^2 - log|det J|``, on batches as their CIFAR-10 loader and loop make them (:func:`training_batch`:
+a horizontal flip with probability 1/2, their uniform dequantization ``(255 x + u) / 256``, ``u ~ U[0, 1)``, and
+Gaussian noise of std ``noise``, 0.02); Adam (lr ``flow_lr`` 1e-4, betas 0.9/0.999, eps 1e-6, weight decay 1e-5),
+batches of ``batch`` (64), one warm-up epoch at 0.02 times the lr, then the lr of their ``StepLR`` under their
+torch 1.3.1 (:func:`flow_lr_at`), 0.01 times its start at the last of ``epochs`` (350). The authors train on the
+50,000 CIFAR-10 training images; here on the attacker's ``train_images`` asset (never the evaluation images:
+checked), ``views`` passes per epoch (the first as is, the others randomly cropped and flipped), a small flow on
+split A that the leaderboard's ``trained_on`` column flags (spec sheet section 3). Trained on the run's device,
+cached in ``BLACKBOXBENCH_CACHE``/flows under a hash of the architecture, the training parameters and their
+revision (``TRAINING``), the images, the seed and the device type, and built once per run.
 """
 import math
 
@@ -49,6 +51,7 @@ PAPER = ("Dolatabadi, Erfani, Leckie, AdvFlow: Inconspicuous Black-box Adversari
 ATAN = 0.636  # FrEIA's soft clamp: 0.636 ~ 2 / pi, so |log s| < clamping
 INIT_SCALE = 0.03  # the authors' init_scale
 LEAKY = 0.1  # FrEIA's F_conv slope
+TRAINING = 2  # train_flow's revision, in the cache key (2: the authors' flips, dequantization, lr steps)
 
 
 def conv_subnet(cin, cout, hidden):
@@ -201,6 +204,27 @@ def nll(flow, x):
     return 0.5 * z.pow(2).sum(1) - logdet
 
 
+def flow_lr_at(epoch, flow_lr, epochs):
+    """The learning rate of ``epoch`` (-1: the warm-up) in the authors' ``train.py``: 0.02 x ``flow_lr`` for the
+    warm-up, then their ``StepLR`` (gamma = 0.01^(1 / ``epochs``), one step after every epoch). Under their torch
+    1.3.1 a step sets ``flow_lr`` x gamma^k after k steps, so the warm-up's step already gives epoch 0 gamma^1 and
+    the last epoch runs at 0.01 x ``flow_lr``."""
+    return 0.02 * flow_lr if epoch < 0 else flow_lr * 0.01 ** ((epoch + 1) / epochs)
+
+
+def training_batch(xb, noise, gen):
+    """A training batch as the authors' CIFAR-10 loader and loop make it from images ``xb`` in [0, 1]: each image
+    flipped horizontally with probability 1/2 (``RandomHorizontalFlip``), then, when ``noise`` > 0 (their
+    ``add_image_noise``), their uniform dequantization ``(255 x + u) / 256`` and Gaussian noise of std ``noise``;
+    draws from the CPU generator ``gen``."""
+    flip = (torch.rand(len(xb), generator=gen) < 0.5).to(xb.device)
+    xb = torch.where(flip.view(-1, 1, 1, 1), xb.flip(3), xb)
+    if noise > 0:
+        u = torch.rand(xb.shape, generator=gen).to(xb.device)
+        xb = (255 * xb + u) / 256 + noise * torch.randn(xb.shape, generator=gen).to(xb.device)
+    return xb
+
+
 def train_flow(x, arch, *, epochs, views, flow_lr, batch, noise, seed):
     """The state dict of an :class:`ImageFlow` of ``arch`` trained on ``x`` (n, C, H, W) on its device (see the
     module docstring), deterministic in ``seed``, and its final negative log-likelihood in bits per dimension on
@@ -208,15 +232,12 @@ def train_flow(x, arch, *, epochs, views, flow_lr, batch, noise, seed):
     gen = torch.Generator().manual_seed(seed)
     flow = ImageFlow(x.shape[1:], **arch, seed=seed).to(x.device)
     opt = torch.optim.Adam(flow.parameters(), lr=flow_lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-5)
-    gamma = 0.01 ** (1.0 / epochs)
-    for epoch in range(-1, epochs):  # epoch -1: the authors' warm-up at 0.02 x the learning rate
+    for epoch in range(-1, epochs):  # epoch -1: the authors' warm-up
         for group in opt.param_groups:
-            group["lr"] = flow_lr * (0.02 if epoch < 0 else gamma ** epoch)
+            group["lr"] = flow_lr_at(epoch, flow_lr, epochs)
         data = torch.cat([x] + [augment(x, gen) for _ in range(views - 1)])
         for idx in torch.randperm(len(data), generator=gen).split(batch):
-            xb = data[idx.to(x.device)]
-            xb = xb + noise * torch.randn(xb.shape, generator=gen).to(x.device)
-            loss = nll(flow, xb).mean()
+            loss = nll(flow, training_batch(data[idx.to(x.device)], noise, gen)).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -229,7 +250,7 @@ def train_flow(x, arch, *, epochs, views, flow_lr, batch, noise, seed):
 def trained_flow(ctx, data, arch, hp):
     """The frozen flow of ``arch`` trained with ``hp`` on the ``train_images`` asset ``data``, on the run's
     device: cached on disk and built once per run."""
-    return trained_model(ctx, "advflow", "flows", data, {**arch, **hp},
+    return trained_model(ctx, "advflow", "flows", data, {**arch, **hp, "training": TRAINING},
                          lambda shape: ImageFlow(shape, **arch, seed=hp["seed"]), lambda x: train_flow(x, arch, **hp))
 
 
