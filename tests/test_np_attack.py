@@ -11,6 +11,7 @@ import torch
 
 from blackboxbench.errors import BenchError
 from blackboxbench.prep.data import digits
+from blackboxbench.query import np_attack
 from blackboxbench.query.np_attack import ANP, coordinates, nll, representation_step, to_images, to_points, train_anp
 from blackboxbench.runner import run_experiment
 
@@ -67,6 +68,21 @@ def test_training_lowers_the_held_out_negative_log_likelihood():
     assert (rec - test).pow(2).mean() < 0.75 * (test - test.mean()).pow(2).mean()  # measured: 0.58
 
 
+def test_training_draws_one_latent_per_image():
+    """The training loss decodes every point of an image with the same latent draw (the authors' reparameterise:
+    one draw per image, expanded over its points), different images with different draws; the attack draws one per
+    point (test_representation_step_is_the_authors_update)."""
+    net = ANP((1, 4, 4), r_dim=8, z_dim=4, hidden=8)
+    seen = []
+    decode = net.decode
+    net.decode = lambda r, z: seen.append(z) or decode(r, z)
+    nll(net, torch.rand(3, 1, 4, 4), torch.Generator().manual_seed(0))
+    z, = seen
+    assert z.shape == (3, 16, 4)
+    assert torch.equal(z, z[:, :1].expand(-1, 16, -1))  # before: a draw per point
+    assert (z[0, 0] != z[1, 0]).all()
+
+
 def test_representation_step_is_the_authors_update():
     """One NES update of r against a per-sample loop of the authors' NP_Attack, type R (perturbations scaled by the
     latent scale, one latent draw per point shared by the population, the decode clipped to the eps ball, the
@@ -100,6 +116,60 @@ def test_representation_step_is_the_authors_update():
         ref = r0[i] + lr / (n_pop * z_scale[i]) * (e.view(n_pop, -1).t() @ a).view(p, d)
         assert torch.allclose(r[i], ref, atol=1e-4), i
     assert (ctx.oracle.counts == n_pop).all()
+
+
+def test_targeted_step_size_rule_is_the_authors():
+    """The step-size rule of the authors' NPAttack_targeted.py against their loop, for five samples over 80
+    iterations of random mean losses: at iterations 0, 10, ... the lr halves where the loss rose since the last
+    check (100 at first) while the lr is above 1e-3, and the loss becomes the last."""
+    g = torch.Generator().manual_seed(0)
+    losses = torch.rand(80, 5, generator=g) * 4 - torch.arange(80)[:, None] * 0.02
+    lr, last = torch.full((5,), 0.05), torch.full((5,), 100.0)
+    for it in range(80):
+        lr, last = np_attack.targeted_lr(lr, last, losses[it], torch.full((5,), it))
+    for i in range(5):
+        ref_lr, ref_last = 0.05, 100
+        for it in range(80):
+            loss = losses[it, i].item()
+            if it % 10 == 0:
+                if loss > ref_last and ref_lr > 1e-3:
+                    ref_lr = ref_lr / 2
+                ref_last = loss
+        assert lr[i].item() == pytest.approx(ref_lr) and last[i].item() == pytest.approx(ref_last)
+    assert (lr < 0.05).all() and (lr > 1e-3 / 2).all()
+
+
+def test_targeted_runs_halve_the_step_and_untargeted_runs_keep_it(tmp_path, monkeypatch):
+    """Targeted runs (the authors' NPAttack_targeted.py) go through the step-size rule, untargeted ones keep
+    Table VI's lr: the lr each NES update gets, on digits with a small ANP, with every population's margins raised
+    by 10 more at each call (the same for a whole population: its standardized rewards do not change), so that the
+    mean loss rises at every check: the lr halves at iterations 10 and 20 (not at 0: below the initial 100)."""
+    steps = {False: [], True: []}
+    population, update = np_attack.population, np_attack.nes_update
+    calls = []
+
+    def rising(*args):
+        e, margin, ok = population(*args)
+        calls.append(1)
+        return e, margin + 10.0 * len(calls), ok
+
+    monkeypatch.setattr(np_attack, "population", rising)
+    for targeted in (False, True):
+        def spy(r, z_scale, e, margin, ok, lr, targeted=targeted):
+            steps[targeted].append(torch.as_tensor(lr).flatten().clone())
+            return update(r, z_scale, e, margin, ok, lr)
+
+        monkeypatch.setattr(np_attack, "nes_update", spy)
+        calls.clear()
+        exp = _exp(tmp_path / str(targeted), attack={"recipe": "np_attack", "blocks": SMALL}, model="digits_mlp",
+                   assets=_digits_assets(), dataset={"name": "digits", "n": 2},
+                   threat={"norm": "linf", "eps": 0.01, "max_queries": 2200, "targeted": targeted})
+        run_experiment(exp, progress=False)
+    assert all(torch.equal(s, torch.full_like(s, 0.05)) for s in steps[False])
+    lrs = [s.max().item() for s in steps[True]]  # the samples that are still running
+    assert len(lrs) >= 21
+    assert lrs[:10] == [pytest.approx(0.05)] * 10 and lrs[10:20] == [pytest.approx(0.025)] * 10, lrs
+    assert lrs[20:] == [pytest.approx(0.0125)] * len(lrs[20:])
 
 
 def _digits_assets(n=200):

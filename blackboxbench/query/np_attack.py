@@ -11,9 +11,10 @@ point embedding into a global Gaussian ``z`` (mean, and a scale in [0.01, 0.1]).
 point, ``z``, coordinate) through four ReLU layers to a mean and a scale per point. The authors' self-attention
 layers add a zero-initialised multiple of a freshly drawn attention at every call (an identity), so they are left
 out. Training: the Gaussian negative log-likelihood of every pixel, the context and target being the whole image
-(so the KL term between the two latent Gaussians is zero), Adam lr 1e-3, batch 8, 50 epochs (the authors: on the
-50,000 CIFAR-10 training images; here on the attacker's ``train_images`` asset, never the evaluation images, and
-cached in ``BLACKBOXBENCH_CACHE``/np like AdvFlow's flow).
+(so the KL term between the two latent Gaussians is zero), with one latent draw per image broadcast over its points
+(the authors' ``reparameterise``), Adam lr 1e-3, batch 8, 50 epochs (the authors: on the 50,000 CIFAR-10 training
+images; here on the attacker's ``train_images`` asset, never the evaluation images, and cached in
+``BLACKBOXBENCH_CACHE``/np like AdvFlow's flow, the training's revision ``TRAINING`` in the key).
 
 **The attack** (the authors' ``NP_Attack``, type R, their default; Table VI: N 100, I 600, E 0.05, LR 0.05): the
 image is encoded once into ``r``, ``mu_z`` and ``sigma_z``. Each iteration draws ``n_pop`` (N, 100) normal tensors
@@ -24,6 +25,11 @@ the log-probabilities as the loss, standardized rewards ``A`` and ``lr`` (LR, 0.
 check at the start of each iteration; here ``margin_step`` queries it), so an iteration costs ``n_pop + 1``
 queries. Table VI's I (600 iterations) caps nothing below the budget (600 x 101 > 10,000) and E (0.05) is the
 authors' eps, the threat's here.
+
+**Targeted** (the authors' ``NPAttack_targeted.py``): the same NES with the targeted CW margin of the
+log-probabilities (the best other class minus the target), and their step-size rule (:func:`targeted_lr`): every
+tenth iteration a sample whose population's mean loss rose since the last such check halves its ``lr`` while it
+is above 1e-3.
 """
 import math
 
@@ -42,6 +48,7 @@ PAPER = ("Bai, Zeng, Jiang, Wang, Xia, Guo, Improving Query Efficiency of Black-
 COORDS = 3  # row, column, channel
 CHUNK = 1 << 25  # decoder activations per chunk (rows x points x hidden)
 ATTENTION = 1 << 30  # the most values of the ANP's attention (heads x P x P): 4 GiB of float32
+TRAINING = 2  # train_anp's revision, in the cache key (2: one latent draw per image, as the authors)
 
 
 def coordinates(shape, device=None):
@@ -136,10 +143,11 @@ def sample_z(mean, scale, normal):
 
 def nll(net, x, gen=None):
     """The Gaussian negative log-likelihood of the pixels of ``x`` (per image, summed over points), with one latent
-    per point drawn from ``gen``; the authors' training loss (its KL term is zero: context = target)."""
+    per image drawn from ``gen`` and shared by its points (the authors' ``reparameterise``; the attack draws one per
+    point); the authors' training loss (its KL term is zero: context = target)."""
     r, mean, scale = net.encode(x)
-    normal = torch.randn(r.shape, generator=gen).to(x.device)
-    mu, sigma = net.decode(r, sample_z(mean, scale, normal))
+    normal = torch.randn((r.shape[0], 1, r.shape[2]), generator=gen).to(x.device)
+    mu, sigma = net.decode(r, sample_z(mean, scale, normal).expand(-1, r.shape[1], -1))
     y = to_points(x)
     return (0.5 * ((y - mu) / sigma) ** 2 + sigma.log() + 0.5 * math.log(2 * math.pi)).sum(1)
 
@@ -181,7 +189,8 @@ def trained_anp(ctx, data, arch, hp):
     """The frozen ANP of ``arch`` trained with ``hp`` on the ``train_images`` asset ``data``, on the run's device:
     cached on disk and built once per run."""
     with seeded():  # the shell's initialisation is overwritten by the state
-        return trained_model(ctx, "np_attack", "np", data, {**arch, **hp}, lambda shape: ANP(shape, **arch),
+        return trained_model(ctx, "np_attack", "np", data, {**arch, **hp, "training": TRAINING},
+                             lambda shape: ANP(shape, **arch),
                              lambda x: train_anp(x, arch, **hp))
 
 
@@ -190,17 +199,22 @@ def trained_anp(ctx, data, arch, hp):
 @INIT.register("np_init", paper=PAPER, norms=("linf", "l2"), ranges={"z_dim": "int [1, inf)"})
 def np_init(ctx, *, z_dim=128):
     """The clean image (one query) and room for its representation (P points x ``z_dim``, the ANP's, which
-    ``np_attack`` checks) and latent, NaN until the perturb block encodes the image at its first step."""
+    ``np_attack`` checks) and latent, NaN until the perturb block encodes the image at its first step; for the
+    targeted step-size rule, the sample's ``lr`` (NaN: the perturb block's), the loss of its last check (the
+    authors' 100) and its iteration count."""
     x = ctx.problem.x
     n, p = x.shape[0], x[0].numel()
     nan = lambda *shape: torch.full((n, *shape), float("nan"), device=x.device)  # noqa: E731
-    return start_state(ctx, x.clone(), r=nan(p, z_dim), z_mean=nan(z_dim), z_scale=nan(z_dim))
+    return start_state(ctx, x.clone(), r=nan(p, z_dim), z_mean=nan(z_dim), z_scale=nan(z_dim), lr=nan(),
+                       last_loss=torch.full((n,), 100.0, device=x.device),
+                       it=torch.zeros(n, dtype=torch.long, device=x.device))
 
 
-def representation_step(ctx, r, z_mean, z_scale, decode, *, n_pop, lr):
-    """NP-attack's NES update of the representations ``r`` (n, P, D): ``n_pop`` candidates ``r + sigma_z e_k``
-    decoded with one shared latent draw per point, projected and queried in one oracle call; returns the new
-    ``r``. A population with a refused query leaves ``r`` as it is."""
+def population(ctx, r, z_mean, z_scale, decode, n_pop):
+    """NP-attack's population around the representations ``r`` (n, P, D): ``n_pop`` candidates
+    ``r + sigma_z e_k`` decoded with one shared latent draw per point, projected and queried in one oracle call;
+    returns the draws ``e`` (n, n_pop, P, D), the candidates' margins (n, n_pop) and whether every query of a
+    sample's population was answered (n,)."""
     problem = ctx.problem
     n, p, d = r.shape
     e = ctx.rng.normal((n_pop, p, d)).to(r.device)
@@ -210,10 +224,33 @@ def representation_step(ctx, r, z_mean, z_scale, decode, *, n_pop, lr):
     idx = torch.arange(n, device=r.device).repeat_interleave(n_pop)
     candidates = problem.sub(idx).project(decode(cand, z[idx]).clamp(0, 1))
     margin, _, ok = query_margin(ctx, candidates, idx)
-    ok = ok.view(n, n_pop).all(1)
-    reward = torch.where(ok[:, None], -margin.view(n, n_pop), 0.0)
+    return e, margin.view(n, n_pop), ok.view(n, n_pop).all(1)
+
+
+def nes_update(r, z_scale, e, margin, ok, lr):
+    """``r + lr / (n_pop sigma_z) sum_k A_k e_k`` with the rewards ``-margin`` standardized per sample (1e-7 as the
+    authors); ``lr`` a number or one per sample (n,). A sample with a refused query (not ``ok``) keeps its ``r``."""
+    n_pop = margin.shape[1]
+    reward = torch.where(ok[:, None], -margin, 0.0)
     a = (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-7)
+    lr = torch.as_tensor(lr, dtype=r.dtype, device=r.device).reshape(-1, 1, 1)
     return r + lr / (n_pop * z_scale[:, None, :]) * torch.einsum("nk,nkpd->npd", a, e)
+
+
+def representation_step(ctx, r, z_mean, z_scale, decode, *, n_pop, lr):
+    """NP-attack's NES update of the representations ``r`` (n, P, D) (:func:`population`, :func:`nes_update`);
+    returns the new ``r``."""
+    e, margin, ok = population(ctx, r, z_mean, z_scale, decode, n_pop)
+    return nes_update(r, z_scale, e, margin, ok, lr)
+
+
+def targeted_lr(lr, last_loss, loss, it):
+    """The step-size rule of the authors' targeted attack, per sample: at iterations ``it`` 0, 10, 20, ... the
+    population's mean ``loss`` is compared with ``last_loss`` (that of the last check; 100 at first), ``lr`` halves
+    where it rose and ``lr`` is above 1e-3, and ``loss`` becomes the last; returns (lr, last_loss)."""
+    check = it % 10 == 0
+    halve = check & (loss > last_loss) & (lr > 1e-3)
+    return torch.where(halve, lr / 2, lr), torch.where(check, loss, last_loss)
 
 
 @PERTURB.register("np_attack", paper=PAPER, norms=("linf", "l2"), asset_params={"data": "train_images"},
@@ -223,8 +260,9 @@ def representation_step(ctx, r, z_mean, z_scale, decode, *, n_pop, lr):
                           "seed": "int [0, inf)"})
 def np_attack(ctx, state, *, n_pop=100, lr=0.05, data="train", r_dim=128, z_dim=128, hidden=400, epochs=50,
               views=1, np_lr=1e-3, batch=8, seed=0):
-    """One NP-attack iteration: the NES update of the representation from ``n_pop`` candidates, then a decode of
-    it as the new point (see the module docstring for every parameter)."""
+    """One NP-attack iteration: the NES update of the representation from ``n_pop`` candidates (targeted: with the
+    authors' step-size rule), then a decode of it as the new point (see the module docstring for every
+    parameter)."""
     arch = {"r_dim": int(r_dim), "z_dim": int(z_dim), "hidden": int(hidden)}
     hp = {"epochs": int(epochs), "views": int(views), "np_lr": float(np_lr), "batch": int(batch),
           "seed": int(seed)}
@@ -245,7 +283,14 @@ def np_attack(ctx, state, *, n_pop=100, lr=0.05, data="train", r_dim=128, z_dim=
         def decode(rep, z):
             return to_images(net.decode(rep, z)[0], net.shape)
 
-        r = representation_step(ctx, r, z_mean, z_scale, decode, n_pop=n_pop, lr=lr)
+        step, last_loss, it = state["lr"], state["last_loss"], state["it"]
+        step = torch.where(torch.isnan(step), float(lr), step)
+        e, margin, ok = population(ctx, r, z_mean, z_scale, decode, n_pop)
+        if problem.target is not None:  # a population with a refused query changes nothing
+            new_step, new_last = targeted_lr(step, last_loss, margin.mean(1), it)
+            step, last_loss = torch.where(ok, new_step, step), torch.where(ok, new_last, last_loss)
+        r = nes_update(r, z_scale, e, margin, ok, step)
         z = sample_z(z_mean, z_scale, ctx.rng.normal(r.shape[1:]).to(r.device))
         x_new = problem.project(decode(r, z).clamp(0, 1))
-    return {"x_adv": x_new, "r": r, "z_mean": z_mean, "z_scale": z_scale}
+    return {"x_adv": x_new, "r": r, "z_mean": z_mean, "z_scale": z_scale, "lr": step, "last_loss": last_loss,
+            "it": it + 1}
