@@ -247,7 +247,7 @@ class RowDraws:
         if m % n:
             raise BenchError(f"a random module of the model was forwarded {m} rows for {n} samples; it draws "
                              "per sample, so a forward must hold whole copies of the batch")
-        return self.rng.uniform(shape, torch.arange(n).repeat(m // n), dtype)
+        return self.rng.uniform(shape, torch.arange(n, device=self.rng.device).repeat(m // n), dtype)
 
 
 @contextlib.contextmanager
