@@ -5,7 +5,6 @@ images. An analysis sees the model's gradients: it is a tool for the evaluator, 
 :func:`load_inputs` builds them from a run directory (its ``config.yaml`` names the dataset and the model, its
 ``adv/<index>.png`` hold the returned images) or from a model and a dataset spec.
 """
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..compare import load_run
 from ..config import check_spec, import_plugins, load_yaml
 from ..errors import BenchError
 from ..family import not_class_scores
@@ -55,6 +55,10 @@ def import_run_plugins(run, cfg=None):
         import_plugins(paths, str(Path(run) / "config.yaml"), str(run))
 
 
+def _run_family(cfg):
+    return (cfg.get("attack") or {}).get("family") if isinstance(cfg.get("attack"), dict) else None
+
+
 def _run_config(run):
     path = Path(run) / "config.yaml"
     if not path.is_file():
@@ -62,8 +66,7 @@ def _run_config(run):
     cfg = load_yaml(path)
     if not isinstance(cfg.get("dataset"), dict):
         raise BenchError(f"{path} is not a resolved run config (no dataset mapping)")
-    family = (cfg.get("attack") or {}).get("family") if isinstance(cfg.get("attack"), dict) else None
-    if family == "detection":
+    if _run_family(cfg) == "detection":
         raise BenchError(f"{run} is a detection run: the model-level analyses (decision surface, dbViz, FSM, "
                          "FullGrad, ADM) take classification runs")
     return cfg
@@ -117,20 +120,13 @@ def _attack_paths(run, index):
     return out
 
 
-def _run_targets(run):
-    """{index: target class} of a targeted run's records (None when no record names a target)."""
-    path = Path(run) / "records.jsonl"
-    if not path.is_file():
+def _run_targets(run, cfg):
+    """{index: target class} of a targeted run, from its finished, checksum-verified records
+    (:func:`blackboxbench.compare.load_run`); None for an untargeted run."""
+    if not (cfg.get("threat") or {}).get("targeted"):
         return None
-    out = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a crash: the runner redoes that sample
-            continue
-        if isinstance(r, dict) and isinstance(r.get("index"), int) and isinstance(r.get("target"), int):
-            out[r["index"]] = r["target"]
-    return out or None
+    _, records = load_run(run)
+    return {i: r["target"] for i, r in records.items() if isinstance(r.get("target"), int)} or None
 
 
 def _saved_indices(run):
@@ -219,5 +215,4 @@ def load_inputs(run=None, model=None, dataset=None, data_root=None, n=None, indi
     return Inputs(nets[0][1], ", ".join(names), data.x[index].to(device), data.y[index].to(device), index,
                   None if x_adv is None else x_adv.to(device), int(seed if not cfg else cfg.get("seed", seed)), paths,
                   nets if many else None, None if root is None else str(root),
-                  (cfg.get("attack") or {}).get("family") if isinstance(cfg.get("attack"), dict) else None,
-                  _run_targets(run) if run is not None else None)
+                  _run_family(cfg), _run_targets(run, cfg) if run is not None else None)
