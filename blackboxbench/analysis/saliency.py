@@ -223,6 +223,12 @@ def overlay(ax, image, saliency, title):
 PATH_ENDS = ("auto", "first_success", "final")
 
 
+def fools(pred, label, target=None):
+    """Whether predictions ``pred`` (a tensor, or one class) are adversarial: another class than ``label``, or, for a targeted run
+    (``target`` a class), ``target``."""
+    return pred == target if target is not None else pred != label
+
+
 def first_success(model, images, label, target=None, device="cpu"):
     """The position in ``images`` (a path's uint8 snapshots (K, C, H, W), the clean image first) of the first
     snapshot after the clean image that fools ``model``: its prediction differs from ``label``, or, for a targeted
@@ -230,8 +236,7 @@ def first_success(model, images, label, target=None, device="cpu"):
     x = torch.from_numpy(images).float().div(255)
     with torch.no_grad():
         pred = torch.cat([model(x[i:i + CHUNK].to(device)).argmax(1).cpu() for i in range(0, len(x), CHUNK)])
-    hit = (pred == target) if target is not None else (pred != label)
-    found = np.flatnonzero(hit[1:].numpy())
+    found = np.flatnonzero(fools(pred[1:], label, target).numpy())
     return int(found[0]) + 1 if len(found) else None
 
 
@@ -276,7 +281,7 @@ def fullgrad_path(inputs, *, score="predicted", max_images=4, stages=6, end="aut
     flat = maps.flatten(1)
     cos = F.cosine_similarity(flat, flat[[clean[i] for i, _, _ in stage_rows]], dim=1).tolist()
     goal = [(inputs.targets or {}).get(i) for i, _, _ in stage_rows]
-    fooled = [p == g if g is not None else p != lab for p, g, lab in zip(pred, goal, labels)]
+    fooled = [bool(fools(p, lab, g)) for p, g, lab in zip(pred, goal, labels)]
     header = ["index", "label", "stage", "step", "predicted", "cosine_to_clean", "adversarial"]
     rows = [[i, labels[n], j, st, pred[n], cos[n], fooled[n]] for n, (i, j, st) in enumerate(stage_rows)]
     arrays = {"maps": maps.cpu().numpy(), "owner": np.array([i for i, _, _ in stage_rows]),
