@@ -403,8 +403,8 @@ def test_fullgrad_path_of_a_targeted_transfer_run(tmp_path):
     its first snapshot that the analysed model (the run's target) puts in the target class."""
     from blackboxbench.analysis.saliency import fullgrad_path
 
-    run_dir, _ = finished_run(tmp_path, "dataset: {name: digits, n: 4}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
-                              "attack: {recipe: mi_fgsm, hyper: {iterations: 10}}\nsave_path_every: 1\n"
+    run_dir, _ = finished_run(tmp_path, "dataset: {name: digits, n: 4}\nsurrogates: [digits_cnn]\n"
+                              "targets: [digits_mlp]\nattack: {recipe: mi_fgsm, hyper: {iterations: 10}}\nsave_path_every: 1\n"
                               "threat: {norm: linf, eps: 0.3, targeted: true}\n")
     inputs = load_inputs(run=run_dir)
     records = {r["index"]: r for r in map(json.loads, (run_dir / "records.jsonl").read_text().splitlines())}

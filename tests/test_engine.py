@@ -137,7 +137,8 @@ def test_query_records_do_not_depend_on_the_batch_size(tmp_path, attack, norm, e
     {"recipe": "sia", "hyper": {"iterations": 2}},
     {"recipe": "ghostnet", "hyper": {"iterations": 6}},  # a fresh ghost per forward, drawn per sample
     {"recipe": "ghostnet", "hyper": {"iterations": 4, "copies_per_forward": 0},  # 5 scaled copies in one forward
-     "blocks": {"transform": [{"name": "si", "copies": 5}]}}], ids=["mi_di_ti_fgsm", "mi_di_ti_si", "sia", "ghostnet", "ghostnet_si"])
+     "blocks": {"transform": [{"name": "si", "copies": 5}]}}],
+    ids=["mi_di_ti_fgsm", "mi_di_ti_si", "sia", "ghostnet", "ghostnet_si"])
 def test_transfer_records_do_not_depend_on_the_batch_size(tmp_path, attack):
     runs = []
     for bs in (1, 7, 100):

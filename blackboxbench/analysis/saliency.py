@@ -224,8 +224,8 @@ PATH_ENDS = ("auto", "first_success", "final")
 
 
 def fools(pred, label, target=None):
-    """Whether predictions ``pred`` (a tensor, or one class) are adversarial: another class than ``label``, or, for a targeted run
-    (``target`` a class), ``target``."""
+    """Whether predictions ``pred`` (a tensor, or one class) are adversarial: another class than ``label``, or,
+    for a targeted run (``target`` a class), ``target``."""
     return pred == target if target is not None else pred != label
 
 
