@@ -53,8 +53,8 @@ def decision_surface(inputs, *, steps=41, scale=2.0, max_images=8):
     """V(i, j) = S(o + i alpha + j beta) (eq. I.11) on a ``steps`` x ``steps`` grid (``steps`` odd: o at its
     centre), i and j from -R to R in L2 units, R = ``scale`` x ||x_adv - o||_2 per image: o the clean image, alpha
     the unit direction of the run's adversarial perturbation, beta a unit random direction orthogonal to it (from
-    the image's stream). Points are not clipped to [0, 1] (eq. I.11 has no clip). The table gives each image's distance to the boundary (S = 0)
-    along +alpha and along the nearer of +-beta, to the grid's resolution."""
+    the image's stream). Points are not clipped to [0, 1] (eq. I.11 has no clip). The table gives each image's
+    distance to the boundary (S = 0) along +alpha and along the nearer of +-beta, to the grid's resolution."""
     if inputs.x_adv is None:
         raise BenchError("decision_surface needs the run's adversarial images: give a run saved with save_adv: true")
     if steps % 2 == 0:  # else the clean image o is no grid point: no centre, and the rays start half a cell out

@@ -278,13 +278,12 @@ def ghost(ctx, models, *, r=1.0, p=0.1):
     """Ghost network: a residual surrogate gets skip erosion (every block computes branch + lambda * skip with
     lambda ~ U[1 - ``r``, 1 + ``r``] per channel, redrawn at every forward); a surrogate without residual blocks
     gets dropout erosion (inverted dropout with probability ``p`` after every activation, a fresh mask at every
-    forward). So each iteration attacks a new ghost (a longitudinal ensemble). Table VII CIFAR-10: r 1
-    (ResNet-50), p 0.1 (VGG-19); ``r`` and ``p`` may be per-architecture mappings
-    (:func:`~blackboxbench.prep.layers.per_arch`). Each sample attacks its own ghosts: its lambdas (one per channel per block per forward) and masks come from its
-    own stream while the transfer worker attacks it (:func:`~blackboxbench.rng.drawing_from`), from ``ctx.rng``
-    (the run's stream) otherwise. The authors draw one lambda per channel per block per forward for the whole
-    batch; per sample, the ghosts an image meets follow the same law, and its result does not depend on its
-    batch."""
+    forward). So each iteration attacks a new ghost (a longitudinal ensemble). Table VII CIFAR-10: r 1 (ResNet-50),
+    p 0.1 (VGG-19); ``r`` and ``p`` may be per-architecture mappings (:func:`~blackboxbench.prep.layers.per_arch`).
+    Each sample attacks its own ghosts: its lambdas (one per channel per block per forward) and masks come from its
+    own stream while the transfer worker attacks it (:func:`~blackboxbench.rng.drawing_from`), from ``ctx.rng`` (the
+    run's stream) otherwise. The authors draw one lambda per channel per block per forward for the whole batch; per
+    sample, the ghosts an image meets follow the same law, and its result does not depend on its batch."""
     out = _copies(models, "ghost")
     for net in out:
         draws = RowDraws(ctx.rng)
