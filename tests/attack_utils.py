@@ -158,6 +158,18 @@ class Linear2(nn.Module):
         return torch.stack([torch.zeros_like(s), s], 1)
 
 
+def spy_lrs(monkeypatch, optimizer):
+    """A list that gets the learning rate of the first parameter group at every ``optimizer.step`` (a class)."""
+    lrs, step = [], optimizer.step
+
+    def spy(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(optimizer, "step", spy)
+    return lrs
+
+
 def count_calls(calls, name, fn):
     """``fn`` wrapped to add one to ``calls[name]`` at every call (for monkeypatching a training or cache step)."""
     def wrapper(*args, **kwargs):

@@ -20,7 +20,7 @@ from blackboxbench.query import advflow
 from blackboxbench.query.advflow import Coupling, ImageFlow, nll, population_step, train_flow
 from blackboxbench.runner import run_experiment
 
-from attack_utils import count_calls, make_ctx
+from attack_utils import count_calls, make_ctx, spy_lrs
 from test_engine import _exp, _records, records_by_batch_size, records_by_probe_values
 
 DATA = os.environ.get("BLACKBOXBENCH_DATA")
@@ -115,14 +115,7 @@ def test_training_learning_rates_are_the_authors_steplr(monkeypatch):
     """The learning rate of each epoch: 0.02 x lr for the warm-up, then the authors' StepLR under their torch 1.3.1
     (base x gamma^k after k steps, the warm-up's included), gamma = 0.01^(1 / epochs): the last epoch runs at
     0.01 x lr."""
-    lrs = []
-    step = torch.optim.Adam.step
-
-    def spy(self, *args, **kwargs):
-        lrs.append(self.param_groups[0]["lr"])
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    lrs = spy_lrs(monkeypatch, torch.optim.Adam)
     train_flow(torch.rand(8, 1, 4, 4), SMALL, epochs=2, views=1, flow_lr=1e-3, batch=8, noise=0.02, seed=0)
     assert lrs == pytest.approx([2e-5, 1e-4, 1e-5])  # before: 2e-5, 1e-3, 1e-4
 

@@ -30,7 +30,7 @@ from blackboxbench.transfer import weights
 from blackboxbench.transfer.refine import ModelSet, members
 
 from attack_utils import build as build_recipe
-from attack_utils import check_output, correctly_classified, transfer_ctx
+from attack_utils import check_output, correctly_classified, spy_lrs, transfer_ctx
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "attacks" / "transfer"
 ENSEMBLE = ["ens_loss", "ens_longitudinal", "cwa", "adaea"]
@@ -388,14 +388,7 @@ def test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached(monkeypatc
     model); the learning rate drops ten-fold at ``decay_epoch``; BatchNorm keeps the checkpoint's statistics; a
     second run loads the cached weights."""
     net, data = small_resnet(), digits_like(n=40, size=16)
-    lrs = []
-    step = torch.optim.SGD.step
-
-    def record(self, *a, **k):
-        lrs.append(self.param_groups[0]["lr"])
-        return step(self, *a, **k)
-
-    monkeypatch.setattr(torch.optim.SGD, "step", record)
+    lrs = spy_lrs(monkeypatch, torch.optim.SGD)
     kw = {"lr": 0.01, "epochs": 3, "decay_epoch": 2, "batch": 16}
     tuned = REFINE.get("dra")(run_ctx(data), [net], **kw)[0]
     assert lrs == [0.01] * 8 + [0.001] * 4  # 40 images in batches of 16: 3 steps, at least min_steps 4 an epoch
