@@ -181,7 +181,8 @@ def test_drop_schedule_and_conv_dropout():
 
 def test_subspace_step_matches_a_hand_computed_step():
     """First iteration (prior 0, no dropout) with one linear reference: direction u = normalised gradient of
-    z_y - z_o of the reference, probes x +- fd_eta u, prior = sign(slope) u / ||u||_1, step x - lr sign(prior)."""
+    z_y - z_o of the reference, probes x +- fd_eta u, prior = sign(slope of the negated margin) u / ||u||_1, step
+    x + lr sign(prior)."""
     g = torch.Generator().manual_seed(4)
     w_t, w_s = torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)
     target, ref = Linear(w_t, torch.tensor([3.0, 0.0, 0.0])), Linear(w_s, torch.zeros(3))
@@ -198,10 +199,53 @@ def test_subspace_step_matches_a_hand_computed_step():
         u = (w_s[0] - w_s[o]) / (w_s[0] - w_s[o]).norm()
         lp = margin(((x[i].flatten() + 0.1 * u) @ w_t.T + target.b)[None])
         lm = margin(((x[i].flatten() - 0.1 * u) @ w_t.T + target.b)[None])
-        prior = torch.sign(lp - lm) * u / u.abs().sum()
+        prior = torch.sign(lm - lp) * u / u.abs().sum()
         assert torch.allclose(out["prior"][i].flatten(), prior, atol=1e-6)
-        assert torch.equal(out["x_adv"][i].flatten(), (x[i].flatten() - 0.01 * prior.sign()).clamp(0, 1))
+        assert torch.equal(out["x_adv"][i].flatten(), (x[i].flatten() + 0.01 * prior.sign()).clamp(0, 1))
     assert ctx.oracle.counts.tolist() == [3, 3]  # start + 2 probes
+
+
+class Recording(nn.Module):
+    """A model that keeps every image it forwards."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.seen = model, []
+
+    def forward(self, x):
+        self.seen.append(x.detach().clone())
+        return self.model(x)
+
+
+def test_subspace_probes_look_ahead_along_the_prior():
+    """From a non-zero prior v (the authors' attack.py: v estimates the ascent of the attacker's loss, the negated
+    margin): probes at x + fd_eta (v +- e u) / ||v +- e u||, Delta = (L(q+) - L(q-)) / (fd_eta e) u with L = -margin,
+    v <- v + prior_lr Delta / ||Delta||_1, image step x + lr sign(v). So both probes lie on the side the image steps
+    to (the earlier block stepped against its prior and probed behind the step)."""
+    g = torch.Generator().manual_seed(6)
+    w_t, w_s = torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)
+    target, ref = Recording(Linear(w_t, torch.tensor([3.0, 0.0, 0.0]))), Linear(w_s, torch.zeros(3))
+    x = torch.rand(2, 3, 2, 2, generator=g) * 0.5 + 0.25
+    y = torch.zeros(2, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(target, x, y, 0.2, "linf", 100, num_classes=3), surrogates=(ref,))
+    state = INIT.get("subspace_init")(ctx)
+    state["prior"] = torch.randn(x.shape, generator=g)  # ||v|| ~ 3.5 >> exploration 0.1
+    target.seen.clear()
+    out = PERTURB.get("subspace")(ctx, state, fd_eta=0.1, exploration=0.1, prior_lr=1.0, lr=0.01)
+    probes = torch.cat(target.seen).view(2, 2, -1)  # (sample, +/-, pixels)
+    loss = lambda z: -(z[:, 0] - z[:, 1:].max(1).values)  # noqa: E731  the negated margin (log-softmax shifts cancel)
+    for i in range(2):
+        o, v, xi = state["other"][i], state["prior"][i].flatten(), x[i].flatten()
+        u = (w_s[0] - w_s[o]) / (w_s[0] - w_s[o]).norm()
+        q = torch.stack([v + 0.1 * u, v - 0.1 * u])
+        assert torch.allclose(probes[i], (xi + 0.1 * q / q.norm(dim=1, keepdim=True)).clamp(0, 1), atol=1e-6)
+        lp, lm = loss(probes[i] @ w_t.T + target.model.b)
+        delta = (lp - lm) / (0.1 * 0.1) * u
+        v_new = v + delta / delta.abs().sum()
+        assert torch.allclose(out["prior"][i].flatten(), v_new, atol=1e-5)
+        step = out["x_adv"][i].flatten() - xi
+        assert torch.equal(step, (xi + 0.01 * v_new.sign()).clamp(0, 1) - xi)
+        assert bool((((probes[i] - xi) * step).sum(1) > 0).all())  # both probes ahead of the step
 
 
 def test_bases_perturbation_machine_matches_a_per_sample_loop():

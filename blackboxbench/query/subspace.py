@@ -11,13 +11,18 @@ from ``x = x_adv`` with the per-sample prior ``v`` (zero at the start):
    gradient ``u`` of ``z_y - z_o`` (untargeted) or ``z_o - z_t`` (targeted) on the reference model's logits ``z``,
    where ``o`` is the target model's runner-up class at ``x``: the authors back-propagate the target's CW-loss
    gradient with respect to its logits through the reference model. ``u`` is scaled to unit L2 norm.
-2. Two queries: ``l+- = L(x + fd_eta q+- / ||q+-||)`` with ``q+- = v +- exploration u`` (L = the CW margin,
-   lower is better).
+2. Two queries: ``l+- = L(x + fd_eta q+- / ||q+-||)`` with ``q+- = v +- exploration u``, where ``L`` is the
+   attacker's loss, the negated CW margin (higher is better), so the prior ``v`` points the way the image moves.
 3. ``Delta = (l+ - l-) / (fd_eta exploration) u``; the prior takes a momentum step ``v <- v + prior_lr Delta /
    ||Delta||_1`` (the authors' default ``--prior-update momentum``).
-4. The image steps against the prior: Linf ``x - lr sign(v)``, L2 ``x - l2_lr v / ||v||_2``, projected onto the eps
+4. The image steps along the prior: Linf ``x + lr sign(v)``, L2 ``x + l2_lr v / ||v||_2``, projected onto the eps
    ball and [0, 1]. ``subspace_step`` queries it: BlackboxBench's per-iteration early-stop check (not counted by the
    authors), which also gives the runner-up class for the next iteration. So 3 queries per iteration.
+
+The probes of step 2 therefore lie on the side the image steps to, as in the authors' ``attack.py`` and in
+Bandits (:mod:`blackboxbench.query.bandits`): their finite difference looks ahead along the prior. (Until
+2026-12-05 the prior here estimated the margin's ascent and the image stepped against it, so the probes looked
+behind: the same estimate to first order, the opposite curvature term.)
 
 **Reference models.** The paper's references are trained with ordinary training and attacked with dropout
 (``DropoutConv2d``: dropout on every convolution's output, and before the classifier) to diversify the gradients;
@@ -32,7 +37,8 @@ Defaults (not in BlackboxBench Table VI; the paper's Sec. 4 and the authors' ``a
 first 10 iterations then growing to 0.5 with gamma 0.01. The paper gives no L2 image step; ``l2_lr`` 0.1 is
 Bandits-TD's L2 ratio image-lr / eps (0.5 / 5, Ilyas et al. 2019) at CIFAR-10's radius 1. Deviations: the
 reference model and the dropout masks are drawn per sample (the authors draw one reference per batch); probes
-are not projected (as the authors'); the targeted pair uses the target's best other class.
+are clamped to [0, 1] (the oracle takes images) but not projected onto the eps ball (the authors do neither). The
+targeted pair is the target and its best other class, as the authors' targeted CW loss.
 """
 import torch
 
@@ -101,12 +107,13 @@ def subspace(ctx, state, *, fd_eta=0.1, exploration=0.1, prior_lr=1.0, lr=1 / 25
     answer, ok = ctx.oracle(probes, idx)
     margin = p.sub(idx).margin(answer).view(n, 2)
     ok = ok.view(n, 2).all(1)
-    slope = torch.where(ok, (margin[:, 0] - margin[:, 1]) / (fd_eta * exploration), torch.zeros_like(margin[:, 0]))
+    # the attacker's loss is the negated margin: l+ - l- = margin(q-) - margin(q+)
+    slope = torch.where(ok, (margin[:, 1] - margin[:, 0]) / (fd_eta * exploration), torch.zeros_like(margin[:, 0]))
     delta = per_sample(slope, u) * u
     l1 = delta.flatten(1).abs().sum(1)
     v = v + prior_lr * delta / per_sample(torch.where(l1 == 0, 1e-8, l1), delta)
     step = lr * v.sign() if p.norm == "linf" else l2_lr * l2_normalize(v)
-    return dict(x_adv=p.project(x - step), prior=v, it=state["it"] + 1)
+    return dict(x_adv=p.project(x + step), prior=v, it=state["it"] + 1)
 
 
 @ACCEPT.register("subspace_step", paper=PAPER, norms=("linf", "l2"))
