@@ -19,7 +19,7 @@ from torch import nn
 
 from blackboxbench.errors import BenchError
 from blackboxbench.query.decision import decision_state
-from blackboxbench.query.geoda import estimate_normal, low_frequency_image, query_schedule
+from blackboxbench.query.geoda import estimate_normal, geoda_init, low_frequency_image, query_schedule
 from blackboxbench.query.ppba import idct2
 from blackboxbench.query.sfa import sfa
 from blackboxbench.query.triangle import triangle, triangle_init, vertex
@@ -128,6 +128,40 @@ def test_geoda_estimate_leaves_out_refused_probes():
     est, answered = estimate_normal(ctx, x, torch.tensor([120, 30]), 0.01, 10, 40)
     assert answered.tolist() == [50, 30] and ctx.oracle.counts.tolist() == [50, 30]
 
+
+
+class Spheres(nn.Module):
+    """Class 1 (adversarial for label 0) outside L2 radius ``r`` of every center; records every batch it sees."""
+
+    def __init__(self, centers, r):
+        super().__init__()
+        self.centers, self.r, self.seen = centers.flatten(1), r, []
+
+    def forward(self, x):
+        self.seen.append(x.detach().clone())
+        out = (torch.cdist(x.flatten(1).double(), self.centers.double()).amin(1) > self.r).double()
+        return torch.stack([1 - out, out], 1).to(x.dtype)
+
+
+def test_geoda_start_is_the_authors_growing_gaussian():
+    """geoda_init's start is the authors' find_random_adversarial: round k queries clip(x + 0.02 k N(0, I)), a
+    fresh draw per round, until adversarial. On three images (d = 192, so the k-th noise has L2 norm about
+    0.28 k) inside spheres of radius 0.4, round 1 (L2 0.28) misses and round 2 (L2 0.55) hits for every sample:
+    two calls of three images at those distances, then the L2 bisection. The uniform-noise start this replaced
+    hit at once from L2 about 3.5."""
+    g = torch.Generator().manual_seed(0)
+    x = 0.35 + 0.3 * torch.rand(3, 3, 8, 8, generator=g)
+    model = Spheres(x, 0.4)
+    ctx = make_ctx(model, x, torch.zeros(3, dtype=torch.long), 0.01, "l2", 200, "label", num_classes=2)
+    state = geoda_init(ctx, tol=1e-4, init_tries=100)
+    first, second = model.seen[0], model.seen[1]
+    assert first.shape[0] == 3 and second.shape[0] == 3
+    d1, d2 = (first - x).flatten(1).norm(dim=1), (second - x).flatten(1).norm(dim=1)
+    assert torch.allclose(d1, torch.full((3,), 0.02 * math.sqrt(192)), rtol=0.2), d1
+    assert torch.allclose(d2, torch.full((3,), 0.04 * math.sqrt(192)), rtol=0.2), d2
+    assert not torch.allclose(second - x, 2 * (first - x))  # a fresh draw each round
+    assert torch.isfinite(state["dist"]).all()
+    assert torch.allclose(state["dist"], torch.full((3,), 0.4), atol=2e-3)  # bisected onto the spheres
 
 
 def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):

@@ -108,34 +108,40 @@ def _search_images(ctx, x0, found):
         found[idx[adv]] = True
 
 
-def _search_noise(ctx, x0, found, tries):
-    """Up to ``tries`` rounds of uniform noise in [0, 1] for the unfound samples (one call per round)."""
-    x = ctx.problem.x
-    for _ in range(tries):
+def uniform_noise(ctx, k, idx):
+    """Round ``k``'s candidates for samples ``idx``: uniform noise in [0, 1] (HSJA's BlendedUniformNoise)."""
+    return ctx.rng.uniform(ctx.problem.x.shape[1:], rows=idx).to(ctx.problem.x.dtype)
+
+
+def _search_noise(ctx, x0, found, tries, make):
+    """Up to ``tries`` rounds of ``make(ctx, k, idx)`` (k = 1, 2, ...) for the unfound samples ``idx`` (one call
+    per round)."""
+    for k in range(1, tries + 1):
         live = ~found & has_budget(ctx)
         if not live.any():
             break
         idx = live.nonzero().squeeze(1)
-        noise = ctx.rng.uniform(x.shape[1:], rows=idx).to(x.dtype)
+        noise = make(ctx, k, idx)
         adv, _ = query_adv(ctx, noise, idx)
         x0[idx[adv]] = noise[adv]
         found[idx[adv]] = True
 
 
-def find_start(ctx, *, tries):
+def find_start(ctx, *, tries, noise=uniform_noise):
     """An adversarial starting point per sample -> ``(x0, found)``; every try is a counted query.
 
-    Untargeted: uniform random noise (HSJA's BlendedUniformNoise initialization), up to ``tries`` draws, then
-    the pool's natural images with a different true label. Targeted: the pool's images whose true label is the
-    target (queried to check), then random noise. ``x0`` is ``x`` where nothing was found.
+    Untargeted: random noise (``noise``, default uniform: HSJA's BlendedUniformNoise initialization), up to
+    ``tries`` draws, then the pool's natural images with a different true label. Targeted: the pool's images
+    whose true label is the target (queried to check), then random noise. ``x0`` is ``x`` where nothing was found.
+    ``noise(ctx, k, idx)`` gives round ``k``'s (1-based) candidate images of samples ``idx``.
     """
     problem = ctx.problem
     x0, found = problem.x.clone(), torch.zeros(problem.n, dtype=torch.bool, device=problem.x.device)
     if problem.targeted:
         _search_images(ctx, x0, found)
-        _search_noise(ctx, x0, found, tries)
+        _search_noise(ctx, x0, found, tries, noise)
     else:
-        _search_noise(ctx, x0, found, tries)
+        _search_noise(ctx, x0, found, tries, noise)
         _search_images(ctx, x0, found)
     return x0, found
 
