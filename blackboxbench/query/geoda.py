@@ -21,17 +21,18 @@ Defaults (BlackboxBench Table V, all columns): sub_dim 10, mu 0.6, search_space 
 configs (``cifar10_geoda_*_config.json``) use 0.0001 / 0.0002; the recipes follow the code (see the recipes).
 
 As in the authors' code (and BlackboxBench's port): the start is the smallest adversarial growing Gaussian noise,
-``clip(x + 0.02 k N(0, I))`` for k = 1, 2, ... (``find_random_adversarial``), followed by the bisection; the schedule is that of ``opt_query_iteration`` (``round(budget / 500)`` iterations to start with,
-``25`` queries per iteration kept for the walk and the bisection, the number of iterations moved until the first
-allocation lies in [50, 80]); the walk step is 1 (the port's value; the ImageNet script's is 5), at most 100 steps;
-the new boundary point replaces the old one whatever its distance.
+``clip(x + 0.02 k N(0, I))`` for k = 1, 2, ... (``find_random_adversarial``), followed by the bisection; the
+schedule is that of ``opt_query_iteration`` (``round(budget / 500)`` iterations to start with, ``25`` queries per
+iteration kept for the walk and the bisection, the number of iterations moved until the first allocation lies in
+[50, 80]); the walk step is 1 (the port's value; the ImageNet script's is 5), at most 100 steps; the new boundary
+point replaces the old one whatever its distance.
 
 Deviations: the walk does not query the clean image first (the authors' loop spends one query on it every
 iteration; it is known not to be adversarial); a walk that never crosses keeps the old boundary point (the
 authors' code bisects towards the non-adversarial end); the Gaussian start is bounded (``init_tries`` draws, std
 up to 2 at 100) and followed, untargeted, by the pool's images of other classes (targeted: the pool's images of
 the target class first, then the Gaussian start); until 2026-12-05 the start was uniform noise, which left some
-images far from ``x`` (Linf 0.4-0.9 after the bisection) and cost GeoDA a third of its mean queries at Linf 0.05
+images far from ``x`` (Linf 0.4-0.9 after the bisection) and cost GeoDA 28-37 % of its mean queries at Linf 0.05
 (benchmarks/RESULTS.md, seventeenth session);
 probes are clipped to [0, 1] (the authors' model wrapper clamps them); each estimate is averaged over the probes
 the oracle answered; after the scheduled iterations the attack goes on with the last allocation, capped to the
