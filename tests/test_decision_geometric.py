@@ -378,10 +378,11 @@ def cifar(data_root):
 
 
 # Measured on the first 10 correctly classified test images (seed 0, one thread, budget 10,000); queries per
-# image, 10,000 = failed:
-#   geoda_linf, Linf 0.03 (first 4): 567, 10000, 359, 564
+# image, 10,000 = failed (GeoDA with the authors' Gaussian start since 2026-12-05; with the uniform start before:
+# Linf 567, 10000, 359, 564 and L2 1745, 10000, 352, 851, 3556, 1275, 10000, 354, 559, 838):
+#   geoda_linf, Linf 0.03 (first 4): 1234, 9933, 842, 90
 #   sfa, Linf 0.03 (first 4):        548, 292, 150, 9
-#   geoda_l2, L2 1.0:                1745, 10000, 352, 851, 3556, 1275, 10000, 354, 559, 838
+#   geoda_l2, L2 1.0:                560, 10000, 836, 4, 10000, 871, 847, 1289, 2515, 837
 #   triangle, L2 1.0:                10000, 10000, 10000, 37, 10000, 10000, 10000, 10000, 10000, 10000
 # The tests take images each attack fooled quickly (a failure costs 10,000 forwards of CPU time) and allow one
 # failure of three or four for platform numerics; a broken attack fools none. The Triangle attack with Table V's
