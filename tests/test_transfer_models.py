@@ -455,6 +455,10 @@ def test_recipes_cite_their_source_and_build():
     assert build_recipe("bayesian", "linf", False, 0.03)[0].refiners[0].keywords["n_models"] == 50
     for name in ("lgv", "lgv_ghostnet"):  # BlackboxBench's LGV.json / LGV-GhostNet.json: "shuffle": true
         assert build_recipe(name, "linf", False, 0.03)[0].refiners[-1].keywords.get("shuffle") is True
+    # AdaEA's authors (CHENBIN99/AdaEA utils/args.py): MI momentum 0.9, beta 10, threshold -0.3
+    adaea = build_recipe("adaea", "linf", False, 0.03)[0]
+    assert adaea.directions[0].keywords["decay"] == 0.9
+    assert adaea.gradients[0].keywords == {"beta": 10.0, "threshold": -0.3}
 
 
 def test_a_config_without_the_training_images_fails_in_one_line(tmp_path):

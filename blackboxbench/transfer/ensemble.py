@@ -72,8 +72,9 @@ def adaea(ctx, grad_fn, x, state, *, beta=10.0, threshold=-0.3):
     * DRF (disparity-reduced filter): the cosine similarity of the members' gradients over the channels at each
       pixel, averaged over the pairs; pixels below ``threshold`` get a zero gradient.
 
-    Defaults (AdaEA is not in Table VII): ``beta`` 10 (the authors' and TransferAttack's), ``threshold`` -0.3
-    (TransferAttack's AdaEA; the authors' base class defaults to 0 and the paper tunes it per ensemble).
+    Defaults (AdaEA is not in Table VII): ``beta`` 10 and ``threshold`` -0.3, the authors' run defaults (their
+    ``utils/args.py``, which overrides the base class's keyword 0; TransferAttack's the same); the paper tunes both
+    per ensemble. The ``adaea`` recipe follows with the authors' momentum decay 0.9.
     """
     problem, models = ctx.problem, members(ctx.model)[0]
     k, n = len(models), problem.n
