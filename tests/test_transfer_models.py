@@ -255,6 +255,31 @@ def test_bn_update_is_the_plain_average_over_the_images():
     assert not net.training and net[1].momentum == 0.1
 
 
+def _crop_or_flip_of(img, src, pad):
+    """Whether ``img`` is a crop of ``src`` zero-padded by ``pad``, or the flip of one."""
+    padded, side = F.pad(src, (pad,) * 4), src.shape[-1]
+    crops = [padded[:, i:i + side, j:j + side] for i in range(2 * pad + 1) for j in range(2 * pad + 1)]
+    return any(torch.equal(img, c) or torch.equal(img, c.flip(2)) for c in crops)
+
+
+def test_bn_statistics_are_re_estimated_on_augmented_images(monkeypatch):
+    """SWA's mean (so SWAG's samples) and RD's copies with ``data`` re-estimate BatchNorm on the training images
+    as the authors' training loader gives them, randomly cropped and flipped (Li et al.'s ``update_bn_imgnet``,
+    Gubri et al.'s ``bn_update``), not on the plain images; the fine-tuning's cache key names that revision."""
+    seen, keys = [], []
+    monkeypatch.setattr(weights, "bn_update", lambda net, x, batch=256: seen.append(x.clone()) or net.eval())
+    real_key = weights.cache_key
+    monkeypatch.setattr(weights, "cache_key", lambda block, hp, *a: keys.append(hp) or real_key(block, hp, *a))
+    net, data = small_resnet(), digits_like(n=32, size=16)
+    REFINE.get("swa")(run_ctx(data), [net], lr=0.01, epochs=1, batch=16, snapshots=300)
+    REFINE.get("random_directions")(run_ctx(data), [net], std=0.01, n_models=2, data="train")
+    assert len(seen) == 3 and keys[0]["training"] == weights.SWA_TRAINING == 2
+    for x in seen:
+        assert x.shape == data.x.shape and not torch.equal(x, data.x)
+        assert all(_crop_or_flip_of(a, b, 2) for a, b in zip(x, data.x))
+    assert not torch.equal(seen[1], seen[2])  # each RD copy its own draw
+
+
 def test_lgv_collects_per_epoch_and_is_cached(monkeypatch):
     net = small_resnet()
     data = digits_like(n=40, size=16)

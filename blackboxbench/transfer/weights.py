@@ -62,7 +62,10 @@ def schedule(n, batch, epochs, min_steps):
 
 def bn_update(model, x, batch=256):
     """Re-estimate every BatchNorm's running statistics on the images ``x`` (one pass, each batch weighted by its
-    size, as the authors' ``bn_update``); the model ends in eval mode. A model without BatchNorm is left as is."""
+    size, as the authors' ``bn_update``); the model ends in eval mode. A model without BatchNorm is left as is.
+    The callers pass the training images augmented (:func:`augment`), as the authors pass their training loader
+    (Li et al.'s ``update_bn_imgnet``, Gubri et al.'s ``bn_update``, both on augmented batches); all of them, not
+    the authors' 10 % (20 of the 200 offline images)."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:
         return model.eval()
@@ -134,18 +137,20 @@ def random_directions(ctx, models, *, std=0.005, n_models=10, data=None):
     """RD: ``n_models`` copies of each surrogate with i.i.d. Gaussian noise of standard deviation ``std`` on every
     parameter (BlackboxBench's ``sample_from_isotropic``), then, when ``data`` names a ``train_images`` asset,
     the BatchNorm statistics re-estimated on those images (the authors' ``update_bn``; the ``rd`` recipe names
-    ``train``; None, the default, keeps the surrogate's statistics).
+    ``train``; None, the default, keeps the surrogate's statistics), each copy on its own augmentation of them
+    (random crop and flip, as the authors' training loader; a generator seeded by one draw of the run's stream).
     Returns the copies, surrogate by surrogate (fuse them with ``longitudinal``). Table VII, CIFAR-10: std 0.005
     (ResNet-50, IncV3), 0.01 (VGG-19, DenseNet-BC); n_models 10."""
     if not models:
         raise BenchError("refine 'random_directions': no surrogate models")
     images = None if data is None else train_data(ctx, "random_directions", data)
+    gen = None if images is None else torch.Generator().manual_seed(_seed(ctx))
     out = []
     for model in models:
         scales = [per_arch(std, model)] * len(_params(model))
         for _ in range(int(n_models)):
             net = _noisy_copy(model, ctx, scales)
-            out.append(_frozen(bn_update(net, images.x) if images is not None else net))
+            out.append(_frozen(bn_update(net, augment(images.x, gen)) if images is not None else net))
     return out
 
 
@@ -203,6 +208,7 @@ SWA_RANGES = {"lr": "arch [0, 10]", "wd": "arch [0, 1]", "lam": "arch [0, inf)",
               "snapshots": "int [1, inf)", "min_steps": "int [1, inf)", "bn_stats": ("train", "keep")}
 SWA_PAPER = ("Li et al., Making Substitute Models More Bayesian Can Enhance Transferability of Adversarial "
              "Examples, ICLR 2023")
+SWA_TRAINING = 2  # _finetune's revision, in the cache key (2: BatchNorm re-estimated on augmented images)
 
 
 def _swag_moments(ctx, model, train, hp):
@@ -211,7 +217,7 @@ def _swag_moments(ctx, model, train, hp):
     (``keep``), and with ``rank`` > 0 ``"dev"``: per parameter, the deviations from the running mean of the last
     ``rank`` snapshots (K, *shape); cached."""
     seed = _seed(ctx)
-    key = cache_key("swag_moments", hp, model, train, seed, ctx.rng.device)
+    key = cache_key("swag_moments", {**hp, "training": SWA_TRAINING}, model, train, seed, ctx.rng.device)
     return cached("refine", key, lambda: _finetune(model, train, seed, **hp))
 
 
@@ -257,8 +263,8 @@ def _finetune(model, data, seed, *, lr, wd, lam, gamma, sigma, momentum, epochs,
     with torch.no_grad():
         for p, m in zip(params, mean):
             p.copy_(m)
-    if bn_stats == "train":
-        bn_update(net, data.x)
+    if bn_stats == "train":  # on an augmentation of the images, as the authors' training loader
+        bn_update(net, augment(data.x, gen))
     out = {"state": _cpu_state(net), "sq": [s.cpu() for s in sq]}
     if rank:
         out["dev"] = [torch.stack(d).cpu() for d in dev]
