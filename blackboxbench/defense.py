@@ -118,6 +118,11 @@ def aaa_target(margin, interval, kind, reverse_step, dev=0.5):
     return target, attractor
 
 
+# The authors' loss is the mean over the rows of one model call: square.py's `--batch_size` (default 128, the
+# value of every command in their README) chunks each query batch into calls of 128 rows (victim.py `forward`).
+AAA_BATCH = 128
+
+
 def aaa_logits(z0, *, kind, interval, reverse_step, calibration, iterations, lr, temperature):
     """AAA's post-processed logits of clean logits ``z0`` (m, K): ``iterations`` Adam steps (lr ``lr``, betas
     0.9 / 0.999, eps 1e-8: torch's defaults, as the authors use) from ``z0`` on
@@ -126,9 +131,13 @@ def aaa_logits(z0, *, kind, interval, reverse_step, calibration, iterations, lr,
 
     The gradient is written out (sign(margin - t) on the current top-2; the softmax derivative for the
     calibration) and Adam's update is torch's, in place: the same steps as autograd with ``torch.optim.Adam``
-    (tests/test_defenses.py checks it against that), at a third of the cost. The loss is summed over rows where
-    the authors average it over their batch: Adam's step is invariant to the gradient's scale (up to its eps), and
-    with the sum each row evolves independently of the other rows, so an answer does not depend on its batch.
+    (tests/test_defenses.py checks it against that), at a third of the cost. The authors average the loss over a
+    batch of :data:`AAA_BATCH` rows; here every row's loss is divided by that fixed number instead, so each row
+    evolves independently of the other rows (an answer does not depend on its batch) and takes exactly the
+    authors' steps in a full batch. The scale matters through Adam's eps: the logits of classes with a
+    probability near 1e-9 get gradients near eps, and with the plain sum (B = 1) they moved by up to ~14 more over
+    the 100 steps than in the authors' batch of 128 (ResNet-20, CIFAR-10; benchmarks/RESULTS.md, issue 12,
+    seventeenth session).
     """
     z0 = z0.detach().float()
     m = z0.shape[0]
@@ -151,6 +160,7 @@ def aaa_logits(z0, *, kind, interval, reverse_step, calibration, iterations, lr,
         torch.mul(p, -c, out=g)
         g.scatter_add_(1, top1, c)
         g.scatter_add_(1, i, torch.cat([s, -s], 1))
+        g.div_(AAA_BATCH)  # the authors' mean over their batch, as a fixed number: rows stay independent
         exp_avg.lerp_(g, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
