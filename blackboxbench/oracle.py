@@ -79,7 +79,9 @@ class Oracle:
     def confirm(self, x, idx=None, draws=1):
         """As ``__call__``, but a row equal (bit for bit) to the image its sample had in the oracle's most recent
         call gets that answer again, without a forward or a count. Rows are one image per sample (``idx``
-        distinct).
+        distinct). Behind a randomized defense nothing is reused: that answer is the draw the attack selected the
+        image on, so the confirmation is a fresh draw, one counted query (as BlackboxBench's early-stop check and
+        AutoAttack's final forward, both new draws).
 
         ``draws`` > 1 (the ``majority`` success rule, for randomized targets) asks every image ``draws`` times,
         each a counted query, and returns ``(adv_votes, answered)``: how many answers were adversarial is for the
@@ -92,7 +94,7 @@ class Oracle:
             answer, ok = self._ask(x.repeat(draws, 1, 1, 1), idx.repeat(draws), distinct=False)
             return answer.view(draws, m, *answer.shape[1:]).transpose(0, 1), ok.view(draws, m).T
         new = torch.ones(x.shape[0], dtype=torch.bool, device=self.device)  # rows the model must answer
-        if self._last is not None:
+        if self._last is not None and not (self.defense is not None and self.defense.randomized):
             last_x, last_idx, last_answer = self._last
             row = torch.full((self.n,), -1, dtype=torch.long, device=self.device)
             row[last_idx] = torch.arange(last_idx.numel(), device=self.device)

@@ -214,6 +214,20 @@ def test_eot_sends_k_queries_and_aggregates():
     assert ok.tolist() == [True, False] and o.counts.tolist() == [3]
 
 
+def test_a_randomized_defense_confirms_with_a_fresh_draw():
+    """The one confirming draw behind RND is a new draw, one counted query (BlackboxBench's early-stop check and
+    AutoAttack's final forward are new draws): the oracle does not reuse the answer it gave the attack for the
+    same image, which is the draw the attack selected it on. A deterministic defense (JPEG) still reuses it."""
+    x = torch.rand(2, 3, 8, 8)
+    for spec, fresh in (({"name": "rnd", "sigma": 0.1}, True), ({"name": "jpeg"}, False)):
+        defended = DefendedTarget(Recorder(), build_defenses([spec]), defense_streams(0, 2, "cpu"))
+        o = Oracle(Recorder(), 2, 10, 3, "score", defense=defended)
+        asked, _ = o(x)
+        again, ok = o.confirm(x)
+        assert ok.all() and o.counts.tolist() == ([2, 2] if fresh else [1, 1])
+        assert torch.equal(again, asked) != fresh
+
+
 # Small budgets (AAA with 10 Adam steps): batch size 1 forwards every query alone.
 DEFENDED = [("square_linf", {"name": "rnd", "sigma": 0.05}, 1, 40),
             ("square_linf", {"name": "aaa_sine", "iterations": 10}, 1, 20),
