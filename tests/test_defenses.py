@@ -248,9 +248,9 @@ def test_success_under_randomness_and_the_reevaluations(tmp_path):
     (evaluation streams) and the undefended one (the audit); the summary reports both, the clean accuracy under
     the defense and the gap between recorded successes and defended confirmations. Stated margins (digits MLP,
     RND sigma 0.05, Square Linf 0.2, seeds 0-2, 29 attacked): the majority-of-5 policy leaves at most half its
-    successes unconfirmed by the independent majority-of-5 re-evaluation (measured gaps 2-6 of 16-19); the
-    paper's one-draw policy is reported, not bounded (gaps 14-17 of 22-24: an attack stops at the first lucky
-    draw)."""
+    successes unconfirmed by the independent majority-of-5 re-evaluation (measured gaps 2-9 of 14-20); the
+    paper's one-draw policy is reported, not bounded (gaps 6-8 of 16-20 with its fresh confirming draw; 16-20 of
+    23 when the confirmation reused the draw the attack had selected the image on)."""
     threat = {"norm": "linf", "eps": 0.2, "max_queries": 300}
     rnd = {"name": "rnd", "sigma": 0.05}
     run_dir, one = run_experiment(_exp(tmp_path / "one", attack="square_linf", model="digits_mlp", threat=threat,
