@@ -20,11 +20,13 @@ Adversarially trained targets are models, not defenses: the zoo entries with reg
 from the attacker's streams (``ctx.rng``). A sample's k-th query gets the k-th draw of its own stream whatever
 batch it is in, so defended results do not depend on the batch size either. The evaluations that are not the
 attack (clean accuracy under the defense, the majority-of-k re-evaluation of the returned image) draw from the
-*evaluation* streams (:data:`EVAL_SALT`), never from the defender's.
+*evaluation* streams (:data:`EVAL_SALT`), never from the defender's; in a transfer run each defended target
+has evaluation streams of its own (:func:`target_salt`).
 
 Each defense is a callable ``d(forward, x, rng) -> logits``: ``forward`` is what it wraps (the next defense or the
 model), ``x`` the queries (m, C, H, W) in [0, 1], ``rng`` a :class:`RowStreams` (random numbers per query row).
 """
+import hashlib
 import math
 from functools import partial
 
@@ -302,6 +304,13 @@ class DefendedTarget:
             f = partial(d, f, rng=rng)
         with torch.no_grad():
             return f(x)
+
+
+def target_salt(key):
+    """The evaluation salt of one defended transfer target, from its ``key`` (its name and defense label): each
+    target draws from streams of its own, so a randomized target's answers do not depend on which targets are
+    listed before it or on their order."""
+    return EVAL_SALT ^ int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
 def defense_streams(seed, n, device, salt=DEFENDER_SALT):

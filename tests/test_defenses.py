@@ -345,6 +345,26 @@ def test_transfer_target_behind_a_defense(tmp_path):
     assert DEFENSE.get("jpeg").registry_meta["randomized"] is False
 
 
+def test_a_randomized_transfer_target_draws_the_same_wherever_it_is_listed(tmp_path):
+    """Each defended transfer target draws from evaluation streams of its own (keyed by its name and defenses):
+    listing the targets in another order, or another target before it, leaves its per-sample answers as they
+    were. (With one shared stream per sample, a target's draws depended on the targets evaluated before it.)"""
+    rnd = {"name": "rnd", "sigma": 0.4}
+    a, b = {"name": "digits_mlp", "defense": rnd}, {"name": "digits_lenet", "defense": rnd}
+
+    def per_target(name, targets):
+        exp = _exp(tmp_path / name, attack={"recipe": "i_fgsm", "hyper": {"iterations": 3}},
+                   surrogates=["digits_cnn"], targets=targets, threat={"norm": "linf", "eps": 0.1})
+        run_dir, _ = run_experiment(exp, progress=False)
+        return {k: [(r["targets"][k]["clean_correct"], r["targets"][k]["success"]) for r in _records(run_dir)]
+                for k in _records(run_dir)[0]["targets"]}
+
+    ab, ba, b_only = per_target("ab", [a, b]), per_target("ba", [b, a]), per_target("b", [b])
+    assert ab == ba and set(ab) == {"digits_mlp+rnd", "digits_lenet+rnd"}
+    assert ab["digits_lenet+rnd"] == b_only["digits_lenet+rnd"]
+    assert ab["digits_mlp+rnd"] != ab["digits_lenet+rnd"]
+
+
 def test_a_defense_that_breaks_the_scores_fails_before_the_run(tmp_path, capsys):
     """A (plugin) defense whose defended model no longer answers one row of class scores per image is a one-line
     error naming its config key, on a query target and on a transfer target, before the run folder exists."""

@@ -44,7 +44,7 @@ from typing import Callable, List
 import torch
 
 from ..context import BlockContext, Pool
-from ..defense import EVAL_SALT, DefendedTarget, defense_streams, label
+from ..defense import DefendedTarget, defense_streams, label, target_salt
 from ..errors import BenchError, ConfigError, describe
 from ..evaluation import sample_metrics, summarize_transfer
 from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, base_records, check_outputs, forward_logits,
@@ -215,11 +215,13 @@ class TransferWorker(WholeBatchWorker):
         self.run, self.attack, self.threat = run, run.attack, run.threat
         self.surrogates = run.models["surrogates"]
         self.targets = list(zip(run.model_names["targets"], run.models["targets"]))
-        # A target's defenses (its spec's ``defense``) wrap it, drawing from the evaluation streams, per sample.
+        # A target's defenses (its spec's ``defense``) wrap it, drawing per sample from evaluation streams of that
+        # target's own (keyed by its name and defenses), whatever targets come before it.
         per = run.defenses.get("targets") or [[] for _ in self.targets]
-        streams = defense_streams(run.streams.seed, len(run.data.y), run.device, EVAL_SALT)
-        self.defended = [DefendedTarget(m, ds, streams) if ds else None for (_, m), ds in zip(self.targets, per)]
         self.labels = [label(ds, name.split("+")[0]) for (name, _), ds in zip(self.targets, per)]
+        n, seed = len(run.data.y), run.streams.seed
+        self.defended = [DefendedTarget(m, ds, defense_streams(seed, n, run.device, target_salt(f"{name}={lab}")))
+                         if ds else None for (name, m), ds, lab in zip(self.targets, per, self.labels)]
         self.pool = Pool(run.data.x.clone(), run.data.y.clone())  # the blocks' copy: writing to it changes no sample
         base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
                             surrogates=tuple(self.surrogates), assets=run.assets, pool=self.pool)
