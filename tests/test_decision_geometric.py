@@ -164,6 +164,26 @@ def test_geoda_start_is_the_authors_growing_gaussian():
     assert torch.allclose(state["dist"], torch.full((3,), 0.4), atol=2e-3)  # bisected onto the spheres
 
 
+def test_geoda_walk_stops_where_its_clipped_point_stops_moving():
+    """A walk that cannot cross stops once its clipped point stops changing: with a step of 5 along +-1 every
+    pixel sits at a face of the box after one step, so sample 0 (a model that is never fooled) asks once, not
+    WALK_TRIES times, and keeps its box corner; sample 1 (direction 0.004 per pixel, crossing once the mean
+    pixel passes 0.5 + 0.01) walks until it crosses, one query per step."""
+    from blackboxbench.query.geoda import WALK_TRIES, walk
+
+    x = torch.full((2, 1, 4, 4), 0.5)
+    w = torch.ones(1, 4, 4) / 16  # mean pixel
+    ctx = make_ctx(Linear2(w, 0.01), x, torch.zeros(2, dtype=torch.long), 0.1, "l2", 1000, "label",
+                   num_classes=2)
+    direction = torch.stack([5.0 * torch.ones(1, 4, 4) * torch.tensor([1.0, -1.0]).repeat(8).view(1, 4, 4),
+                             0.004 * torch.ones(1, 4, 4)])
+    point, crossed = walk(ctx, direction, torch.tensor([True, True]))
+    assert crossed.tolist() == [False, True]
+    assert int(ctx.oracle.counts[0]) == 1 < WALK_TRIES  # the old walk asked 100 times at the same corner
+    assert set(point[0].unique().tolist()) == {0.0, 1.0}
+    assert int(ctx.oracle.counts[1]) == 3 and torch.allclose(point[1], torch.full((1, 4, 4), 0.512))
+
+
 def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):
     """With room for one sample's round (40 probes) a call, each round's probes come in calls of whole samples
     whose rows start within one such window (the second round: 1 + 40) and give the one-call estimate exactly (a
