@@ -9,7 +9,8 @@ means over different samples (each attack's own successes). Here:
 * **Queries** (query families): over the samples both fooled, each attack's mean and median queries, how often each
   needed fewer, the sign test on those pairs, and the median ratio B / A.
 
-A transfer run pairs per target (the samples that target classifies correctly when clean, attacked in both). A
+A transfer run pairs per target (the samples attacked in both runs that the target classified correctly when clean
+in both: behind a randomized defense the clean check is a draw of each run's own streams). A
 detection run has no per-image success: per target, each run's relative mAP drop on the images both attacked and a
 paired bootstrap interval of the difference (:func:`blackboxbench.detection.family.paired_drop`). The two runs
 should differ in the attack (or one setting) only: the settings that differ are listed with the result; runs of
@@ -128,7 +129,9 @@ def compare_runs(run_a, run_b):
         rows.append(_row(None, [(ra[i], rb[i]) for i in both], lambda r: r["success"], lambda r: r["queries"]))
     elif kind[0] == "transfer":
         for t in targets:
-            pairs = [(ra[i], rb[i]) for i in both if ra[i]["targets"][t]["clean_correct"]]
+            # the target's clean check in both runs: behind a randomized defense it is a draw of each run's streams
+            pairs = [(ra[i], rb[i]) for i in both
+                     if ra[i]["targets"][t]["clean_correct"] and rb[i]["targets"][t]["clean_correct"]]
             rows.append(_row(t, pairs, lambda r, t=t: r["targets"][t]["success"], None))
     else:
         from .detection.family import paired_drop

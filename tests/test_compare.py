@@ -71,6 +71,14 @@ def test_compare_query_runs(tmp_path, capsys):
     q = got["rows"][0]["queries"]
     assert q["n"] == len(fooled) > 0 and q["a_fewer"] == sum(ra[i]["queries"] < rb[i]["queries"] for i in fooled)
     assert got["same"]["eps"] == 0.15 and got["differs"] == {}
+    # samples pair by index, not by their place in the file (records are written in the order samples finish)
+    shuffled = tmp_path / "shuffled" / simba.name
+    shutil.copytree(simba, shuffled)
+    lines = (shuffled / "records.jsonl").read_text().splitlines()
+    (shuffled / "records.jsonl").write_text("\n".join(lines[::-1]) + "\n")
+    assert lines[0] != lines[-1] and compare_runs(square, shuffled)["rows"] == got["rows"]
+    s_ab, s_ba = got["rows"][0]["success"], compare_runs(simba, square)["rows"][0]["success"]
+    assert (s_ba["a_only"], s_ba["b_only"], s_ba["p"]) == (s_ab["b_only"], s_ab["a_only"], s_ab["p"])
     assert main(["compare", str(square), str(simba)]) == 0
     text = capsys.readouterr().out.splitlines()
     assert text[0].startswith("A: square_linf") and any("McNemar exact p" in ln for ln in text)
@@ -89,6 +97,25 @@ def test_compare_transfer_runs_pairs_per_target(tmp_path):
         assert row["success"]["a_only"] == sum(ra[i]["targets"][t]["success"] and not rb[i]["targets"][t]["success"]
                                                for i in valid)
         assert "queries" not in row
+
+
+
+def test_transfer_pairs_need_the_clean_check_of_both_runs(tmp_path):
+    """Behind RND a transfer target's clean check is a draw of each run's own streams: two seeds disagree on some
+    images. A pair counts only where both runs' checks passed, so A against B is B against A mirrored (before: A's
+    check alone, 22 pairs one way and 20 the other, B "fooling" images its target had misclassified clean)."""
+    runs = _run(tmp_path, "dataset: {name: digits, n: 24}\nsurrogates: [digits_cnn]\ntargets: [{name: digits_mlp, "
+                "defense: {name: rnd, sigma: 0.25}}]\nthreat: {norm: linf, eps: 0.15}\nruns: [{attack: i_fgsm, "
+                "seed: 0}, {attack: i_fgsm, name: i_fgsm_s1, seed: 1}]\n", "r")
+    ra, rb = _records(runs[0]), _records(runs[1])
+    t = "digits_mlp+rnd"
+    ok = [i for i in ra if ra[i]["attacked"] and rb[i]["attacked"] and ra[i]["targets"][t]["clean_correct"]
+          and rb[i]["targets"][t]["clean_correct"]]
+    assert any(ra[i]["targets"][t]["clean_correct"] != rb[i]["targets"][t]["clean_correct"] for i in ra)
+    ab, ba = (compare_runs(*r)["rows"][0]["success"] for r in (runs, runs[::-1]))
+    assert ab["n"] == ba["n"] == len(ok)
+    assert ab["a_only"] == sum(ra[i]["targets"][t]["success"] and not rb[i]["targets"][t]["success"] for i in ok)
+    assert (ab["a_only"], ab["b_only"], ab["asr_a"]) == (ba["b_only"], ba["a_only"], ba["asr_b"])
 
 
 def test_runs_that_do_not_pair_are_one_line_errors(tmp_path, capsys):
