@@ -140,3 +140,31 @@ def test_cli_prints_a_library_warning_on_one_line(tmp_path):
     lines = [x for x in done.stderr.splitlines() if "LPIPS" in x]
     assert lines and all(x.startswith("warning: LPIPS column left empty") for x in lines), done.stderr
     assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
+
+
+def test_ssim_matches_skimage_on_uint8_images():
+    """On uint8-quantized images (what records measure) against scikit-image's Gaussian SSIM with the same
+    conventions (sigma 1.5, truncated to 11 x 11, population covariances, data range 1, the border of half a
+    window cropped: the valid region, channels averaged), down to float32 rounding."""
+    structural_similarity = pytest.importorskip("skimage.metrics").structural_similarity
+    g = torch.Generator().manual_seed(3)
+    for c, h, w in [(3, 32, 32), (1, 28, 28), (3, 11, 40)]:
+        x = torch.randint(0, 256, (3, c, h, w), generator=g) / 255.0
+        adv = (x * 255 + torch.randint(-8, 9, x.shape, generator=g)).clamp(0, 255) / 255.0
+        got = ssim(adv, x)
+        want = [structural_similarity(adv[i].double().numpy(), x[i].double().numpy(), gaussian_weights=True,
+                                      sigma=1.5, use_sample_covariance=False, data_range=1.0, channel_axis=0)
+                for i in range(3)]
+        assert np.allclose(got.numpy(), want, atol=1e-6), (c, h, w)
+
+
+def test_ssim_small_images_use_the_reference_with_the_smaller_window():
+    """Images under 11 px (the 8 x 8 digits: window 7; 5 x 9: window 5) against the NumPy reference with that
+    window, a Gaussian of sigma 1.5 truncated to it and renormalized."""
+    g = torch.Generator().manual_seed(4)
+    for h, w in [(8, 8), (5, 9)]:
+        x = torch.randint(0, 256, (2, 1, h, w), generator=g) / 255.0
+        adv = (x * 255 + torch.randint(-20, 21, x.shape, generator=g)).clamp(0, 255) / 255.0
+        win = ssim_window(h, w)
+        want = [ssim_reference(adv[i].numpy(), x[i].numpy(), win=win) for i in range(2)]
+        assert np.allclose(ssim(adv, x).numpy(), want, atol=1e-6)

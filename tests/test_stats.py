@@ -93,3 +93,80 @@ def test_transfer_summary_holds_the_intervals():
         wins = sum(r["targets"][t]["success"] for r in records if r["targets"][t]["clean_correct"])
         assert (v["asr_low"], v["asr_high"]) == pytest.approx(wilson(wins, v["n"]))
     assert s["asr_low"] < s["asr"] < s["asr_high"]
+
+
+def test_median_interval_matches_scipy_quantile_test_with_ties():
+    """Against scipy's own order-statistic interval of the median (``quantile_test(...).confidence_interval``),
+    on query-like counts with many ties, at every n from 1 (no interval below 6) to 150."""
+    from scipy.stats import quantile_test
+
+    rng = np.random.default_rng(4)
+    for n in range(1, 151):
+        v = rng.integers(1, 40, n).astype(float)
+        ci = quantile_test(v, q=float(np.median(v)), p=0.5).confidence_interval(0.95)
+        lo, hi = median_interval(list(v))
+        if n < 6:
+            assert (lo, hi) == (None, None)
+        else:
+            assert (lo, hi) == (ci.low, ci.high), n
+
+
+def test_wilson_matches_scipy_on_every_count_and_at_other_levels():
+    for n in (1, 2, 7, 30, 101):
+        for k in range(n + 1):
+            ci = binomtest(k, n).proportion_ci(method="wilson")
+            assert wilson(k, n) == pytest.approx((ci.low, ci.high), abs=1e-12)
+    ci = binomtest(7, 20).proportion_ci(confidence_level=0.9, method="wilson")
+    assert wilson(7, 20, level=0.9) == pytest.approx((ci.low, ci.high), abs=1e-12)
+    assert wilson(0, 1)[0] == 0.0 and wilson(1, 1)[1] == 1.0
+
+
+def test_sign_test_matches_scipy_binomtest_on_random_counts():
+    """McNemar's exact test is the two-sided binomial test of the discordant pairs at p = 1/2."""
+    from blackboxbench.stats import sign_test_p
+
+    rng = np.random.default_rng(5)
+    for k1, k2 in rng.integers(0, 60, (300, 2)).tolist() + [[0, 0], [0, 7], [7, 0], [30, 30]]:
+        want = binomtest(k1, k1 + k2, 0.5).pvalue if k1 + k2 else 1.0
+        assert sign_test_p(k1, k2) == pytest.approx(want, rel=1e-9, abs=1e-300)
+
+
+def test_query_summary_matches_a_brute_force_count():
+    """Random records of a query run: misclassified samples and a cascade's skipped ones are not attacked (not in
+    ASR's denominator), failures and their queries stay out of AQN / MQN and of the distortion means, the audit's
+    disagreements are counted over attacked samples; each interval against scipy's reference."""
+    from scipy.stats import quantile_test
+
+    rng = np.random.default_rng(6)
+    records = []
+    for i in range(120):
+        kind = rng.choice(["miss", "skip", "win", "fail"], p=[0.1, 0.1, 0.55, 0.25])
+        attacked = kind in ("win", "fail")
+        r = {"index": i, "clean_correct": kind != "miss", "attacked": bool(attacked), "success": kind == "win",
+             "queries": int(rng.integers(1, 500)) if kind == "win" else (1000 if kind == "fail" else 0),
+             "audit_adv": (kind == "win") != bool(rng.random() < 0.05) if attacked else None,
+             "stalled": bool(attacked and rng.random() < 0.1), "success_rule": "single", "time": 0.1,
+             "l2": float(rng.random()), "linf": float(rng.random()), "ssim": float(rng.random()), "lpips": None}
+        if kind == "skip":
+            r["fooled_by"] = "earlier"
+        records.append(r)
+    s = summarize_query(records)
+    att = [r for r in records if r["clean_correct"] and "fooled_by" not in r]
+    wins = [r for r in att if r["success"]]
+    q = np.array([r["queries"] for r in wins], float)
+    assert (s["n"], s["n_attacked"], s["n_success"]) == (120, len(att), len(wins))
+    assert s["asr"] == len(wins) / len(att) and s["clean_acc"] == np.mean([r["clean_correct"] for r in records])
+    ci = binomtest(len(wins), len(att)).proportion_ci(method="wilson")
+    assert (s["asr_low"], s["asr_high"]) == pytest.approx((ci.low, ci.high), abs=1e-12)
+    assert s["aqn"] == pytest.approx(q.mean()) and s["mqn"] == np.median(q)
+    ci = quantile_test(q, q=float(np.median(q))).confidence_interval(0.95)
+    assert (s["mqn_low"], s["mqn_high"]) == (ci.low, ci.high)
+    assert s["aqn_low"] < q.mean() < s["aqn_high"]
+    assert s["mean_queries_all"] == pytest.approx(np.mean([r["queries"] for r in att]))
+    for m in ("l2", "linf", "ssim"):
+        assert s[f"mean_{m}"] == pytest.approx(np.mean([r[m] for r in wins]))
+        assert s[f"median_{m}"] == pytest.approx(np.median([r[m] for r in wins]))
+    assert s["mean_lpips"] is None
+    assert s["n_audit_disagree"] == sum(r["audit_adv"] != r["success"] for r in att) > 0
+    assert s["n_stalled"] == sum(r["stalled"] for r in att)
+    assert s["asr_reeval_undefended"] == sum(r["audit_adv"] for r in att) / len(att)

@@ -41,6 +41,37 @@ def test_worst_case_of_one_run_and_of_none():
     assert worst_case([])["n"] == 0 and worst_case([])["robust_acc"] is None
 
 
+
+def test_worst_case_matches_a_brute_force_over_random_runs():
+    """Random runs that recorded overlapping sets of samples: per sample, robust iff every run recorded and attacked
+    it and none fooled it; the union, best single run, complement and only-fooled-by counts, sample by sample."""
+    import random
+
+    rnd = random.Random(7)
+    for _ in range(200):
+        k, pool = rnd.randint(1, 4), list(range(rnd.randint(0, 25)))
+        runs = [(f"r{j}", {i: {"attacked": (a := rnd.random() < 0.85), "success": a and rnd.random() < 0.4}
+                           for i in pool if rnd.random() < 0.95}) for j in range(k)]
+        row = worst_case(runs)
+        common = [i for i in pool if all(i in rec for _, rec in runs)]
+        correct = [i for i in common if all(rec[i]["attacked"] for _, rec in runs)]
+        broke = {i: [m for m, rec in runs if rec[i]["success"]] for i in correct}
+        robust = [i for i in correct if not broke[i]]
+        assert row["n"] == len(common)
+        assert row["robust_acc"] == (len(robust) / len(common) if common else None)
+        assert (row["robust_acc_low"], row["robust_acc_high"]) == wilson(len(robust), len(common))
+        assert row["clean_acc"] == (len(correct) / len(common) if common else None)
+        fooled = {m: sum(m in broke[i] for i in correct) for m, _ in runs}
+        best = max(fooled.values())
+        assert fooled[row["best_run"]] == best and row["best_run"] == next(m for m, _ in runs if fooled[m] == best)
+        if correct:
+            assert row["asr_any"] == (len(correct) - len(robust)) / len(correct)
+            assert row["complement"] == (len(correct) - len(robust) - best) / len(correct)
+        else:
+            assert row["asr_any"] is row["best_asr"] is row["complement"] is None
+        assert row["only_fooled_by"] == {m: sum(broke[i] == [m] for i in correct) for m, _ in runs}
+
+
 CONFIG = """
 dataset: {name: digits, n: 12}
 model: digits_mlp
