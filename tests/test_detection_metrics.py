@@ -388,3 +388,11 @@ def test_all_point_ap_matches_pycocotools_with_difficult_boxes_as_crowd():
         compared += 1
         assert abs(ours - _coco_ap50(dets, gts, n_cls, 10_000)) <= 5e-3
     assert compared > 40
+
+
+def test_an_iou_of_exactly_the_threshold_matches():
+    """MMDetection's rule (spec sheet: IoU >= 0.5; voc_eval.py's strict > differs only here): half of A is a TP."""
+    half = [0, 0, 10, 5]
+    assert box_iou([half], [A])[0, 0] == 0.5
+    assert eval_map([det([half], [0.9], [0])], [gt([A], [0])])["tp"] == 1
+    assert _devkit([det([half], [0.9], [0])], [gt([A], [0], [False])], "area") == (1.0, 1)
