@@ -2,22 +2,24 @@
 
 The ANP at the authors' CIFAR-10 sizes and their pixel order (against a re-implementation of their grid), training
 that lowers the negative log-likelihood of held-out images, the NES update against a per-sample loop of the
-authors' ``NP_Attack`` (type R), the z_dim check, batch-size invariance (float64 digits target) and the real
-pretrained CIFAR-10 ResNet-56 at the paper's budget (skipped without the offline data). The digits contract
-(tests/test_contract.py) runs the recipe at both norms with a small ANP.
+authors' ``NP_Attack`` (type R) and of their types Z and RZ against a hand computation, the z_dim and search-type
+checks, type R's records pinned, batch-size invariance (float64 digits target; Z and RZ too, with their threat
+model) and the real pretrained CIFAR-10 ResNet-56 at the paper's budget (skipped without the offline data). The
+digits contract (tests/test_contract.py) runs the recipe at both norms with a small ANP.
 """
 import pytest
 import torch
 
-from blackboxbench.errors import BenchError
+from blackboxbench.errors import BenchError, ConfigError
 from blackboxbench.prep.data import digits
 from blackboxbench.query import np_attack
-from blackboxbench.query.np_attack import ANP, coordinates, nll, representation_step, to_images, to_points, train_anp
+from blackboxbench.query.np_attack import (ANP, coordinates, nll, np_init, representation_step, search_step, to_images,
+                                            to_points, train_anp)
 from blackboxbench.runner import run_experiment
 
-from attack_utils import make_ctx
+from attack_utils import build, make_ctx
 from test_advflow import Scores, needs_data, resnet56_run
-from test_engine import _exp, records_by_batch_size
+from test_engine import _exp, _records, records_by_batch_size
 
 
 
@@ -211,3 +213,144 @@ def test_resnet20_at_the_papers_budget(tmp_path):
     recs = resnet56_run(tmp_path, {"recipe": "np_attack", "blocks": REDUCED}, n=4, fooled=3, train_n=32,
                         model="cifar_resnet20", eps=0.05)
     print(sorted(r["queries"] for r in recs))
+
+
+# ------------------------------------------------------------------------------------- search types Z, RZ ----
+
+def _tiny(n=3, p=12, d=4):
+    """A 4-class score model over 3 x 2 x 2 images, its images and labels, r (n, P, D), a per-point latent mean
+    (n, P, D: all points different, as after a first update), the latent scale and a linear decoder."""
+    model = Scores(p, 0)
+    x = torch.rand(n, 3, 2, 2, generator=torch.Generator().manual_seed(1))
+    y = model(x).argmax(1)
+    g = torch.Generator().manual_seed(2)
+    r, mu = torch.randn(n, p, d, generator=g), torch.randn(n, p, d, generator=g)
+    scale = 0.01 + 0.09 * torch.rand(n, d, generator=g)
+    proj = torch.randn(2 * d, generator=g) * 0.1
+
+    def decode(rep, z):
+        return (torch.cat([rep, z], -1) @ proj).view(-1, 2, 2, 3).permute(0, 3, 1, 2) + 0.5
+
+    return model, x, y, r, mu, scale, decode
+
+
+def _standardized(model, x, y, images, eps):
+    """The authors' standardized rewards A (n_pop, 1) of one sample's decodes: clipped to the eps ball, the
+    unclipped CW margin of the log-probabilities, rewards -loss standardized with 1e-7."""
+    images = x + (images.clamp(0, 1) - x).clamp(-eps, eps)
+    log_p = torch.log(torch.softmax(model(images), 1))
+    onehot = torch.zeros(len(images), 4)
+    onehot[:, y] = 1
+    loss = (onehot * log_p).sum(1) - ((1 - onehot) * log_p - onehot * 10000).max(1)[0]
+    adv = -loss.view(-1, 1)
+    return (adv - adv.mean()) / (adv.std() + 1e-7)
+
+
+@pytest.mark.parametrize("search", ["Z", "RZ"])
+def test_z_and_rz_steps_are_the_authors_updates(search):
+    """Types Z and RZ of the authors' NP_Attack against a hand computation per sample with the same normal draws
+    (their order: r's e, the latent mean's e', then the latent's draw): candidate k decodes r (RZ: r + S e_k) with
+    z_k = mu1 + S e'_k + S n_k, a draw per candidate and point around the perturbed per-point mean; mu1 moves by
+    lr / (N S) sum_k A_k e'_k and r stays (Z) or moves by lr / (N S) sum_k A_k e_k with the same A (RZ)."""
+    n, p, d, n_pop, lr, eps = 3, 12, 4, 20, 0.05, 0.05
+    model, x, y, r0, mu0, scale, decode = _tiny(n, p, d)
+    seen = []
+    ctx = make_ctx(model, x, y, eps, "linf", 1000, num_classes=4)
+    r, mu = search_step(ctx, r0, mu0, scale, lambda rep, z: seen.append((rep, z)) or decode(rep, z),
+                        n_pop=n_pop, lr=lr, search=search)
+    rng = make_ctx(model, x, y, eps, "linf", 1000, num_classes=4).rng
+    e_r = rng.normal((n_pop, p, d)) if search == "RZ" else torch.zeros(n, n_pop, p, d)
+    e_z, normal = rng.normal((n_pop, p, d)), rng.normal((n_pop, p, d))
+    (rep_seen, z_seen), = seen
+    for i in range(n):
+        s = scale[i]
+        rep, z = r0[i] + s * e_r[i], mu0[i] + s * e_z[i] + s * normal[i]
+        assert torch.allclose(rep_seen.view(n, n_pop, p, d)[i], rep.expand(n_pop, -1, -1), atol=1e-6)
+        assert torch.allclose(z_seen.view(n, n_pop, p, d)[i], z, atol=1e-6), i
+        a = _standardized(model, x[i], y[i], decode(rep, z), eps)
+        step = lambda e: lr / (n_pop * s) * (e.view(n_pop, -1).t() @ a).view(p, d)  # noqa: E731
+        assert torch.allclose(mu[i], mu0[i] + step(e_z[i]), atol=1e-5), i
+        assert torch.allclose(r[i], r0[i] + step(e_r[i]), atol=1e-5) if search == "RZ" else torch.equal(r[i], r0[i])
+        assert not torch.allclose(mu[i], mu0[i], atol=1e-3) and (search == "Z" or not torch.allclose(r[i], r0[i]))
+    assert (ctx.oracle.counts == n_pop).all()
+
+
+def test_z_candidates_are_drawn_around_their_perturbed_mean():
+    """Type Z's candidate latents, less their perturbed means mu1 + S e_k, are S times standard normal draws,
+    fresh for every candidate and point (the authors' Normal(mu1 + S1 e_k, S1).rsample(); type R shares one draw per
+    point across its population), and r is decoded unperturbed."""
+    n, p, d, n_pop = 2, 12, 4, 400
+    model, x, y, r0, mu0, scale, decode = _tiny(n, p, d)
+    seen = []
+    ctx = make_ctx(model, x, y, 0.05, "linf", 10_000, num_classes=4)
+    search_step(ctx, r0, mu0, scale, lambda rep, z: seen.append((rep, z)) or decode(rep, z), n_pop=n_pop, lr=0.05,
+                search="Z")
+    e = make_ctx(model, x, y, 0.05, "linf", 10_000, num_classes=4).rng.normal((n_pop, p, d))
+    (rep, z), = seen
+    assert torch.equal(rep.view(n, n_pop, p, d), r0[:, None].expand(-1, n_pop, -1, -1))
+    noise = (z.view(n, n_pop, p, d) - mu0[:, None] - scale[:, None, None] * e) / scale[:, None, None]
+    assert noise.mean().abs() < 0.03 and (noise.std() - 1).abs() < 0.03  # 19,200 draws
+    assert (noise[:, 0] != noise[:, 1]).all()  # not shared by the candidates
+
+
+def _search_blocks(search):
+    return {"init": {**SMALL["init"], "search": search}, "perturb": {**SMALL["perturb"], "search": search}}
+
+
+def test_type_r_records_are_unchanged(tmp_path):
+    """Type R (the default, and search R given in both blocks) keeps the records it had before the search types
+    were added: the queries, successes and L2 distances of a small digits run (float64 target, small ANP, batch 4),
+    pinned from the code before them."""
+    runs = []
+    for i, blocks in enumerate((SMALL, _search_blocks("R"))):
+        exp = _exp(tmp_path / str(i), attack={"recipe": "np_attack", "blocks": blocks}, model="test_digits_mlp_f64",
+                   threat={"norm": "linf", "eps": 0.2, "max_queries": 1500}, batch_size=4, assets=_digits_assets(),
+                   dataset={"name": "digits", "n": 6})
+        runs.append(_records(run_experiment(exp, progress=False)[0]))
+    assert runs[0] == runs[1]
+    assert [r["queries"] for r in runs[0]] == [911, 1500, 305, 1500, 0, 1500]
+    assert [r["success"] for r in runs[0]] == [True, False, True, False, False, False]
+    assert [r["l2"] for r in runs[0]] == [1.5195003747940063, 1.5626356601715088, 1.54435133934021,
+                                          1.5315018892288208, 0.0, 1.4967811107635498]  # before Z and RZ
+
+
+@pytest.mark.parametrize("search", ["Z", "RZ"])
+def test_z_and_rz_keep_the_threat_model_and_do_not_depend_on_the_batch_size(tmp_path, search):
+    """Types Z and RZ (per-point latent mean in np_init's state) give identical records at batch sizes 1, 7 and
+    100, inside the eps ball and the budget (the runner checks [0, 1] and the uint8 grid), Linf and L2."""
+    for norm, eps in (("linf", 0.2), ("l2", 1.5)):
+        runs = records_by_batch_size(tmp_path / norm, {"recipe": "np_attack", "blocks": _search_blocks(search)}, norm,
+                                     eps, False, budget=1500, assets=_digits_assets(),
+                                     dataset={"name": "digits", "n": 6})
+        assert runs[0] == runs[1] == runs[2]
+        attacked = [r for r in runs[0] if r["attacked"]]
+        assert attacked and all(r[norm] <= eps + 1e-5 and r["queries"] <= 1500 for r in attacked)
+        assert all(r["queries"] >= 1 for r in attacked if r["success"])
+        print(search, norm, [(r["success"], r["queries"]) for r in runs[0]])
+
+
+def test_init_and_perturb_must_agree_on_the_search_type(tmp_path):
+    """A config whose two blocks differ in search is a one-line error naming the init's key; a state of the other
+    type handed to the perturb block (one latent mean per image vs one per point) is a one-line error too, before
+    any ANP is trained; a search type the authors do not have is a one-line config error."""
+    blocks = {"init": SMALL["init"], "perturb": {**SMALL["perturb"], "search": "Z"}}
+    exp = _exp(tmp_path, attack={"recipe": "np_attack", "blocks": blocks}, model="digits_mlp",
+               assets=_digits_assets(), threat={"norm": "linf", "eps": 0.2, "max_queries": 300},
+               dataset={"name": "digits", "n": 2})
+    with pytest.raises(ConfigError, match=r"attack\.blocks\.init\.search.*must equal attack\.blocks\.perturb\.search"
+                                          r" \('Z'\), got 'R'") as err:
+        run_experiment(exp, progress=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="search: must be one of R, Z, RZ, got 'X'"):
+        build("np_attack", blocks={"perturb": {"name": "np_attack", "search": "X"}})
+    model, x, y, *_ = _tiny()
+    ctx = make_ctx(model, x, y, 0.05, "linf", 1000, num_classes=4)
+    state_r, state_z = np_init(ctx, z_dim=4), np_init(ctx, z_dim=4, search="Z")
+    assert state_r["z_mean"].shape == (3, 4) and state_z["z_mean"].shape == (3, 12, 4)
+    assert state_r["r"].shape == state_z["r"].shape == (3, 12, 4) and state_z["z_scale"].shape == (3, 4)
+    for state, search, msg in ((state_r, "Z", "search Z differs from np_init's R"),
+                               (state_r, "RZ", "search RZ differs from np_init's R"),
+                               (state_z, "R", "search R differs from np_init's Z/RZ")):
+        with pytest.raises(BenchError, match=f"^np_attack: {msg} .*set both\\)$") as err:
+            np_attack.np_attack(ctx, state, search=search, z_dim=4, data="missing")
+        assert "\n" not in str(err.value)

@@ -26,6 +26,19 @@ check at the start of each iteration; here ``margin_step`` queries it), so an it
 queries. Table VI's I (600 iterations) caps nothing below the budget (600 x 101 > 10,000) and E (0.05) is the
 authors' eps, the threat's here.
 
+**Search types** (``search``, the authors' ``--type``; both blocks take it and must agree): R above is the default
+and the recipe's: every script of the authors defaults to ``--type R`` and their launchers and README commands run
+R; Table VI names no type, and its N, I, E, LR are the defaults of their ImageNet script, whose type is R too. The
+types below follow their CIFAR-10 scripts (``NPAttack_untargeted.py``, ``NPAttack_targeted.py``). Z leaves ``r``
+and searches the latent mean instead: the global ``mu_z`` expanded over the P points (the authors' ``mu1``), so that
+it becomes a mean per point after the first update, kept in ``np_init``'s state (P x ``z_dim`` per sample, where R
+keeps ``z_dim``). Candidate k decodes the unperturbed ``r`` with ``z_k ~ N(mu1 + sigma_z e_k, sigma_z)``, a fresh
+draw per candidate and point, and ``mu1`` moves by ``lr / (n_pop sigma_z) sum_k A_k e_k``. RZ perturbs both, with
+independent draws per candidate (``r + sigma_z e_k`` decoded with ``z_k ~ N(mu1 + sigma_z e'_k, sigma_z)``), and
+moves both with the same standardized rewards ``A``. In every type the new point decodes ``r`` with
+``z ~ N(mu1, sigma_z)`` (per point for Z and RZ), ``sigma_z`` never moves, and the targeted script runs the three
+types alike. Z and RZ draw two (three) normal tensors of the population's size per iteration where R draws one.
+
 **Targeted** (the authors' ``NPAttack_targeted.py``): the same NES with the targeted CW margin of the
 log-probabilities (the best other class minus the target), and their step-size rule (:func:`targeted_lr`): every
 tenth iteration a sample whose population's mean loss rose since the last such check halves its ``lr`` while it
@@ -137,8 +150,9 @@ class ANP(nn.Module):
 
 
 def sample_z(mean, scale, normal):
-    """A latent per point (m, P, z_dim) from the standard normal draws ``normal`` (m, P, z_dim)."""
-    return mean[:, None] + scale[:, None] * normal
+    """A latent per point (m, P, z_dim) from the standard normal draws ``normal`` (m, P, z_dim): ``mean`` is one
+    per image (m, z_dim), broadcast over its points, or one per point (m, P, z_dim) (search types Z and RZ)."""
+    return (mean[:, None] if mean.dim() == 2 else mean) + scale[:, None] * normal
 
 
 def nll(net, x, gen=None):
@@ -196,40 +210,62 @@ def trained_anp(ctx, data, arch, hp):
 
 # ------------------------------------------------------------------------------------------------ blocks ----
 
-@INIT.register("np_init", paper=PAPER, norms=("linf", "l2"), ranges={"z_dim": "int [1, inf)"})
-def np_init(ctx, *, z_dim=128):
+SEARCH = ("R", "Z", "RZ")  # the authors' --type: NES on r (their default, the recipe's), on the latent mean, on both
+
+
+@INIT.register("np_init", paper=PAPER, norms=("linf", "l2"), ranges={"z_dim": "int [1, inf)", "search": SEARCH},
+               agree={"search": "perturb"})
+def np_init(ctx, *, z_dim=128, search="R"):
     """The clean image (one query) and room for its representation (P points x ``z_dim``, the ANP's, which
-    ``np_attack`` checks) and latent, NaN until the perturb block encodes the image at its first step; for the
-    targeted step-size rule, the sample's ``lr`` (NaN: the perturb block's), the loss of its last check (the
-    authors' 100) and its iteration count."""
+    ``np_attack`` checks) and latent, NaN until the perturb block encodes the image at its first step: the latent
+    scale (``z_dim``) and mean, one per image (``z_dim``) for ``search`` R, one per point (P x ``z_dim``) for Z and
+    RZ, which move it point by point (the perturb block's ``search``, which the recipe repeats here: a slot's state
+    has one shape from its init on; the builder rejects a config whose two values differ, naming this key, and
+    ``np_attack`` checks the state it is given); for the targeted step-size rule, the sample's ``lr`` (NaN: the
+    perturb block's), the loss of its last check (the authors' 100) and its iteration count."""
     x = ctx.problem.x
     n, p = x.shape[0], x[0].numel()
     nan = lambda *shape: torch.full((n, *shape), float("nan"), device=x.device)  # noqa: E731
-    return start_state(ctx, x.clone(), r=nan(p, z_dim), z_mean=nan(z_dim), z_scale=nan(z_dim), lr=nan(),
+    z_mean = nan(z_dim) if search == "R" else nan(p, z_dim)
+    return start_state(ctx, x.clone(), r=nan(p, z_dim), z_mean=z_mean, z_scale=nan(z_dim), lr=nan(),
                        last_loss=torch.full((n,), 100.0, device=x.device),
                        it=torch.zeros(n, dtype=torch.long, device=x.device))
 
 
-def population(ctx, r, z_mean, z_scale, decode, n_pop):
-    """NP-attack's population around the representations ``r`` (n, P, D): ``n_pop`` candidates
-    ``r + sigma_z e_k`` decoded with one shared latent draw per point, projected and queried in one oracle call;
-    returns the draws ``e`` (n, n_pop, P, D), the candidates' margins (n, n_pop) and whether every query of a
-    sample's population was answered (n,)."""
+def population(ctx, r, z_mean, z_scale, decode, n_pop, search="R"):
+    """NP-attack's population of ``n_pop`` candidates around the representations ``r`` (n, P, D) and the latent
+    means ``z_mean`` (type R: one per image (n, D); Z, RZ: one per point (n, P, D)), projected and queried in one
+    oracle call. Type R: ``r + sigma_z e_k`` decoded with one latent draw ``z ~ N(z_mean, sigma_z)`` per point
+    shared by the population. Type Z: ``r`` decoded with ``z_k ~ N(z_mean + sigma_z e_k, sigma_z)``, a fresh draw
+    per candidate and point. Type RZ: ``r + sigma_z e_k`` decoded with ``z_k ~ N(z_mean + sigma_z e'_k, sigma_z)``,
+    ``e`` and ``e'`` independent. Returns the draws ``{state key: e}`` (each (n, n_pop, P, D): ``"r"`` for R and RZ,
+    ``"z_mean"`` for Z and RZ), the candidates' margins (n, n_pop) and whether every query of a sample's population
+    was answered (n,)."""
     problem = ctx.problem
     n, p, d = r.shape
-    e = ctx.rng.normal((n_pop, p, d)).to(r.device)
-    z = sample_z(z_mean, z_scale, ctx.rng.normal((p, d)).to(r.device))
     scale = z_scale[:, None, None, :]
-    cand = (r[:, None] + scale * e).flatten(0, 1)
     idx = torch.arange(n, device=r.device).repeat_interleave(n_pop)
-    candidates = problem.sub(idx).project(decode(cand, z[idx]).clamp(0, 1))
+    draws = {}
+    if search in ("R", "RZ"):
+        draws["r"] = ctx.rng.normal((n_pop, p, d)).to(r.device)
+        cand = (r[:, None] + scale * draws["r"]).flatten(0, 1)
+    else:
+        cand = r[:, None].expand(-1, n_pop, -1, -1).flatten(0, 1)
+    if search == "R":
+        z = sample_z(z_mean, z_scale, ctx.rng.normal((p, d)).to(r.device))[idx]
+    else:  # the authors' Normal(mu1 + S1 e_k, S1).rsample(): a fresh draw per candidate and point
+        draws["z_mean"] = ctx.rng.normal((n_pop, p, d)).to(r.device)
+        z = ctx.rng.normal((n_pop, p, d)).to(r.device).add_(draws["z_mean"]).mul_(scale).add_(z_mean[:, None])
+        z = z.flatten(0, 1)
+    candidates = problem.sub(idx).project(decode(cand, z).clamp(0, 1))
     margin, _, ok = query_margin(ctx, candidates, idx)
-    return e, margin.view(n, n_pop), ok.view(n, n_pop).all(1)
+    return draws, margin.view(n, n_pop), ok.view(n, n_pop).all(1)
 
 
 def nes_update(r, z_scale, e, margin, ok, lr):
     """``r + lr / (n_pop sigma_z) sum_k A_k e_k`` with the rewards ``-margin`` standardized per sample (1e-7 as the
-    authors); ``lr`` a number or one per sample (n,). A sample with a refused query (not ``ok``) keeps its ``r``."""
+    authors); ``r`` (n, P, D) is the representation or the per-point latent mean, ``lr`` a number or one per sample
+    (n,). A sample with a refused query (not ``ok``) keeps its ``r``."""
     n_pop = margin.shape[1]
     reward = torch.where(ok[:, None], -margin, 0.0)
     a = (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-7)
@@ -237,11 +273,25 @@ def nes_update(r, z_scale, e, margin, ok, lr):
     return r + lr / (n_pop * z_scale[:, None, :]) * torch.einsum("nk,nkpd->npd", a, e)
 
 
+def nes_updates(r, z_mean, z_scale, draws, margin, ok, lr):
+    """:func:`nes_update` of each tensor :func:`population` perturbed (its ``draws``: r, z_mean or both, RZ's with
+    the same standardized rewards); returns the new ``(r, z_mean)``."""
+    new = {"r": r, "z_mean": z_mean}
+    for key, e in draws.items():
+        new[key] = nes_update(new[key], z_scale, e, margin, ok, lr)
+    return new["r"], new["z_mean"]
+
+
+def search_step(ctx, r, z_mean, z_scale, decode, *, n_pop, lr, search="R"):
+    """NP-attack's NES update of type ``search`` (:func:`population`, :func:`nes_updates`); returns the new
+    ``(r, z_mean)``."""
+    draws, margin, ok = population(ctx, r, z_mean, z_scale, decode, n_pop, search)
+    return nes_updates(r, z_mean, z_scale, draws, margin, ok, lr)
+
+
 def representation_step(ctx, r, z_mean, z_scale, decode, *, n_pop, lr):
-    """NP-attack's NES update of the representations ``r`` (n, P, D) (:func:`population`, :func:`nes_update`);
-    returns the new ``r``."""
-    e, margin, ok = population(ctx, r, z_mean, z_scale, decode, n_pop)
-    return nes_update(r, z_scale, e, margin, ok, lr)
+    """NP-attack's NES update of type R of the representations ``r`` (n, P, D); returns the new ``r``."""
+    return search_step(ctx, r, z_mean, z_scale, decode, n_pop=n_pop, lr=lr)[0]
 
 
 def targeted_lr(lr, last_loss, loss, it):
@@ -254,42 +304,48 @@ def targeted_lr(lr, last_loss, loss, it):
 
 
 @PERTURB.register("np_attack", paper=PAPER, norms=("linf", "l2"), asset_params={"data": "train_images"},
-                  ranges={"n_pop": "int [2, inf)", "lr": "(0, inf)", "r_dim": "int [4, inf)",
+                  ranges={"n_pop": "int [2, inf)", "lr": "(0, inf)", "search": SEARCH, "r_dim": "int [4, inf)",
                           "z_dim": "int [1, inf)", "hidden": "int [1, inf)", "epochs": "int [1, inf)",
                           "views": "int [1, inf)", "np_lr": "(0, inf)", "batch": "int [1, inf)",
                           "seed": "int [0, inf)"})
-def np_attack(ctx, state, *, n_pop=100, lr=0.05, data="train", r_dim=128, z_dim=128, hidden=400, epochs=50,
-              views=1, np_lr=1e-3, batch=8, seed=0):
-    """One NP-attack iteration: the NES update of the representation from ``n_pop`` candidates (targeted: with the
-    authors' step-size rule), then a decode of it as the new point (see the module docstring for every
-    parameter)."""
+def np_attack(ctx, state, *, n_pop=100, lr=0.05, search="R", data="train", r_dim=128, z_dim=128, hidden=400,
+              epochs=50, views=1, np_lr=1e-3, batch=8, seed=0):
+    """One NP-attack iteration: the NES update of type ``search`` (R: the representation, Z: the per-point latent
+    mean, RZ: both) from ``n_pop`` candidates (targeted: with the authors' step-size rule), then a decode of it as
+    the new point (see the module docstring for every parameter)."""
     arch = {"r_dim": int(r_dim), "z_dim": int(z_dim), "hidden": int(hidden)}
     hp = {"epochs": int(epochs), "views": int(views), "np_lr": float(np_lr), "batch": int(batch),
           "seed": int(seed)}
     problem = ctx.problem
     check_points(problem.x.shape[1:])
-    net = trained_anp(ctx, data, arch, hp)
     r, z_mean, z_scale = state["r"], state["z_mean"], state["z_scale"]
     if r.shape[-1] != arch["z_dim"]:
         raise BenchError(f"np_attack: z_dim {arch['z_dim']} differs from np_init's {r.shape[-1]} (set both)")
+    if (z_mean.dim() == 2) != (search == "R"):
+        raise BenchError(f"np_attack: search {search} differs from np_init's {'R' if z_mean.dim() == 2 else 'Z/RZ'}"
+                         f" (its latent mean is one per {'image' if z_mean.dim() == 2 else 'point'}; set both)")
+    net = trained_anp(ctx, data, arch, hp)
     with torch.no_grad():
-        fresh = torch.isnan(z_mean[:, 0])
+        fresh = torch.isnan(z_scale[:, 0])
         if fresh.any():
             enc_r, enc_mean, enc_scale = net.encode(problem.x)
+            if search != "R":  # the authors' mu1: the latent mean expanded over the points
+                enc_mean = enc_mean[:, None].expand(-1, r.shape[1], -1)
             keep = ~fresh[:, None]
             r = torch.where(keep[..., None], r, enc_r)
-            z_mean, z_scale = torch.where(keep, z_mean, enc_mean), torch.where(keep, z_scale, enc_scale)
+            z_mean = torch.where(keep if search == "R" else keep[..., None], z_mean, enc_mean)
+            z_scale = torch.where(keep, z_scale, enc_scale)
 
         def decode(rep, z):
             return to_images(net.decode(rep, z)[0], net.shape)
 
         step, last_loss, it = state["lr"], state["last_loss"], state["it"]
         step = torch.where(torch.isnan(step), float(lr), step)
-        e, margin, ok = population(ctx, r, z_mean, z_scale, decode, n_pop)
+        draws, margin, ok = population(ctx, r, z_mean, z_scale, decode, n_pop, search)
         if problem.target is not None:  # a population with a refused query changes nothing
             new_step, new_last = targeted_lr(step, last_loss, margin.mean(1), it)
             step, last_loss = torch.where(ok, new_step, step), torch.where(ok, new_last, last_loss)
-        r = nes_update(r, z_scale, e, margin, ok, step)
+        r, z_mean = nes_updates(r, z_mean, z_scale, draws, margin, ok, step)
         z = sample_z(z_mean, z_scale, ctx.rng.normal(r.shape[1:]).to(r.device))
         x_new = problem.project(decode(r, z).clamp(0, 1))
     return {"x_adv": x_new, "r": r, "z_mean": z_mean, "z_scale": z_scale, "lr": step, "last_loss": last_loss,
