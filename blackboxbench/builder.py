@@ -149,9 +149,10 @@ def build_attack(recipe, threat, source):
     for kind, bk in family.blocks.items():
         key = f"attack.blocks.{kind}"
         if bk.many:
-            specs = blocks.get(kind) or []
-            if not isinstance(specs, list):
-                raise ConfigError("must be a list of blocks", source, key)
+            specs = blocks.get(kind, [])
+            if not isinstance(specs, list):  # {} or '' or null would read as no block at all, silently
+                raise ConfigError(f"must be a list of blocks ([] for none), got {type(specs).__name__} {specs!r}",
+                                  source, key)
             bound[kind] = [_bind(bk.registry, s, threat, source, f"{key}[{i}]") for i, s in enumerate(specs)]
         elif kind in blocks or bk.default is not None:
             bound[kind] = _bind(bk.registry, blocks.get(kind, bk.default), threat, source, key)

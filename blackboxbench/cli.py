@@ -123,7 +123,8 @@ def cmd_run(args):
         _robustness(results, opts["robustness"])
     for p in opts.get("plots") or []:
         from .analysis.recipes import plot
-        png, table, n, _ = plot(p["recipe"], results, p["output"], p["params"], p["where"])
+        png, table, n, _ = plot(p["recipe"], results, p["output"], p["params"], p["where"],
+                                setter=f"{args.config} (plots)")
         print(f"plot {p['recipe']}: {png} and {table} ({_count(n, 'result row')})")
     return 0
 

@@ -100,6 +100,8 @@ def load_run(run_dir):
     summary, reason = read_summary(d)
     if reason:
         raise BenchError(f"{d}: {reason}")
+    if not isinstance(summary.get("dataset"), str):  # what pairs two runs' samples; the leaderboard needs it not
+        raise BenchError(f"{d}: summary.json lacks the dataset (a string) that pairs its samples with another run's")
     family = summary.get("family")
     if family not in PAIRED_FAMILIES or family not in FAMILY:
         raise BenchError(f"{d}: a {family} run; compare pairs the runs of the families {', '.join(PAIRED_FAMILIES)}")

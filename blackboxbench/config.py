@@ -360,6 +360,13 @@ def check_block_params(fn, params, source, key):
         raise ConfigError(e.message, source, f"{key}.{e.param}") from None
 
 
+def check_path_given(value, source, key, none="null"):
+    """A path a config gives as text must name something: '' (or blanks) would be read as no path at all (no board
+    written, the default LPIPS trunk, the environment's data root), silently; ``none`` says how to write 'none'."""
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(f"an empty path{f'; write {none} for none' if none else ''}", source, key)
+
+
 def check_plain_name(value, source, key):
     """A name that becomes part of a run folder's name: no '/', no control character, not starting with '.'."""
     if not value or value.startswith(".") or any(c == "/" or ord(c) < 32 for c in value) or len(value) > 100:
@@ -499,6 +506,8 @@ def validate_experiment(cfg, source):
         raise ConfigError(f"must be in [0, 2**63), got {out['seed']}", source, "seed")
     if out["name"] is not None:
         check_plain_name(out["name"], source, "name")
+    for key in ("data_root", "lpips_path"):
+        check_path_given(out[key], source, key)
     check_output_dir(out["output_dir"], source)
     out["dataset"] = spec_to_dict(out["dataset"], source, "dataset")
     n = out["dataset"].get("n")
@@ -593,6 +602,20 @@ def check_outputs_apart(file_opts, source):
             raise ConfigError(f"{path} is " + ("a directory" if path.is_dir() else "not writable"), source, key)
 
 
+def check_grid_keys(grid, source):
+    """A grid key's run key (and its threat key) exist, named as the file writes them (``grid.threat.epz``): after
+    the expansion the same typo would be named ``runs[0].threat.epz``, a key the file does not have."""
+    for key in grid or {}:
+        if not isinstance(key, str) or not all(key.split(".")):
+            continue  # expand_grid names it
+        head, _, rest = key.partition(".")
+        if head in FILE_KEYS:
+            raise ConfigError("applies to the whole file: the grid varies the keys of a run", source, f"grid.{key}")
+        check_keys([head], top_keys(), source, "grid.")
+        if head == "threat" and rest:
+            check_keys([rest.partition(".")[0]], threat_keys(), source, "grid.threat.")
+
+
 def load_config(path, overrides=()):
     """Load a config file into a list of validated experiments (one per entry of ``runs``, else one).
 
@@ -609,6 +632,8 @@ def load_config(path, overrides=()):
     file_opts = {k: raw.pop(k) for k in list(raw) if k in FILE_KEYS}
     for k, v in file_opts.items():
         _check_type(v, FILE_KEYS[k], source, k)
+    for k in ("leaderboard", "robustness"):
+        check_path_given(file_opts.get(k), source, k)
     if "plots" in file_opts:
         from .analysis.recipes import check_plot
         # a plot may use an analysis tool the file's plugins register
@@ -632,6 +657,7 @@ def load_config(path, overrides=()):
     if file_opts.get("share_forwards") and file_opts.get("cascade"):
         raise ConfigError("cascade runs the runs one after another; share_forwards runs them together: choose one",
                           source, "cascade")
+    check_grid_keys(file_opts.get("grid"), source)
     runs = expand_grid(file_opts.get("runs") or [{}], file_opts.get("grid"), source)
     experiments = []
     for i, run in enumerate(runs):

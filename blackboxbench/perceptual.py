@@ -70,8 +70,15 @@ def load_lpips(path=None, device="cpu", random_trunk=False):
         warnings.simplefilter("ignore", UserWarning)
         net = lpips.LPIPS(net="alex", version="0.1", pnet_rand=True, verbose=False)
     if not random_trunk:
-        features = {k[len("features."):]: v for k, v in
-                    torch.load(file, map_location="cpu", weights_only=True).items() if k.startswith("features.")}
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file raises anything
+            raise BenchError(f"lpips: cannot read {file} ({type(e).__name__}): not torchvision's AlexNet state "
+                             "dict") from None
+        if not isinstance(state, dict):
+            raise BenchError(f"lpips: {file} is not torchvision's AlexNet state dict")
+        features = {k[len("features."):]: v for k, v in state.items() if isinstance(k, str) and
+                    k.startswith("features.")}
         trunk = {f"slice{s}.{k}": v for k, v in features.items()
                  for s, (lo, hi) in enumerate(((0, 2), (2, 5), (5, 8), (8, 10), (10, 12)), 1)
                  if lo <= int(k.split(".")[0]) < hi}

@@ -222,9 +222,11 @@ def run_defenses(exp, family, source):
     the ``defense`` of each transfer target's spec; every spec checked against the DEFENSE registry."""
     out = {}
     for key in family.run_keys:
-        if key == "defense" and exp.get("defense"):
-            target = next(k for k, mk in family.model_keys.items() if mk.role == "target")
-            out[target] = [build_defenses(parse_defenses(exp["defense"], source))]
+        if key == "defense" and exp.get("defense") is not None:  # '' and {} are wrong specs, not 'no defense'
+            specs = parse_defenses(exp["defense"], source)
+            if specs:  # [] (no defense) runs as a config without the key
+                target = next(k for k, mk in family.model_keys.items() if mk.role == "target")
+                out[target] = [build_defenses(specs)]
     for key, i, spec in family.roles(exp):
         if "defense" in spec:
             if not family.classifier_models:
@@ -574,7 +576,9 @@ class Runner:
         """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes
         the models' common count), every label must be one of them, and targeted runs' target labels too:
         checked before anything is created."""
-        source, probe = self.exp["_source"], data.x[:1].to(self.device)
+        # two images (the first and the last: one image twice for a dataset of one), so that a model answering one
+        # row whatever the batch, or a row per channel, fails here and not as a broadcast deep in an attack
+        source, probe = self.exp["_source"], data.x[[0, -1]].to(self.device)
         for key, ms in models.items():
             for i, m in enumerate(ms):
                 where = f"{key}[{i}]" if self.family.model_keys[key].many else key
@@ -589,6 +593,14 @@ class Runner:
                     raise ConfigError(f"a {self.family.name} attack needs a classifier answering one row of class "
                                       f"scores per image; this model answers {got} (a detector needs a detection "
                                       "recipe: blackboxbench list attacks)", source, where)
+                if out.shape[0] != len(probe):
+                    raise ConfigError(f"the model answers {out.shape[0]} row{'' if out.shape[0] == 1 else 's'} of class scores for "
+                                      f"{len(probe)} images "
+                                      f"(tensor of shape {tuple(out.shape)}); it must answer one row per image",
+                                      source, where)
+                if self.family.model_keys[key].role == "surrogate" and not out.is_floating_point():
+                    raise ConfigError(f"the surrogate answers {out.dtype} class scores; a white-box surrogate's "
+                                      "logits must be floating point (its gradient is the attack's)", source, where)
                 width = out.shape[1]
                 if data.num_classes is None:
                     data.num_classes = width

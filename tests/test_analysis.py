@@ -315,7 +315,7 @@ def test_plot_of_real_runs(tmp_path, capsys):
 
 @pytest.mark.parametrize("entry,message", [
     ("{recipe: aev_lines, output: a.png}", "plots[0].recipe: unknown analysis recipe 'aev_lines'"),
-    ("{recipe: aev_line, output: a.png, params: {colour: red}}", "plots[0].params: colour: unknown parameter"),
+    ("{recipe: aev_line, output: a.png, params: {colour: red}}", "plots[0].params.colour: unknown parameter"),
     ("{recipe: fullgrad, output: a.png}", "tool 'fullgrad' reads model, not results"),
     ("{recipe: aev_line, outputs: a.png}", "plots[0].outputs: unknown key (did you mean: output?)"),
     ("{recipe: aev_line}", "plots[0].output: required: a string"),

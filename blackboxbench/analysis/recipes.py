@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..catalog import find
-from ..config import check_keys, load_yaml
+from ..config import check_keys, check_path_given, load_yaml
 from ..errors import BenchError, ConfigError
 from ..leaderboard import cell
 from ..registry import ANALYSIS, ParamError, check_params
@@ -18,6 +18,7 @@ from .inputs import import_run_plugins, load_inputs
 
 RECIPE_KEYS = ("name", "tool", "paper", "notes", "params", "where")
 PLOT_KEYS = ("recipe", "output", "params", "where")  # an entry of a config's ``plots:``
+COMMAND_LINE = "command line (--param)"  # who set the parameters plot() and analyze() are given, by default
 COMMANDS = {"results": "blackboxbench plot RESULTS -r", "model": "blackboxbench analyze --run RUN_DIR -r"}
 
 
@@ -52,9 +53,14 @@ def load_recipe(recipe, inputs):
     return path, r, tool
 
 
-def _params(path, r, tool, params):
+def _params(path, r, tool, params, setter):
+    """The recipe's parameters overridden by ``params``; an error names whoever set the wrong one: ``setter`` (the
+    command line's --param, a config's plots entry) for a parameter of ``params``, else the recipe file."""
     p = {**(r.get("params") or {}), **(params or {})}
-    check_params(tool, p, f"{path}: params.")
+    try:
+        check_params(tool, p)
+    except ParamError as e:
+        raise ConfigError(e.message, setter if e.param in (params or {}) else path, f"params.{e.param}") from None
     return p
 
 
@@ -64,14 +70,18 @@ def check_plot(entry, source, key):
     if not isinstance(entry, dict):
         raise ConfigError("must be a mapping {recipe: ..., output: ...}", source, key)
     _check(entry, PLOT_KEYS, ("recipe", "output"), source, f"{key}.")
+    check_path_given(entry["output"], source, f"{key}.output", none="")
     try:
         _, r, tool = load_recipe(entry["recipe"], "results")
     except BenchError as e:
         raise ConfigError(str(e), source, f"{key}.recipe") from None
+    params = entry.get("params") or {}
     try:
-        check_params(tool, {**(r.get("params") or {}), **(entry.get("params") or {})})
-    except BenchError as e:
-        raise ConfigError(str(e), source, f"{key}.params") from None
+        check_params(tool, {**(r.get("params") or {}), **params})
+    except ParamError as e:  # the entry's own parameter, else one of the recipe's
+        mine = e.param in params
+        raise ConfigError(e.message if mine else f"the recipe's params.{e.param}: {e.message}", source,
+                          f"{key}.params.{e.param}" if mine else f"{key}.recipe") from None
     return {"recipe": entry["recipe"], "output": entry["output"], "params": entry.get("params") or {},
             "where": entry.get("where") or {}}
 
@@ -91,11 +101,11 @@ def _write(out, header, body, draw, title, arrays=None):
     return png, table
 
 
-def plot(recipe, source, out, params=None, where=None):
+def plot(recipe, source, out, params=None, where=None, setter=COMMAND_LINE):
     """Run a results recipe on ``source`` (a leaderboard CSV, a results directory or a list of them); ``params``
     and ``where`` override the recipe's. Returns ``(png, csv, rows used, skipped runs)``."""
     path, r, tool = load_recipe(recipe, "results")
-    p = _params(path, r, tool, params)
+    p = _params(path, r, tool, params, setter)
     w = {**(r.get("where") or {}), **(where or {})}
     rows, skipped = load_rows(source)
     rows = select(rows, w)
@@ -108,20 +118,19 @@ def plot(recipe, source, out, params=None, where=None):
     return png, table, len(rows), skipped
 
 
-def analyze(recipe, out, params=None, device="cpu", **source):
+def analyze(recipe, out, params=None, device="cpu", setter=COMMAND_LINE, **source):
     """Run a model recipe on the images of ``source`` (the keyword arguments of
     :func:`~blackboxbench.analysis.inputs.load_inputs`: ``run``, ``model``, ``dataset``, ``data_root``, ``n``,
     ``indices``, ``seed``). Returns ``(png, csv, npz, images used, images loaded)``: a tool with ``max_images``
     uses at most that many of the images loaded."""
     import_run_plugins(source.get("run"))  # a run's plugins may register the tool
     path, r, tool = load_recipe(recipe, "model")
-    p = _params(path, r, tool, params)
+    p = _params(path, r, tool, params, setter)
     inputs = load_inputs(device=device, many=tool.registry_meta.get("models", False), **source)
     try:
         header, body, arrays, draw = tool(inputs, **p)
     except ParamError as e:  # a parameter the tool can only judge on the images: the file or flag that set it
-        setter = "command line (--param)" if e.param in (params or {}) else path
-        raise ConfigError(e.message, setter, f"params.{e.param}") from None
+        raise ConfigError(e.message, setter if e.param in (params or {}) else path, f"params.{e.param}") from None
     png, table = _write(out, header, body, draw, f"{r['name']}: {inputs.model_name}", arrays)
     loaded = len(inputs.index)
     return png, table, Path(out).with_suffix(".npz"), min(loaded, p.get("max_images", loaded)), loaded

@@ -223,7 +223,7 @@ def coco_json(data_root, *, annotations, images, n=None, size=512, classes=None,
     order (or ``classes``: the category names to keep, in class-id order; other categories are dropped).
     ``iscrowd`` boxes are kept as difficult (ignored by the metrics). ``boxes_only``: as :func:`voc2007`'s."""
     ann_path = _need(data_path(data_root, annotations), "annotation file")
-    folder = _need(data_path(data_root, images), "image folder")
+    folder = _need(data_path(data_root, images), "image folder", directory=True)
     try:
         doc = json.loads(ann_path.read_text(encoding="utf-8"))
         cats = [(int(c["id"]), str(c["name"])) for c in doc["categories"]]

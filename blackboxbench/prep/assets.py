@@ -28,10 +28,14 @@ def tensors_asset(data_root, device, *, path):
     device: e.g. a precomputed basis, a mask or trained weights of a small generator."""
     file = data_path(data_root, path) if data_root is not None or Path(path).is_absolute() else Path(path)
     if not file.is_file():
-        raise BenchError(f"missing asset file {file}")
+        raise BenchError(f"asset file {file} is a directory, not a file" if file.is_dir() else
+                         f"missing asset file {file}")
     if file.suffix == ".npz":
-        with np.load(file) as d:
-            out = {k: torch.from_numpy(d[k]) for k in d.files}
+        try:
+            with np.load(file) as d:
+                out = {k: torch.from_numpy(d[k]) for k in d.files}
+        except Exception as e:  # noqa: BLE001 - a truncated, foreign or pickled archive raises anything
+            raise BenchError(f"asset file {file} is not an npz of arrays: {type(e).__name__}") from None
     else:
         try:
             out = torch.load(file, map_location="cpu", weights_only=True)

@@ -55,9 +55,15 @@ def data_path(data_root, rel):
     return rel if rel.is_absolute() else resolve_data_root(data_root) / rel
 
 
-def _need(path, what="file"):
+def _need(path, what="file", directory=False):
+    """``path``, which must exist and be a directory (``directory``) or a file: a one-line error naming ``what``
+    otherwise (a folder where a file is expected, or the reverse, fails here, not deep in a reader)."""
     if not path.exists():
         raise BenchError(f"missing {what} {path}")
+    if directory and not path.is_dir():
+        raise BenchError(f"{what} {path} is not a directory")
+    if not directory and path.is_dir():
+        raise BenchError(f"{what} {path} is a directory, not a file")
     return path
 
 
@@ -269,7 +275,7 @@ def imagefolder(data_root, *, path, classes=None, labels_file=None, num_classes=
     ``grayscale``: decode to one channel (for grayscale models); otherwise RGB.
     """
     mapping, repeated, where = _class_mapping(data_root, classes, labels_file, num_classes)
-    root = _need(data_path(data_root, path), "image folder")
+    root = _need(data_path(data_root, path), "image folder", directory=True)
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not folders:
         raise BenchError(f"imagefolder: no class sub-folders in {root}")
@@ -297,7 +303,7 @@ def nips17(data_root, *, n=None, path="imagenet_nips17_subset100", size=None):
     """ImageNet-compatible NIPS-2017 images: ``images/<ImageId>.png`` in the row order of ``labels.csv``;
     ``y`` = ``label_1000``, ``given_target`` = ``target_1000`` (the competition's targets; None when the column
     is absent); 1000 classes. ``size`` resizes (bilinear) to ``size`` x ``size``, e.g. 224."""
-    root = _need(data_path(data_root, path), "directory")
+    root = _need(data_path(data_root, path), "directory", directory=True)
     csv_path = _need(root / "labels.csv")
     try:
         with open(csv_path, newline="", encoding="utf-8") as f:

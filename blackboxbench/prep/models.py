@@ -7,6 +7,7 @@ Nothing is ever downloaded: pretrained weights come from the data root, a local 
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -146,7 +147,8 @@ def load_state(path, key="state_dict", strip_prefix="module."):
     dict is unwrapped (ERAN files); ``strip_prefix`` is removed from the keys (DataParallel's ``module.``)."""
     path = Path(path)
     if not path.is_file():
-        raise BenchError(f"missing checkpoint {path}")
+        raise BenchError(f"checkpoint {path} is a directory, not a file" if path.is_dir() else
+                         f"missing checkpoint {path}")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -453,6 +455,22 @@ def torchvision_weights(arch, names, kind, pretrained):
     return weights
 
 
+def torchvision_classifiers(arch):
+    """torchvision's image classifiers (float and quantizable); a one-line error when ``arch`` is another of its
+    models (a detector, a segmentation, video or optical-flow model): built as a classifier it fails deep inside,
+    or reaches for its backbone's weights online."""
+    import torchvision.models as tvm
+
+    names = tvm.list_models(module=tvm) + tvm.list_models(module=tvm.quantization)
+    if arch not in names and arch in tvm.list_models():
+        kinds = (("a detection", tvm.detection, "; name: torchvision_det takes it"),
+                 ("a segmentation", tvm.segmentation, ""), ("a video", tvm.video, ""),
+                 ("an optical-flow", tvm.optical_flow, ""))
+        kind, hint = next(((k, h) for k, m, h in kinds if arch in tvm.list_models(module=m)), ("another task's", ""))
+        raise BenchError(f"torchvision:{arch} is {kind} model, not an image classifier{hint}")
+    return names
+
+
 @MODEL.register("torchvision", source="torchvision.models.get_model", ranges={"num_classes": "int [1, inf)",
                 "mean": "list (-inf, inf)", "std": "list (0, inf)", "resize": "int [1, inf)"})
 def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, checkpoint=None, mean=None,
@@ -461,8 +479,7 @@ def torchvision_model(data_root, *, arch, num_classes=1000, pretrained=False, ch
     when torch.hub already caches them (never downloaded). mean/std default to ImageNet's."""
     import torchvision
 
-    weights = torchvision_weights(arch, torchvision.models.list_models(), "torchvision",
-                                  pretrained and checkpoint is None)
+    weights = torchvision_weights(arch, torchvision_classifiers(arch), "torchvision", pretrained and checkpoint is None)
     try:
         net = from_cached_weights(lambda: torchvision.models.get_model(arch, weights=weights, num_classes=num_classes),
                                   f"torchvision:{arch}", weights and _hub_checkpoint(weights.url))
@@ -485,10 +502,14 @@ def checkpoint(data_root, *, path, arch=None, mean=None, std=None, strip_prefix=
     With ``arch=None`` the file is a TorchScript module, normalized by mean/std when given."""
     file = data_path(data_root, path)
     if not file.is_file():
-        raise BenchError(f"missing checkpoint {file}")
+        raise BenchError(f"checkpoint {file} is a directory, not a file" if file.is_dir() else
+                         f"missing checkpoint {file}")
     if arch is None:
         try:
-            net = torch.jit.load(str(file), map_location="cpu")
+            with warnings.catch_warnings():  # torch's deprecation notice of jit.load: a second stderr line per run
+                warnings.filterwarnings("ignore", message=r".*torch\.jit\.load.* is deprecated",
+                                        category=FutureWarning)
+                net = torch.jit.load(str(file), map_location="cpu")
         except RuntimeError as err:
             raise BenchError(f"{file} is not a TorchScript file (set arch to load a state dict): "
                              f"{str(err).splitlines()[0]}") from None
