@@ -11,12 +11,16 @@ The runner keeps persistence, resume, scheduling and progress; it never names a 
 * ``path/<index>.npz``: with ``save_path_every: k``, each attacked sample's path (its clean image, its iterate
   every k queries or transfer iterations, its returned image; :func:`save_path`), written before its record;
 * ``progress.json``: the run's cumulative wall time, updated as records are written;
+* ``inputs.json``: digests of what the records are made from beyond the config (the dataset's images and labels,
+  each model's weights), checked on resume: a data root or weights file changed under the same config is a
+  one-line error instead of records of two inputs mixed in one run;
 * ``summary.json``: the family's summary of all records, written when every sample has one.
 
 A sample's random numbers come from its own stream (seed, index), so its result does not depend on the batch
 size, its neighbours or when it entered a slot; re-running an interrupted run keeps every complete record, redoes
 the samples without one, and ends with the records of an uninterrupted run. A lock file makes a second process
-on the same run directory fail with a one-line error naming the holder.
+on the same run directory fail with a one-line error naming the holder (``--fresh`` too: it clears the folder only
+once it holds the lock).
 """
 import fcntl
 import hashlib
@@ -307,6 +311,66 @@ def read_elapsed(path):
     return float(value) if isinstance(value, (int, float)) and value >= 0 else 0.0
 
 
+def tensor_digest(*parts):
+    """A short SHA-256 of tensors (any dtype: their bytes, dtype and shape), dicts of them (keys sorted) and other
+    values (their repr)."""
+    h = hashlib.sha256()
+
+    def add(p):
+        if isinstance(p, torch.Tensor):
+            h.update(f"{p.dtype}{tuple(p.shape)}".encode())
+            h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(p, dict):
+            for k in sorted(p, key=str):
+                h.update(repr(k).encode())
+                add(p[k])
+        else:
+            h.update(repr(p).encode())
+
+    for p in parts:
+        add(p)
+    return h.hexdigest()[:24]
+
+
+def input_digests(data, weights):
+    """{input: digest} of what a run's records are made from beyond its config: ``dataset`` (its images, labels and
+    given targets) and each model's weights and buffers (``weights``: {label: bare model}), so that a resume can tell
+    when a data root or weights file changed under the same config."""
+    out = {"dataset": tensor_digest(data.x, data.y, data.given_target)}
+    for label, model in weights.items():
+        state = getattr(model, "state_dict", None)
+        out[label] = tensor_digest(dict(state())) if callable(state) else None
+    return out
+
+
+def check_input_digests(path, digests, n_records):
+    """Refuse to resume ``n_records`` records made from other inputs than ``digests`` (their ``inputs.json`` at
+    ``path``); a run without the file (older, or killed before its first record) takes these inputs."""
+    try:
+        before = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        raise BenchError(f"{path}: cannot read the run's input digests ({type(e).__name__}); rerun with --fresh to "
+                         "discard its records") from None
+    changed = [k for k in digests if not isinstance(before, dict) or before.get(k) != digests[k]]
+    if changed:
+        raise BenchError(f"{path}: {changed[0]} differs from the one the run's {n_records} records were made with "
+                         "(another data root, weights file or model cache under the same config); rerun with "
+                         "--fresh to discard them, or set another output_dir")
+
+
+def clear_run_dir(run_dir):
+    """Remove everything in a run folder but its lock file (``--fresh``, under the lock)."""
+    for p in run_dir.iterdir():
+        if p.name == ".lock":
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
 def atomic_write(path, text):
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -466,11 +530,13 @@ class Runner:
         check_metric_names(fam.schema(), [c for c, _ in fam.columns], fam.name)
         distances(data.x[:2], data.x[:2])  # every metric (a plugin's) answers one value per image, before the run
         models, names, notes = {}, {}, []  # notes: warned once the models take the images (else the error alone)
+        weights = {}  # label -> the bare model as built (its weights go to the run's input digests)
         for key, i, spec in fam.roles(exp):
             label = f"{key}[{i}]" if fam.model_keys[key].many else key
             bare = bare_spec(spec)  # a defense wraps the model (defense.py); a label names its results
             probe = data.x[:4] if exp["fuse"] and fam.model_keys[key].forward_only else None
             model = self.session.model(bare, data_root, self.device, source, label, exp["compile"], probe)
+            weights[label] = self.session.model(bare, data_root, self.device, source, label)  # built once, cached
             if exp.get("fixed_batch") and fam.model_keys[key].wrapped:
                 model = self.session.fixed_batch(model, exp["fixed_batch"])
             models.setdefault(key, []).append(model)
@@ -510,6 +576,7 @@ class Runner:
                                       for n, ds in zip(names[key], per) if any(d.randomized for d in ds)})
         for note in notes:
             warnings.warn(note)
+        self.input_digests = input_digests(data, weights)
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
@@ -633,14 +700,18 @@ class Runner:
     def run(self, inputs=None):
         inputs = inputs or self.inputs()  # every model, asset and class check before anything is created
         try:
-            if self.fresh and self.run_dir.exists():
-                shutil.rmtree(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             lock = RunLock(self.run_dir)
         except OSError as e:
             raise ConfigError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}", self.exp["_source"],
                               "output_dir") from None
-        with lock:
+        with lock:  # --fresh clears the folder only under the lock: never under a run still writing to it
+            if self.fresh:
+                try:
+                    clear_run_dir(self.run_dir)
+                except OSError as e:
+                    raise ConfigError(f"cannot clear the run folder {self.run_dir}: {e.strerror or e}",
+                                      self.exp["_source"], "output_dir") from None
             return self._run_locked(inputs)
 
     def _run_locked(self, inputs):
@@ -649,7 +720,10 @@ class Runner:
         atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(self.plan.resolved, sort_keys=False))
         rec_path = self.run_dir / "records.jsonl"
         done = {i: r for i, r in read_records(rec_path, self.family.schema(), self.hash).items() if i < n}
+        if done:
+            check_input_digests(self.run_dir / "inputs.json", self.input_digests, len(done))
         atomic_write(rec_path, "".join(json.dumps(done[i]) + "\n" for i in sorted(done)))
+        atomic_write(self.run_dir / "inputs.json", json.dumps(self.input_digests, indent=1))  # before any record
         elapsed = read_elapsed(self.run_dir / "progress.json")
         writer = RecordWriter(self.run_dir, elapsed if done else 0.0, self.hash)
         pending = [i for i in range(n) if i not in done]
