@@ -288,7 +288,8 @@ def cmd_list(args):
     return 0
 
 
-def main(argv=None):
+def build_parser():
+    """The command line's parser (its subcommands and flags; tests/test_readme.py holds README.md to it)."""
     from . import __version__
     parser = argparse.ArgumentParser(prog="blackboxbench", description=__doc__)
     parser.add_argument("--version", action="version", version=f"blackboxbench {__version__}")
@@ -368,7 +369,11 @@ def main(argv=None):
     p = sub.add_parser("list", help="list the attack, defense or analysis catalog, or the registered blocks")
     p.add_argument("what", choices=("attacks", "defenses", "analysis", "blocks"), nargs="?", default="attacks")
     p.set_defaults(fn=cmd_list)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     try:
         import blackboxbench  # noqa: F401  (registers every block)
         shown = warnings.formatwarning
