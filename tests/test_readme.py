@@ -236,3 +236,19 @@ def test_defenses_config_runs_what_the_readme_says():
     assert f"{len(untrained)} attacks x {{none, RND, AAA-Linear, AAA-Sine, the AT target}}: {len(runs)} runs" in text
     trained = re.search(r"query recipes: not ([^)]*)\)", text).group(1)
     assert set(_names(trained)) == query - untrained
+
+
+def test_the_contract_test_runs_a_plugins_block():
+    """"The contract test runs every registered block": a block of a plugin file (the README's example, whose
+    ``paper`` starts with "example") is composed onto I-FGSM and run by tests/test_contract.py when the file is
+    named in ``BLACKBOXBENCH_PLUGINS``."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, BLACKBOXBENCH_PLUGINS=str(REPO / "examples" / "gaussian_noise.py"),
+               PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                          str(REPO / "tests" / "test_contract.py"), "-k", "gaussian_noise and (linf-u or context)"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "BLACKBOXBENCH_PLUGINS" in README
