@@ -174,10 +174,37 @@ def test_a_conflicting_duplicate_is_refused(tmp_path, capsys):
         read_records(path, {"index": (int,)}, "another run")
 
 
+SLOW_PLUGIN = """
+import time
+from torch import nn
+from blackboxbench.prep.models import build_model
+from blackboxbench.registry import MODEL
+
+
+class Slow(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return self.model(x)
+
+
+@MODEL.register("test_slow_digits_mlp", dataset="digits")
+def slow_digits_mlp(data_root=None):
+    return Slow(build_model("digits_mlp", data_root=data_root))
+"""
+
+
 def test_two_processes_on_one_run(tmp_path, capsys):
     """A second process on the same run folder gets a one-line error naming the holder; the first finishes with
-    every sample recorded once."""
-    text = RUN.replace("n: 16", "n: 120").replace("max_queries: 100", "max_queries: 2000")
+    every sample recorded once. The first run's model sleeps 20 ms a call (not traced into an inference copy:
+    ``fuse: false``), so that it still holds the lock when the second starts on any machine: on a fast one the
+    plain digits run ended within the half second the test waits."""
+    (tmp_path / "slow_plugin.py").write_text(SLOW_PLUGIN)
+    text = (RUN.replace("n: 16", "n: 32").replace("model: digits_mlp", "model: test_slow_digits_mlp")
+            + "fuse: false\nplugins: [slow_plugin.py]\n")
     path = config(tmp_path, text)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "run.py"), str(path), "--quiet"], env=env,
@@ -191,7 +218,7 @@ def test_two_processes_on_one_run(tmp_path, capsys):
     one_line_error(capsys, "is in use by pid")
     assert proc.wait(timeout=300) == 0
     indices = [json.loads(line)["index"] for line in _lines(_run_dir(tmp_path))]
-    assert sorted(indices) == list(range(120))
+    assert sorted(indices) == list(range(32))
 
 
 def test_rerun_keeps_the_cumulative_wall_time(tmp_path):
