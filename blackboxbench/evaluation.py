@@ -155,6 +155,7 @@ def summarize_query(records):
         "asr_reeval_defended": _ratio(n_reeval, len(reeval)) if reeval else None,
         "asr_reeval_undefended": _ratio(sum(bool(r["audit_adv"]) for r in attacked), len(attacked)),
         "reeval_gap": len(wins) - n_reeval if reeval else None,
+        # sample-seconds: each record's time is its latency in a slot, the slots sharing the model's calls
         "attack_time": sum(r["time"] for r in records),
     }
 
