@@ -699,3 +699,36 @@ def test_dag_proposals_and_log_scores(frcnn):
     with torch.no_grad():
         logp, prob = frcnn.proposal_scores(x, plain, log=True), frcnn.proposal_scores(x, plain)
     assert torch.allclose(logp.exp(), prob, atol=1e-6)
+
+
+def test_deep_tiny_detector_features_are_its_stages():
+    """``shapes_fcos_deep``'s body is a small ResNet (stem + three stages of basic blocks, stride 8): the features
+    OSFD distorts are the three stages' outputs (not the stem's, as the authors' ResNet out_indices), and the
+    head reads the last; the shallow detectors keep their three ReLU outputs."""
+    from blackboxbench.detection.models import BasicBlock, DeepTinyBackbone
+
+    deep, x = build_model({"name": "shapes_fcos_deep", "pretrained": False}), torch.rand(2, 3, 64, 64)
+    assert isinstance(deep.net.backbone, DeepTinyBackbone)
+    assert sum(isinstance(m, BasicBlock) for m in deep.net.modules()) == 6
+    feats = deep.features(x)
+    assert [tuple(f.shape) for f in feats] == [(2, 16, 32, 32), (2, 32, 16, 16), (2, 32, 8, 8)]
+    images, _ = deep.net.transform(list(x))
+    assert torch.equal(feats[-1], deep.net.backbone(images.tensors)["0"])
+    shallow = build_model({"name": "shapes_fcos", "pretrained": False})
+    assert [tuple(f.shape) for f in shallow.features(x)] == [(2, 32, 32, 32), (2, 32, 16, 16), (2, 32, 8, 8)]
+
+
+def test_osfd_on_the_deep_tiny_detector(setup):
+    """The tiny FCOS on a small ResNet backbone (trained on first use, ~25 s on one core) is a trained detector
+    that TOG breaks, and OSFD moves it more than the 3-conv one (48 images, benchmarks/RESULTS.md: mAP -11.4 %
+    vs -3.2 %; on these 8: -12.1 % vs -3.2 %), short of the issue's 30 % bar on either."""
+    model, data = setup
+    deep = build_model("shapes_fcos_deep")
+    _, s, t = run_recipe("tog_untargeted", deep, data)
+    p = s["per_target"]["m"]
+    assert p["clean_map"] >= 0.8 and p["drop_map"] >= 0.3, p
+    records, s, t = run_recipe("osfd", deep, data)
+    _check_bound(records, data, t)
+    d_deep = s["per_target"]["m"]["drop_map"]
+    _, s, _ = run_recipe("osfd", model, data)
+    assert d_deep > s["per_target"]["m"]["drop_map"], (d_deep, s["per_target"]["m"])

@@ -2,7 +2,9 @@
 
 * ``shapes_fcos``, ``shapes_fcos_b``, ``shapes_fcos_c`` (three inits): tiny FCOS detectors
   (3-conv backbone, spec sheet section 4) trained on the synthetic shapes on first use, in seconds and deterministically, then cached in
-  ``BLACKBOXBENCH_CACHE`` (as the digits models are).
+  ``BLACKBOXBENCH_CACHE`` (as the digits models are); ``shapes_frcnn``, a tiny Faster R-CNN on the same backbone;
+  ``shapes_fcos_deep``, the tiny FCOS on a small ResNet backbone (13 convolutions with BatchNorm, still stride 8),
+  trained the same way: a second backbone architecture, deep enough for OSFD's feature distortion to matter.
 * ``torchvision_det:<arch>``: any torchvision detection architecture (Faster R-CNN, RetinaNet, FCOS, SSD,
   SSDlite, ...): random init, a local ``checkpoint``, or the COCO weights when torch.hub already caches them
   (never downloaded; a one-line error says where to put them). COCO labels are mapped to the dataset's classes
@@ -119,7 +121,7 @@ class Detector(nn.Module):
             out, h = [], images.tensors
             for layer in body:
                 h = layer(h)
-                if isinstance(layer, nn.ReLU):
+                if isinstance(layer, (nn.ReLU, ResStage)):
                     out.append(h)
             return out
         out = body(images.tensors)
@@ -235,8 +237,49 @@ class TinyBackbone(nn.Module):
         return OrderedDict([("0", self.body(x))])
 
 
-def _tiny_net(kind, width, num_classes, size):
-    """A tiny one-stage FCOS or two-stage Faster R-CNN on :class:`TinyBackbone` for ``size`` x ``size`` images."""
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with BatchNorm, the first of stride ``stride``, plus the identity
+    (or a strided 1x1 convolution with BatchNorm where the shape changes), then ReLU."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=False)
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x):
+        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + self.down(x))
+
+
+class ResStage(nn.Sequential):
+    """One stage of :class:`DeepTinyBackbone` (basic blocks, the first strided): its output is one of the feature
+    maps :meth:`Detector.features` returns."""
+
+
+class DeepTinyBackbone(nn.Module):
+    """A small ResNet, stride 8: a 3x3 stem convolution (16 channels, BatchNorm, ReLU) and three stages of
+    ``blocks`` basic blocks each, the first block of each of stride 2, ``widths`` channels (16, 32, 32): 13
+    convolutions deep where :class:`TinyBackbone` is 3. ``body`` is the part OSFD distorts, as the authors' ResNet
+    backbones (mmdetection's out_indices): the three stages' outputs, not the stem's."""
+
+    def __init__(self, widths=(16, 32, 32), blocks=2, stem=16):
+        super().__init__()
+        layers, c = [nn.Sequential(nn.Conv2d(3, stem, 3, 1, 1, bias=False), nn.BatchNorm2d(stem), nn.ReLU())], stem
+        for w in widths:
+            layers.append(ResStage(BasicBlock(c, w, 2), *[BasicBlock(w, w) for _ in range(blocks - 1)]))
+            c = w
+        self.body = nn.Sequential(*layers)
+        self.out_channels = c
+
+    def forward(self, x):
+        return OrderedDict([("0", self.body(x))])
+
+
+def _tiny_net(kind, width, num_classes, size, deep=False):
+    """A tiny one-stage FCOS or two-stage Faster R-CNN on :class:`TinyBackbone` (``deep``:
+    :class:`DeepTinyBackbone`, ``width`` unused) for ``size`` x ``size`` images."""
     from torchvision.models.detection import FCOS, FasterRCNN
     from torchvision.models.detection.anchor_utils import AnchorGenerator
     from torchvision.ops import MultiScaleRoIAlign
@@ -251,12 +294,14 @@ def _tiny_net(kind, width, num_classes, size):
                           box_batch_size_per_image=32, box_score_thresh=TINY_SCORE_THR, box_detections_per_img=100,
                           **common)
     anchors = AnchorGenerator(sizes=((16,),), aspect_ratios=((1.0,),))
-    return FCOS(TinyBackbone(width), num_classes, anchor_generator=anchors, center_sampling_radius=2.0,
+    backbone = DeepTinyBackbone() if deep else TinyBackbone(width)
+    return FCOS(backbone, num_classes, anchor_generator=anchors, center_sampling_radius=2.0,
                 score_thresh=TINY_SCORE_THR, detections_per_img=100, **common)
 
 
 TINY = {"shapes_fcos": ("fcos", 32, 0), "shapes_fcos_b": ("fcos", 32, 1), "shapes_fcos_c": ("fcos", 32, 2),
-        "shapes_frcnn": ("fasterrcnn", 32, 3)}
+        "shapes_frcnn": ("fasterrcnn", 32, 3), "shapes_fcos_deep": ("fcos", 32, 4)}
+DEEP = {"shapes_fcos_deep"}  # on DeepTinyBackbone (width unused)
 
 
 def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
@@ -268,7 +313,7 @@ def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
     kind, width, seed = TINY[name]
     data = shapes(None, n=images, size=size, split="train")
     with seeded(seed):
-        net = _tiny_net(kind, width, len(SHAPES) + 1, size)
+        net = _tiny_net(kind, width, len(SHAPES) + 1, size, name in DEEP)
         gen = torch.Generator().manual_seed(seed)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=iterations)
@@ -291,7 +336,8 @@ def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
 
 def tiny_detector(name, pretrained=True):
     kind, width, seed = TINY[name]
-    net = _rng_free(_tiny_net, kind, width, len(SHAPES) + 1, 64, seed=seed)  # the same random init every run
+    # the same random init every run
+    net = _rng_free(_tiny_net, kind, width, len(SHAPES) + 1, 64, name in DEEP, seed=seed)
     if pretrained:
         net = cached_or_trained(net, f"{name}-{TINY_VERSION}.pt", lambda: train_tiny(name))
     return Detector(net, [-1, 0, 1, 2], kind)
@@ -305,9 +351,11 @@ def _register_tiny(name):
 
     build.__name__ = build.__qualname__ = name
     label = {"fcos": "FCOS", "fasterrcnn": "Faster R-CNN"}[kind]
-    build.__doc__ = (f"Tiny {label} ({width}-channel 3-conv backbone, init seed {seed}) trained on the synthetic "
-                     "shapes train split on first use (800 steps, ~25 s (FCOS) or ~45 s (Faster R-CNN) on one core) "
-                     "and cached; ``pretrained=False``: random init.")
+    body = ("small ResNet backbone (stem + 3 stages of 2 basic blocks, 16/32/32 channels, BatchNorm)"
+            if name in DEEP else f"{width}-channel 3-conv backbone")
+    build.__doc__ = (f"Tiny {label} ({body}, init seed {seed}) trained on the synthetic shapes train split on first "
+                     "use (800 steps, ~25 s (FCOS) or ~45 s (Faster R-CNN) on one core) and cached; "
+                     "``pretrained=False``: random init.")
     MODEL.register(name, dataset="shapes", task="detection")(build)
 
 
