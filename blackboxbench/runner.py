@@ -643,9 +643,11 @@ class Runner:
         """Every model must output the dataset's classes (a dataset that leaves ``num_classes`` to the model takes
         the models' common count), every label must be one of them, and targeted runs' target labels too:
         checked before anything is created."""
-        # two images (the first and the last: one image twice for a dataset of one), so that a model answering one
-        # row whatever the batch, or a row per channel, fails here and not as a broadcast deep in an attack
-        source, probe = self.exp["_source"], data.x[[0, -1]].to(self.device)
+        # several images (the first 8, as is_randomized's probe, so that a fixed_batch run's model sees no other
+        # size; one image twice for a dataset of one): a model answering one row whatever the batch, or a row per
+        # channel, fails here and not as a broadcast deep in an attack
+        source = self.exp["_source"]
+        probe = (data.x[:8] if len(data.x) > 1 else data.x[[0, 0]]).to(self.device)
         for key, ms in models.items():
             for i, m in enumerate(ms):
                 where = f"{key}[{i}]" if self.family.model_keys[key].many else key

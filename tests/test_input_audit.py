@@ -363,9 +363,9 @@ def _run(tmp_path, capsys, doc):
 
 
 @pytest.mark.parametrize("mode,key,phrase", [
-    ("one_row", "model", "answers 1 row of class scores for 2 images"),
-    ("double_rows", "model", "answers 4 rows of class scores for 2 images"),
-    ("one_row", "surrogates[0]", "answers 1 row of class scores for 2 images"),
+    ("one_row", "model", "answers 1 row of class scores for 3 images"),
+    ("double_rows", "model", "answers 6 rows of class scores for 3 images"),
+    ("one_row", "surrogates[0]", "answers 1 row of class scores for 3 images"),
     ("int", "surrogates[0]", "torch.int64 class scores"),
 ])
 def test_a_model_answering_the_wrong_rows_is_refused(tmp_path, capsys, mode, key, phrase):
