@@ -6,7 +6,6 @@ import re
 import shlex
 from pathlib import Path
 
-import pytest
 import yaml
 
 from blackboxbench import catalog, registry
