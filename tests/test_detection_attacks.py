@@ -320,7 +320,7 @@ def test_kill_9_detection_run_resumes_identically(tmp_path):
     for name in ("shapes_fcos", "shapes_fcos_b"):  # trained and cached here, not inside the run to be killed
         build_model(name)
     text = """
-dataset: {name: shapes, n: 30, seed: 0}
+dataset: {name: shapes, n: 12, seed: 0}
 attack: tog_untargeted
 surrogates: [shapes_fcos]
 targets: [shapes_fcos, shapes_fcos_b]
@@ -328,7 +328,7 @@ batch_size: 3
 device: cpu
 output_dir: OUT
 """
-    kill_and_resume(tmp_path, text, 30, at=6)
+    kill_and_resume(tmp_path, text, 12, at=6)
 
 
 def test_phantom_sponges_is_universal_bounded_and_fabricates(setup):

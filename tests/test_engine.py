@@ -195,7 +195,7 @@ def test_kill_9_transfer_run_resumes_identically(tmp_path):
     from test_runner import kill_and_resume
 
     text = """
-dataset: {name: digits, n: 120}
+dataset: {name: digits, n: 36}
 attack: {recipe: mi_di_ti_fgsm, hyper: {iterations: 60}}
 surrogates: [digits_cnn]
 targets: [digits_mlp]
@@ -204,7 +204,7 @@ batch_size: 6
 device: cpu
 output_dir: OUT
 """
-    kill_and_resume(tmp_path, text, 120)
+    kill_and_resume(tmp_path, text, 36)
 
 
 def test_save_adv_writes_the_returned_images(tmp_path):

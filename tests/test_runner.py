@@ -1,10 +1,5 @@
 """End-to-end runs on the embedded digits data: records, determinism, resume after a killed process."""
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -98,27 +93,21 @@ def test_transfer_run_per_target(tmp_path, targeted):
 
 def kill_and_resume(tmp_path, text, n, at=8):
     """Run the CLI on config ``text``, SIGKILL it once ``at`` records exist, append a torn line, re-run: no
-    sample lost or duplicated, and the records equal those of an uninterrupted run."""
+    sample lost or duplicated, and the records equal those of an uninterrupted run. The killed process holds after
+    the write that reaches ``at`` records (:class:`held_run.HeldRun`), so the kill lands mid-run on any machine: it
+    used to poll a free-running process, which a fast machine could finish (or a loaded one see finish) first."""
+    from held_run import HeldRun
+
     killed = _write(tmp_path, text, tmp_path / "k", "k.yaml")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "run.py"), str(killed), "--quiet"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    rec_files = []
-    while time.time() < deadline and proc.poll() is None:
-        rec_files = list((tmp_path / "k").glob("*/records.jsonl"))
-        if rec_files and len(rec_files[0].read_text().splitlines()) >= at:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "run finished before it could be killed; make it longer"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    partial = len(rec_files[0].read_text().splitlines())
+    with HeldRun(killed, tmp_path / "k", at) as run:
+        rec_file = run.wait_held()
+        run.kill()
+    partial = len(rec_file.read_text().splitlines())
     assert at <= partial < n
-    with open(rec_files[0], "a") as f:
+    with open(rec_file, "a") as f:
         f.write(f'{{"index": {n - 1}, "label"')  # a torn line as a crash mid-write would leave
     assert main(["run", str(killed), "--quiet"]) == 0
-    resumed = _records(rec_files[0].parent)
+    resumed = _records(rec_file.parent)
     assert [r["index"] for r in resumed] == list(range(n))
     fresh_dir, _ = _run(_write(tmp_path, text, tmp_path / "f", "f.yaml"))
     assert resumed == _records(fresh_dir)
@@ -126,8 +115,7 @@ def kill_and_resume(tmp_path, text, n, at=8):
 
 def test_resume_after_kill_equals_uninterrupted(tmp_path):
     """Kill the CLI mid-run with SIGKILL, re-run: no sample lost or duplicated, same records."""
-    kill_and_resume(tmp_path, QUERY.replace("n: 24", "n: 200").replace("max_queries: 300", "max_queries: 600"),
-                    200)
+    kill_and_resume(tmp_path, QUERY.replace("n: 24", "n: 48").replace("max_queries: 300", "max_queries: 600"), 48)
 
 
 def test_leaderboard_csv(tmp_path):

@@ -1,0 +1,89 @@
+"""A CLI run in a subprocess that stops once its records file holds a given number of lines and waits there (holding
+its run folder's lock) until the test releases or kills it: a test that must act on a run still in progress (kill it
+mid-run, start a second process on its folder) then does so on any machine, however fast or loaded. Timing cannot
+decide it, as it did when such tests polled a free-running process: on a fast machine the run could end (or write its
+last record) before the kill landed; under load, the test could act after the run had ended.
+
+The hold is a patch of ``RecordWriter.write`` in the subprocess only (nothing in the config, the model or the fused
+inference copy changes): after the write that brings ``records.jsonl`` to ``at`` lines or more, it sleeps until the
+release file exists. A kill then leaves what a kill anywhere before the next write leaves on disk."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+HOLD = """
+import os, runpy, sys, time
+from pathlib import Path
+import blackboxbench.runner as runner
+
+at, release, parent, script = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sys.argv = [script, *sys.argv[5:]]
+write = runner.RecordWriter.write
+
+
+def write_then_hold(self, records):
+    write(self, records)
+    if not release.exists() and len((self.run_dir / "records.jsonl").read_bytes().splitlines()) >= at:
+        while not release.exists():
+            if os.getppid() != parent:  # the test's process is gone: do not hold for ever
+                os._exit(1)
+            time.sleep(0.01)
+
+
+runner.RecordWriter.write = write_then_hold
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+class HeldRun:
+    """``scripts/run.py CONFIG --quiet`` in a subprocess that holds once its run has written ``at`` records (use it as a
+    context manager: a run still held when the block ends is killed)."""
+
+    def __init__(self, config, out, at):
+        self.out, self.at = Path(out), at
+        self.release_file = Path(config).parent / f".release_{Path(config).stem}"
+        self.stderr = Path(config).parent / f"stderr_{Path(config).stem}.txt"
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        with open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", HOLD, str(at), str(self.release_file), str(os.getpid()),
+                                          str(REPO / "scripts" / "run.py"), str(config), "--quiet"], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=err)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:  # a test that failed before it released or killed the run
+            self.kill()
+
+    def records(self):
+        """The run's ``records.jsonl`` (the one run folder under ``out``), or None before it exists."""
+        files = list(self.out.glob("*/records.jsonl"))
+        return files[0] if files else None
+
+    def wait_held(self, limit_s=600):
+        """Wait until the run holds (``at`` records written); fails if the run ends first. ``limit_s`` only keeps a
+        hung run from hanging the suite: the outcome does not depend on it."""
+        end = time.monotonic() + limit_s
+        while self.proc.poll() is None and time.monotonic() < end:
+            path = self.records()
+            if path is not None and len(path.read_bytes().splitlines()) >= self.at:
+                return path
+            time.sleep(0.02)
+        self.kill()
+        raise AssertionError(f"the run ended (exit code {self.proc.returncode}) or took over {limit_s} s before "
+                             f"writing {self.at} records: {self.stderr.read_text()[-2000:]}")
+
+    def release(self, timeout=300):
+        """Let the run go on; returns its exit code."""
+        self.release_file.touch()
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self):
+        """SIGKILL the run (once held, it cannot have ended) and reap it."""
+        self.proc.kill()
+        self.proc.wait()
