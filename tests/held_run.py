@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 
 HOLD = """
@@ -41,7 +43,8 @@ runpy.run_path(script, run_name="__main__")
 
 class HeldRun:
     """``scripts/run.py CONFIG --quiet`` in a subprocess that holds once its run has written ``at`` records (use it as a
-    context manager: a run still held when the block ends is killed)."""
+    context manager: a run still held when the block ends is killed). It runs on this process's CPU threads (the
+    suite's: one), as the in-process runs a test compares it with, not on torch's default of one per core."""
 
     def __init__(self, config, out, at):
         self.out, self.at = Path(out), at
@@ -50,8 +53,8 @@ class HeldRun:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         with open(self.stderr, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-c", HOLD, str(at), str(self.release_file), str(os.getpid()),
-                                          str(REPO / "scripts" / "run.py"), str(config), "--quiet"], env=env,
-                                         stdout=subprocess.DEVNULL, stderr=err)
+                                          str(REPO / "scripts" / "run.py"), str(config), "--quiet", "--threads",
+                                          str(torch.get_num_threads())], env=env, stdout=subprocess.DEVNULL, stderr=err)
 
     def __enter__(self):
         return self
