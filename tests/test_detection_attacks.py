@@ -314,7 +314,8 @@ def test_ebad_ranks_candidates_by_the_black_box_loss(setup, monkeypatch):
 
 def test_kill_9_detection_run_resumes_identically(tmp_path):
     """The detection family writes a record per image as it finishes: a run killed with SIGKILL and re-run loses
-    and duplicates no image, and its records equal an uninterrupted run's."""
+    and duplicates no image, and its records equal an uninterrupted run's. 12 images, killed after 6: the killed run
+    holds there (see test_runner's kill_and_resume), so it need not be long enough to outlast a poll."""
     from test_runner import kill_and_resume
 
     for name in ("shapes_fcos", "shapes_fcos_b"):  # trained and cached here, not inside the run to be killed

@@ -192,6 +192,8 @@ def test_images_in_any_memory_layout():
 
 
 def test_kill_9_transfer_run_resumes_identically(tmp_path):
+    """36 samples: the kill lands mid-run at any size (the killed run holds, see test_runner's kill_and_resume); 120
+    made a free-running run likely, not certain, to outlast the poll."""
     from test_runner import kill_and_resume
 
     text = """
