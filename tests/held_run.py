@@ -5,8 +5,9 @@ decide it, as it did when such tests polled a free-running process: on a fast ma
 last record) before the kill landed; under load, the test could act after the run had ended.
 
 The hold is a patch of ``RecordWriter.write`` in the subprocess only (nothing in the config, the model or the fused
-inference copy changes): after the write that brings ``records.jsonl`` to ``at`` lines or more, it sleeps until the
-release file exists. A kill then leaves what a kill anywhere before the next write leaves on disk."""
+inference copy changes): after the write that brings ``records.jsonl`` to ``at`` complete lines or more (flushed), it
+says so (a marker file) and sleeps until the release file exists. A kill then leaves what a kill anywhere between that
+write and the next leaves on disk, and always the same records."""
 import os
 import subprocess
 import sys
@@ -22,14 +23,16 @@ import os, runpy, sys, time
 from pathlib import Path
 import blackboxbench.runner as runner
 
-at, release, parent, script = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-sys.argv = [script, *sys.argv[5:]]
+at, held, release, parent = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+script = sys.argv[5]
+sys.argv = [script, *sys.argv[6:]]
 write = runner.RecordWriter.write
 
 
 def write_then_hold(self, records):
     write(self, records)
-    if not release.exists() and len((self.run_dir / "records.jsonl").read_bytes().splitlines()) >= at:
+    if not release.exists() and (self.run_dir / "records.jsonl").read_bytes().count(b"\\n") >= at:
+        held.touch()
         while not release.exists():
             if os.getppid() != parent:  # the test's process is gone: do not hold for ever
                 os._exit(1)
@@ -48,13 +51,15 @@ class HeldRun:
 
     def __init__(self, config, out, at):
         self.out, self.at = Path(out), at
+        self.held_file = Path(config).parent / f".held_{Path(config).stem}"
         self.release_file = Path(config).parent / f".release_{Path(config).stem}"
         self.stderr = Path(config).parent / f"stderr_{Path(config).stem}.txt"
         env = dict(os.environ, PYTHONPATH=str(REPO))
         with open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", HOLD, str(at), str(self.release_file), str(os.getpid()),
-                                          str(REPO / "scripts" / "run.py"), str(config), "--quiet", "--threads",
-                                          str(torch.get_num_threads())], env=env, stdout=subprocess.DEVNULL, stderr=err)
+            hold = [str(at), str(self.held_file), str(self.release_file), str(os.getpid())]
+            self.proc = subprocess.Popen([sys.executable, "-c", HOLD, *hold, str(REPO / "scripts" / "run.py"),
+                                          str(config), "--quiet", "--threads", str(torch.get_num_threads())],
+                                         env=env, stdout=subprocess.DEVNULL, stderr=err)
 
     def __enter__(self):
         return self
@@ -69,13 +74,13 @@ class HeldRun:
         return files[0] if files else None
 
     def wait_held(self, limit_s=600):
-        """Wait until the run holds (``at`` records written); fails if the run ends first. ``limit_s`` only keeps a
-        hung run from hanging the suite: the outcome does not depend on it."""
+        """Wait until the run holds (``at`` records written and flushed, the process in its wait) and return its
+        records file; fails if the run ends first. ``limit_s`` only keeps a hung run from hanging the suite: the
+        outcome does not depend on it."""
         end = time.monotonic() + limit_s
         while self.proc.poll() is None and time.monotonic() < end:
-            path = self.records()
-            if path is not None and len(path.read_bytes().splitlines()) >= self.at:
-                return path
+            if self.held_file.exists():
+                return self.records()
             time.sleep(0.02)
         self.kill()
         raise AssertionError(f"the run ended (exit code {self.proc.returncode}) or took over {limit_s} s before "
