@@ -18,6 +18,7 @@ from blackboxbench.registry import DATASET, MODEL
 
 from attack_utils import run_query
 
+
 class NaNAfter(nn.Module):
     """Finite logits for the first ``k`` forwards, NaN afterwards (a model that breaks mid-run)."""
 
