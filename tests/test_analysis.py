@@ -262,6 +262,8 @@ def test_heatmap_families_from_the_command_line(tmp_path):
     (["-r", "aev_line", "--param", "colour=red"], "params.colour: unknown parameter of block 'aev_line'"),
     (["-r", "aev_line", "--where", "eps=0.5"], "matches where {'eps': 0.5}"),
     (["-r", "aev_line", "--where", "eps"], "--where expects key=value"),
+    (["-r", "aev_line", "--where", "nrom=linf"], "command line (--where):nrom: no column 'nrom' in the results (did "
+                                                 "you mean: norm"),
     (["-r", "aev_bubble", "--size", "attack"], "no row has numbers in all of 'aqn', 'asr', 'attack'"),
 ])
 def test_cli_errors_are_one_line(results, tmp_path, capsys, args, message):

@@ -13,7 +13,7 @@ from ..config import check_keys, check_path_given, load_yaml
 from ..errors import BenchError, ConfigError
 from ..leaderboard import cell
 from ..registry import ANALYSIS, ParamError, check_params
-from .aev import load_rows, select
+from .aev import load_rows, need, select
 from .inputs import import_run_plugins, load_inputs
 
 RECIPE_KEYS = ("name", "tool", "paper", "notes", "params", "where")
@@ -108,6 +108,13 @@ def plot(recipe, source, out, params=None, where=None, setter=COMMAND_LINE):
     p = _params(path, r, tool, params, setter)
     w = {**(r.get("where") or {}), **(where or {})}
     rows, skipped = load_rows(source)
+    try:
+        need(rows, *w)
+    except BenchError as e:  # the column a filter names: whoever set that filter (--where, plots' where, the recipe)
+        k = next(k for k in w if k not in set().union(*rows))
+        mine = k in (where or {})
+        raise ConfigError(str(e), ("command line (--where)" if setter == COMMAND_LINE else setter) if mine else path,
+                          k if mine and setter == COMMAND_LINE else f"where.{k}") from None
     rows = select(rows, w)
     if not rows:
         raise BenchError(f"no result row in {source} matches where {w}")
