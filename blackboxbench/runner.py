@@ -50,6 +50,7 @@ from .prep.inference import FixedBatch, inference_copy, is_randomized
 from .prep.layers import get_layer
 from .prep.models import bare_spec, build_model, parse_spec, trained_side
 from .prep.targets import choose_targets
+from .prep.trained import digest
 from .registry import ASSET, DATASET, MODEL, block_label, block_params
 from .rng import Streams
 from .shared import SharedForward
@@ -311,35 +312,14 @@ def read_elapsed(path):
     return float(value) if isinstance(value, (int, float)) and value >= 0 else 0.0
 
 
-def tensor_digest(*parts):
-    """A short SHA-256 of tensors (any dtype: their bytes, dtype and shape), dicts of them (keys sorted) and other
-    values (their repr)."""
-    h = hashlib.sha256()
-
-    def add(p):
-        if isinstance(p, torch.Tensor):
-            h.update(f"{p.dtype}{tuple(p.shape)}".encode())
-            h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        elif isinstance(p, dict):
-            for k in sorted(p, key=str):
-                h.update(repr(k).encode())
-                add(p[k])
-        else:
-            h.update(repr(p).encode())
-
-    for p in parts:
-        add(p)
-    return h.hexdigest()[:24]
-
-
 def input_digests(data, weights):
     """{input: digest} of what a run's records are made from beyond its config: ``dataset`` (its images, labels and
     given targets) and each model's weights and buffers (``weights``: {label: bare model}), so that a resume can tell
     when a data root or weights file changed under the same config."""
-    out = {"dataset": tensor_digest(data.x, data.y, data.given_target)}
+    out = {"dataset": digest(data.x, data.y, data.given_target)}
     for label, model in weights.items():
         state = getattr(model, "state_dict", None)
-        out[label] = tensor_digest(dict(state())) if callable(state) else None
+        out[label] = digest(dict(state())) if callable(state) else None
     return out
 
 
@@ -663,10 +643,9 @@ class Runner:
                                       f"scores per image; this model answers {got} (a detector needs a detection "
                                       "recipe: blackboxbench list attacks)", source, where)
                 if out.shape[0] != len(probe):
-                    raise ConfigError(f"the model answers {out.shape[0]} row{'' if out.shape[0] == 1 else 's'} of class scores for "
-                                      f"{len(probe)} images "
-                                      f"(tensor of shape {tuple(out.shape)}); it must answer one row per image",
-                                      source, where)
+                    rows = f"{out.shape[0]} row{'' if out.shape[0] == 1 else 's'}"
+                    raise ConfigError(f"the model answers {rows} of class scores for {len(probe)} images (tensor of "
+                                      f"shape {tuple(out.shape)}); it must answer one row per image", source, where)
                 if self.family.model_keys[key].role == "surrogate" and not out.is_floating_point():
                     raise ConfigError(f"the surrogate answers {out.dtype} class scores; a white-box surrogate's "
                                       "logits must be floating point (its gradient is the attack's)", source, where)

@@ -108,13 +108,15 @@ def plot(recipe, source, out, params=None, where=None, setter=COMMAND_LINE):
     p = _params(path, r, tool, params, setter)
     w = {**(r.get("where") or {}), **(where or {})}
     rows, skipped = load_rows(source)
-    try:
-        need(rows, *w)
-    except BenchError as e:  # the column a filter names: whoever set that filter (--where, plots' where, the recipe)
-        k = next(k for k in w if k not in set().union(*rows))
-        mine = k in (where or {})
-        raise ConfigError(str(e), ("command line (--where)" if setter == COMMAND_LINE else setter) if mine else path,
-                          k if mine and setter == COMMAND_LINE else f"where.{k}") from None
+    for k in w:  # a filter on no column: the error names whoever set it (--where, a config's plots, the recipe)
+        try:
+            need(rows, k)
+        except BenchError as e:
+            if k not in (where or {}):
+                raise ConfigError(str(e), path, f"where.{k}") from None
+            if setter == COMMAND_LINE:
+                raise ConfigError(str(e), "command line (--where)", k) from None
+            raise ConfigError(str(e), setter, f"where.{k}") from None
     rows = select(rows, w)
     if not rows:
         raise BenchError(f"no result row in {source} matches where {w}")

@@ -25,7 +25,8 @@ def digest(*parts):
 
     def add(p):
         if isinstance(p, torch.Tensor):
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            t = p.detach().cpu().contiguous()
+            h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())  # numpy has no bf16
         elif isinstance(p, dict):
             for k in sorted(p):
                 h.update(repr(k).encode())
