@@ -7,13 +7,14 @@ The runner keeps persistence, resume, scheduling and progress; it never names a 
 * ``config.yaml``: the resolved config;
 * ``records.jsonl``: one line per sample, appended (and flushed) as samples finish, in the order they finish;
 * ``adv/<index>.png``: with ``save_adv: true``, each attacked sample's returned image (uint8, lossless), written
-  before its record;
+  and fsync'ed before its record (a power loss can lose a record, never leave one without its image);
 * ``path/<index>.npz``: with ``save_path_every: k``, each attacked sample's path (its clean image, its iterate
-  every k queries or transfer iterations, its returned image; :func:`save_path`), written before its record;
+  every k queries or transfer iterations, its returned image; :func:`save_path`), fsync'ed before its record;
 * ``progress.json``: the run's cumulative wall time, updated as records are written;
 * ``inputs.json``: digests of what the records are made from beyond the config (the dataset's images and labels,
-  each model's weights), checked on resume: a data root or weights file changed under the same config is a
-  one-line error instead of records of two inputs mixed in one run;
+  each model's weights, each asset's content, the LPIPS weights) and the torch version, checked on resume: a data
+  root, weights or asset file changed under the same config is a one-line error instead of records of two inputs
+  mixed in one run (another torch version is a warning: its kernels may round differently);
 * ``summary.json``: the family's summary of all records, written when every sample has one.
 
 A sample's random numbers come from its own stream (seed, index), so its result does not depend on the batch
@@ -312,14 +313,32 @@ def read_elapsed(path):
     return float(value) if isinstance(value, (int, float)) and value >= 0 else 0.0
 
 
-def input_digests(data, weights):
+def _content_digest(obj):
+    """The digest of a model's weights and buffers, a dict of tensors, or a dataset's images and labels; None for
+    what has none of these (an opaque TFLite model)."""
+    state = getattr(obj, "state_dict", None)
+    if callable(state):
+        return digest(dict(state()))
+    if isinstance(obj, dict):
+        return digest(obj)
+    if isinstance(getattr(obj, "x", None), torch.Tensor) and isinstance(getattr(obj, "y", None), torch.Tensor):
+        return digest(obj.x, obj.y)
+    return None
+
+
+def input_digests(data, weights, assets=None, lpips=None):
     """{input: digest} of what a run's records are made from beyond its config: ``dataset`` (its images, labels and
-    given targets) and each model's weights and buffers (``weights``: {label: bare model}), so that a resume can tell
-    when a data root or weights file changed under the same config."""
+    given targets), each model's weights and buffers (``weights``: {label: bare model}), each asset's content
+    (``asset:NAME``) and the LPIPS network's weights, so that a resume can tell when a data root, weights or asset
+    file changed under the same config; ``torch``: the version the records were computed with."""
     out = {"dataset": digest(data.x, data.y, data.given_target)}
     for label, model in weights.items():
-        state = getattr(model, "state_dict", None)
-        out[label] = digest(dict(state())) if callable(state) else None
+        out[label] = _content_digest(model)
+    for name, asset in sorted((assets or {}).items()):
+        out[f"asset:{name}"] = _content_digest(asset)
+    if lpips is not None:
+        out["lpips"] = _content_digest(lpips)
+    out["torch"] = torch.__version__
     return out
 
 
@@ -333,7 +352,13 @@ def check_input_digests(path, digests, n_records):
     except (OSError, ValueError) as e:
         raise BenchError(f"{path}: cannot read the run's input digests ({type(e).__name__}); rerun with --fresh to "
                          "discard its records") from None
-    changed = [k for k in digests if not isinstance(before, dict) or before.get(k) != digests[k]]
+    if isinstance(before, dict) and before.get("torch", torch.__version__) != torch.__version__:
+        warnings.warn(f"{path}: the run's {n_records} records were computed with torch {before['torch']}; this is "
+                      f"torch {torch.__version__}, whose kernels may round differently: the resumed samples may "
+                      "differ from an uninterrupted run's")
+    # an input the older file does not list (a run made before assets and LPIPS were digested) is not compared
+    listed = before if isinstance(before, dict) else {}
+    changed = [k for k in digests if k != "torch" and (k in listed or k == "dataset") and listed.get(k) != digests[k]]
     if changed:
         raise BenchError(f"{path}: {changed[0]} differs from the one the run's {n_records} records were made with "
                          "(another data root, weights file or model cache under the same config); rerun with "
@@ -351,10 +376,31 @@ def clear_run_dir(run_dir):
             p.unlink()
 
 
+def fsync_dir(path):
+    """Make the entries of directory ``path`` (files created or renamed into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_write(path, write):
+    """``write(file)`` into ``path`` (binary), then fsync it: what refers to the file later (a record line, a
+    rename) never reaches the disk before its content does."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write(path, text):
+    """Replace ``path`` by ``text`` in one step that survives a crash or a power loss: the new content is on disk
+    before the rename, and the rename before this returns."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
+    durable_write(tmp, lambda f: f.write(text.encode()))
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 class RunLock:
@@ -400,13 +446,16 @@ class RecordWriter:
     def write(self, records):
         if not records:
             return
+        folders = set()  # where files were written: their entries are made durable before any record line is
         for r in records:
             image, path = r.pop("_image", None), r.pop("_path", None)
             if image is not None:
-                save_png(self.run_dir / "adv" / f"{r['index']:06d}.png", image)
+                folders.add(save_png(self.run_dir / "adv" / f"{r['index']:06d}.png", image))
             if path is not None:
-                save_path(self.run_dir / "path" / f"{r['index']:06d}.npz", path)
+                folders.add(save_path(self.run_dir / "path" / f"{r['index']:06d}.npz", path))
             r["check"] = record_check(r, self.salt)
+        for folder in sorted(folders) + ([self.run_dir] if folders else []):  # adv/ or path/ itself may be new
+            fsync_dir(folder)
         self.file.write("".join(json.dumps(r) + "\n" for r in records))
         self.file.flush()
         if time.perf_counter() - self.synced > FSYNC_EVERY_S:
@@ -429,12 +478,14 @@ class RecordWriter:
 
 
 def save_png(path, image):
-    """A uint8 (C, H, W) tensor as a lossless PNG (grayscale or RGB)."""
+    """A uint8 (C, H, W) tensor as a lossless PNG (grayscale or RGB), fsync'ed; returns its folder."""
     from PIL import Image
 
     path.parent.mkdir(exist_ok=True)
     arr = image.permute(1, 2, 0).numpy()
-    Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr).save(path)
+    png = Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr)
+    durable_write(path, lambda f: png.save(f, format="PNG"))
+    return path.parent
 
 
 def save_path(path, snapshots):
@@ -444,9 +495,10 @@ def save_path(path, snapshots):
 
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
-    np.savez_compressed(tmp, steps=np.array([k for k, _ in snapshots], dtype=np.int64),
-                        images=np.stack([im.numpy() for _, im in snapshots]))
+    durable_write(tmp, lambda f: np.savez_compressed(f, steps=np.array([k for k, _ in snapshots], dtype=np.int64),
+                                                     images=np.stack([im.numpy() for _, im in snapshots])))
     os.replace(tmp, path)
+    return path.parent
 
 
 def schedule(worker, pending, write, on_progress):
@@ -556,13 +608,14 @@ class Runner:
                                       for n, ds in zip(names[key], per) if any(d.randomized for d in ds)})
         for note in notes:
             warnings.warn(note)
-        self.input_digests = input_digests(data, weights)
+        lpips = self.session.lpips(exp["lpips_path"], self.device, source)
+        self.input_digests = input_digests(data, weights, assets, lpips)
         return RunInputs(attack=self.attack, threat=self.threat, data=data, models=models, model_names=names,
                          streams=Streams(exp["seed"], len(data.y), self.device), device=self.device,
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
                          save_path_every=exp.get("save_path_every", 0), defenses=defenses,
                          fixed_batch=exp.get("fixed_batch") or 0,
-                         lpips=self.session.lpips(exp["lpips_path"], self.device, source), skip=self.fooled_before())
+                         lpips=lpips, skip=self.fooled_before())
 
     @property
     def label(self):

@@ -118,3 +118,67 @@ def test_a_resume_on_other_inputs_under_the_same_config_is_refused(tmp_path, cha
         assert _run(tmp_path, **exp) == run_dir and len(_records(run_dir)) == 12  # same inputs: it resumes
     finally:
         SHIFT.update(weights=0.0, images=0)
+
+
+def test_images_and_paths_are_on_disk_before_their_records(tmp_path, monkeypatch):
+    """A power loss must never leave a record whose image or path file is missing or torn (resume would keep the
+    record and never write the image again): every adv PNG and path npz is fsync'ed, with its folder, before its
+    record's line is written, and rewrites of the run's files (records on resume, inputs.json, progress.json) are
+    fsync'ed before their rename."""
+    import os
+
+    import blackboxbench.runner as runner
+
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if path.suffix in (".png", ".npz"):
+            rec = path.parents[1] / "records.jsonl"
+            index = int(path.name.split(".")[0])
+            done = {json.loads(line)["index"] for line in rec.read_text().splitlines()} if rec.exists() else set()
+            assert index not in done, f"{path} synced after its record"
+        synced.append(path)
+        real(fd)
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to name the files fsync'ed")
+    monkeypatch.setattr(runner.os, "fsync", fsync)
+    run_dir = _run(tmp_path, **dict(QUERY, save_path_every=50))
+    images = sorted((run_dir / "adv").glob("*.png"))
+    paths = [p.with_suffix(".tmp.npz") for p in sorted((run_dir / "path").glob("*.npz"))]  # synced, then renamed
+    assert images and paths and all(p in synced for p in images + paths)
+    assert {run_dir / "adv", run_dir / "path", run_dir} <= set(synced)  # the new entries' folders
+    assert run_dir / "inputs.json.tmp" in synced  # fsync'ed before the rename
+    _cut(run_dir, 6)
+    synced.clear()
+    _run(tmp_path, **dict(QUERY, save_path_every=50))
+    assert run_dir / "records.jsonl.tmp" in synced
+
+
+def test_input_digests_cover_assets_and_lpips_and_note_the_torch_version(tmp_path):
+    """inputs.json lists each asset's content and the LPIPS weights beside the data and the models: an asset file
+    replaced under one config is refused on resume like a weights file; an inputs.json written before these were
+    listed resumes; another torch version is a warning, not a refusal."""
+    from blackboxbench.runner import check_input_digests, input_digests
+
+    data = digits(None, n=4)
+    model = _digits_model("digits_mlp", True)
+    asset = {"basis": torch.ones(3)}
+    lpips = torch.nn.Linear(2, 2)
+    before = input_digests(data, {"m": model}, {"b": asset}, lpips)
+    assert set(before) == {"dataset", "m", "asset:b", "lpips", "torch"} and before["torch"] == torch.__version__
+    path = tmp_path / "inputs.json"
+    path.write_text(json.dumps(before))
+    check_input_digests(path, input_digests(data, {"m": model}, {"b": {"basis": torch.ones(3)}}, lpips), 5)
+    with pytest.raises(BenchError, match=r"inputs.json: asset:b differs .* 5 records"):
+        check_input_digests(path, input_digests(data, {"m": model}, {"b": {"basis": torch.zeros(3)}}, lpips), 5)
+    with torch.no_grad():
+        other = torch.nn.Linear(2, 2)
+    with pytest.raises(BenchError, match=r"inputs.json: lpips differs"):
+        check_input_digests(path, input_digests(data, {"m": model}, {"b": asset}, other), 5)
+    path.write_text(json.dumps({k: before[k] for k in ("dataset", "m")}))  # an older run's file
+    check_input_digests(path, before, 5)
+    path.write_text(json.dumps(dict(before, torch="1.0")))
+    with pytest.warns(UserWarning, match=r"computed with torch 1.0; this is torch"):
+        check_input_digests(path, before, 5)
