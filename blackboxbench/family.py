@@ -100,6 +100,7 @@ class RunInputs:
     lpips: Any = None        # the LPIPS network of the perceptual metrics, None when its weights are absent
     fixed_batch: int = 0     # > 0: every model call has exactly that many images (the config's fixed_batch)
     skip: dict = field(default_factory=dict)  # sample index -> the earlier run of a cascade that fooled it
+    randomized: tuple = ()   # labels of the models (and defended models) whose two forwards of a probe differed
 
 
 class Family:

@@ -36,12 +36,14 @@ class Oracle:
     """
 
     def __init__(self, model, n, max_queries, num_classes, feedback="score", input_shape=None, chunk=None,
-                 name="model", defense=None, eot=1, device=None):
+                 name="model", defense=None, eot=1, device=None, randomized=False):
         if feedback not in FEEDBACKS:
             raise BenchError(f"feedback must be one of {FEEDBACKS}, got '{feedback}'")
         if int(eot) < 1:
             raise BenchError(f"eot must be >= 1, got {eot}")
         self._forward, self.name, self.defense, self.eot = model, name, defense, int(eot)
+        # a randomized target (the model itself, or a defense): confirm() never reuses the draw the attack selected on
+        self.randomized = bool(randomized) or (defense is not None and defense.randomized)
         self.n, self.max_queries, self.feedback = n, int(max_queries), feedback
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape) if input_shape is not None else None
@@ -79,7 +81,8 @@ class Oracle:
     def confirm(self, x, idx=None, draws=1):
         """As ``__call__``, but a row equal (bit for bit) to the image its sample had in the oracle's most recent
         call gets that answer again, without a forward or a count. Rows are one image per sample (``idx``
-        distinct). Behind a randomized defense nothing is reused: that answer is the draw the attack selected the
+        distinct, else a :class:`QueryError`). Behind a randomized target (a randomized defense, or a model the runner
+        found randomized: ``randomized``) nothing is reused: that answer is the draw the attack selected the
         image on, so the confirmation is a fresh draw, one counted query (as BlackboxBench's early-stop check and
         AutoAttack's final forward, both new draws).
 
@@ -89,12 +92,15 @@ class Oracle:
         """
         idx = torch.arange(self.n, device=self.device) if idx is None else idx.to(self.device)
         x = x.to(self.device)
+        if draws == 1 and idx.numel() and torch.unique(idx).numel() != idx.numel():  # one budget check per row
+            raise QueryError("oracle.confirm: one image per sample (distinct indices); ask several images of a "
+                             "sample with the oracle's call")
         if draws > 1:
             m = x.shape[0]
             answer, ok = self._ask(x.repeat(draws, 1, 1, 1), idx.repeat(draws), distinct=False)
             return answer.view(draws, m, *answer.shape[1:]).transpose(0, 1), ok.view(draws, m).T
         new = torch.ones(x.shape[0], dtype=torch.bool, device=self.device)  # rows the model must answer
-        if self._last is not None and not (self.defense is not None and self.defense.randomized):
+        if self._last is not None and not self.randomized:
             last_x, last_idx, last_answer = self._last
             row = torch.full((self.n,), -1, dtype=torch.long, device=self.device)
             row[last_idx] = torch.arange(last_idx.numel(), device=self.device)
@@ -133,9 +139,11 @@ class Oracle:
             xs, who = x[rows].to(self.device), idx[rows]
         self.counts.index_put_((who,), self._one * k, accumulate=True)
         self.forwarded += who.numel() * k
+        version = xs._version  # torch's in-place write counter: a model or defense that writes to its input bumps it
         out = self._empty(0) if who.numel() == 0 else self._answer(xs, who)
-        # Remember a call of one image per sample for confirm(), as copies no caller can modify.
-        self._last = (xs, who, out.clone()) if distinct else None
+        # Remember a call of one image per sample for confirm(), as copies no caller can modify (not when the model
+        # wrote to the images it was given: the copy would no longer be the image forwarded).
+        self._last = (xs, who, out.clone()) if distinct and xs._version == version else None
         if who.numel() == x.shape[0]:
             return out, ok
         answer = self._empty(x.shape[0])

@@ -615,7 +615,7 @@ class Runner:
                          slots=min(exp["batch_size"], len(data.y)), assets=assets, save_adv=exp["save_adv"],
                          save_path_every=exp.get("save_path_every", 0), defenses=defenses,
                          fixed_batch=exp.get("fixed_batch") or 0,
-                         lpips=lpips, skip=self.fooled_before())
+                         lpips=lpips, skip=self.fooled_before(), randomized=tuple(self.randomized))
 
     @property
     def label(self):

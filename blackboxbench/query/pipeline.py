@@ -164,7 +164,7 @@ class QueryWorker:
             self.defended.with_streams(defense_streams(seed, n, self.device, EVAL_SALT))
         self.oracle = Oracle(self.model, n, t["max_queries"], data.num_classes, t["feedback"],
                              data.x.shape[1:], name=self.model_name, defense=self.defended, eot=self.attack.eot,
-                             device=self.device)
+                             device=self.device, randomized=self.model_name in run.randomized)
         self.surrogates = tuple(run.models.get("surrogates", ()))
         self.pool = Pool(data.x.clone(), data.y.clone())  # the blocks' copy: writing to it changes no sample
         s, dev = self.slots, self.device
