@@ -32,6 +32,7 @@ import re
 import shutil
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,7 @@ class Session:
         self.models = {}
         self.wrapped = {}  # (id of a model in models, size) -> its FixedBatch wrapper
         self.lpips_nets = {}
+        self.held = {}  # id of a model in models -> held_weights(model)
 
     def lpips(self, path, device, source):
         """The LPIPS network (trunk from ``path`` or the torch hub cache), loaded once; None when absent."""
@@ -115,6 +117,12 @@ class Session:
         if key not in self.wrapped:
             self.wrapped[key] = FixedBatch(model, size)
         return self.wrapped[key]
+
+    def weights(self, model):
+        """:func:`held_weights` of a model this session built (hashed once per session, not per run)."""
+        if id(model) not in self.held:
+            self.held[id(model)] = held_weights(model)
+        return self.held[id(model)]
 
     def model(self, spec, data_root, device, source, key, compiled=False, probe=None):
         """The model of ``spec`` on ``device``, built once; ``compiled``: wrapped by ``torch.compile`` with dynamic
@@ -163,6 +171,21 @@ def _model_identity(spec):
 def _same_model(a, b):
     """Whether two specs build the same model."""
     return _model_identity(a) == _model_identity(b)
+
+
+def held_weights(obj):
+    """The weights ``obj`` holds, as a Counter of per-tensor digests (dtype, shape and values; names ignored): a
+    model's parameters (normalization buffers aside), or the tensors of a dict, list or tuple (a ``tensors``
+    asset); empty for anything else (a model without parameters, e.g. TFLite, cannot be compared)."""
+    if callable(getattr(obj, "parameters", None)):
+        tensors = list(obj.parameters())
+    elif isinstance(obj, dict):
+        tensors = [v for v in obj.values() if isinstance(v, torch.Tensor)]
+    elif isinstance(obj, (list, tuple)):
+        tensors = [v for v in obj if isinstance(v, torch.Tensor)]
+    else:
+        tensors = [obj] if isinstance(obj, torch.Tensor) else []
+    return Counter(digest(str(t.dtype), list(t.shape), t) for t in tensors)
 
 
 @dataclass
@@ -595,6 +618,8 @@ class Runner:
         read = {name for name, (_, kind) in self.attack.meta["assets"].items() if kind == "train_images"}
         self.trained_on = "; ".join(f"{assets[k].name} ({len(assets[k].y)} images)" for k in sorted(read)) or None
         self._check_layers(models)
+        if not fam.surrogate_may_be_target:
+            self._check_not_target(weights, assets)
         self.randomized = []
         if not fam.classifier_models:
             fam.check_inputs(models, data, source, self.attack, assets)
@@ -634,6 +659,28 @@ class Runner:
                 if r["success"]:
                     fooled.setdefault(i, p.label)
         return fooled
+
+    def _check_not_target(self, weights, assets):
+        """A white-box surrogate or a model asset is never the target, whatever spec builds it (a checkpoint path
+        of the target's file, a copy or a link of it): refused when it holds every weight of a target (digests
+        of the tensors, once per model and session)."""
+        fam, source = self.family, self.exp["_source"]
+        roles = {(f"{key}[{i}]" if fam.model_keys[key].many else key): (fam.model_keys[key].role, spec)
+                 for key, i, spec in fam.roles(self.exp)}
+        if not assets and all(role != "surrogate" for role, _ in roles.values()):
+            return  # nothing white-box: no weights hashed
+        targets = [(label, self.session.weights(weights[label])) for label, (role, _) in roles.items()
+                   if role == "target"]
+        targets = [(label, held) for label, held in targets if held]
+        white = [(label, f"the surrogate {spec_label(spec)}", self.session.weights(weights[label]))
+                 for label, (role, spec) in roles.items() if role == "surrogate" and targets]
+        white += [(f"assets.{k}", f"the asset {k}", held_weights(a)) for k, a in assets.items() if targets]
+        for key, what, held in white:
+            for label, target in targets:
+                if held and not target - held:
+                    raise ConfigError(f"{what} holds the weights of the target model ({label}: "
+                                      f"{spec_label(roles[label][1])}): a white-box model must be another model",
+                                      source, key)
 
     def _check_layers(self, models):
         """A block that hooks a layer by name (``layer_param`` at registration) must find it on the surrogate it

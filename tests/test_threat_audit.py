@@ -4,8 +4,10 @@ import pytest
 import torch
 from torch import nn
 
+from blackboxbench.cli import main
 from blackboxbench.errors import QueryError
 from blackboxbench.oracle import Oracle
+from blackboxbench.prep.models import build_model
 
 
 class Counting(nn.Module):
@@ -76,3 +78,55 @@ def test_a_model_that_writes_to_its_input_is_not_remembered_for_confirm():
     oracle(x)
     oracle.confirm(x * 0.5)
     assert model.seen == 2 and oracle.counts.tolist() == [2]
+
+
+@pytest.fixture(scope="module")
+def mlp_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("weights")
+    state = build_model("digits_mlp").state_dict()
+    torch.save(state, d / "mlp.pt")
+    torch.save(state, d / "mlp_copy.pt")
+    (d / "mlp_link.pt").symlink_to(d / "mlp.pt")
+    torch.save({k: v for k, v in state.items() if k.startswith("net.")}, d / "tensors.pt")
+    return d
+
+
+SAME_WEIGHTS = {
+    "checkpoint of the registry model": ("digits_mlp", "surrogates: [{name: checkpoint, path: D/mlp.pt, "
+                                         "arch: digits_mlp}]", "surrogates[0]"),
+    "a copy of the target's file": ("{name: checkpoint, path: D/mlp.pt, arch: digits_mlp}",
+                                    "surrogates: [digits_cnn, {name: checkpoint, path: D/mlp_copy.pt, "
+                                    "arch: digits_mlp}]", "surrogates[1]"),
+    "a link to the target's file": ("{name: checkpoint, path: D/mlp.pt, arch: digits_mlp}",
+                                    "surrogates: [{name: checkpoint, path: D/mlp_link.pt, arch: digits_mlp, "
+                                    "label: s}]", "surrogates[0]"),
+    "a model asset": ("digits_mlp", "assets: {prior: {name: model, spec: digits_mlp}}", "assets.prior"),
+    "a tensors asset": ("digits_mlp", "assets: {w: {name: tensors, path: D/tensors.pt}}", "assets.w"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAME_WEIGHTS))
+def test_a_white_box_model_with_the_targets_weights_is_refused(tmp_path, capsys, mlp_files, case):
+    """The spec check compares specs; the same weights under another spec (a checkpoint path, a copy or a link of
+    the file, an asset) are refused by their weights, before anything is created."""
+    target, extra, key = SAME_WEIGHTS[case]
+    cfg = tmp_path / "same.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 2}}\nmodel: {target}\n{extra}\nattack: square_linf\n"
+                   f"threat: {{max_queries: 3}}\noutput_dir: {tmp_path / 'never'}\n".replace("D/", f"{mlp_files}/"))
+    assert main(["run", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"same.yaml:{key}: " in err and "holds the weights of the target model" in err and "\n" not in err
+    assert not (tmp_path / "never").exists()
+
+
+def test_another_model_with_some_equal_tensors_is_accepted(tmp_path, mlp_files):
+    """Only a model holding every weight of the target is refused: a surrogate sharing one tensor is another model."""
+    from blackboxbench.runner import held_weights
+
+    target = build_model("digits_mlp")
+    other = build_model({"name": "digits_mlp", "pretrained": False})
+    with torch.no_grad():
+        next(other.parameters()).copy_(next(target.parameters()))
+    assert held_weights(target) - held_weights(other)
+    assert not held_weights(target) - held_weights(target)
+    assert not held_weights(object())  # nothing to compare (a model without parameters): never refused
