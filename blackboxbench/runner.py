@@ -869,9 +869,12 @@ def run_tensors(attack, threat, x, y, models, *, seed=0, slots=None, given_targe
                    None if given_target is None else given_target.cpu())
     family = FAMILY.get(attack.meta["family"])
     names = names or {k: [f"{k}[{i}]" for i in range(len(v))] for k, v in models.items()}
+    probe = x[:8].to(device)  # as a run: a randomized model's confirmations are fresh draws
+    randomized = tuple(n for k in models for n, m in zip(names[k], models[k])
+                       if family.classifier_models and is_randomized(m, probe))
     run = RunInputs(attack=attack, threat=threat, data=data, models=models, model_names=names,
                     streams=Streams(seed, len(y), device), device=device, slots=slots or len(y),
-                    assets=assets or {}, save_adv=True, defenses=defenses or {}, lpips=lpips)
+                    assets=assets or {}, save_adv=True, defenses=defenses or {}, lpips=lpips, randomized=randomized)
     records = []
     schedule(family.worker(run), range(len(y)), records.extend, lambda _: None)
     for r in records:

@@ -67,6 +67,20 @@ def test_the_query_worker_tells_the_oracle_its_target_is_randomized(tmp_path, mo
                    dataset={"name": "digits", "n": 2})
         run_experiment(exp, progress=False)
         assert made[-1] is randomized
+    # the in-memory API (run_tensors) tells it too
+    from blackboxbench.builder import build_attack, load_recipe
+    from blackboxbench.config import finish_threat
+    from blackboxbench.prep.data import digits
+    from blackboxbench.prep.models import build_model
+    from blackboxbench.registry import FAMILY
+    from blackboxbench.runner import run_tensors
+
+    recipe, src = load_recipe("square_linf", "test")
+    t = finish_threat(threat, recipe, FAMILY.get("score"), "test")
+    data = digits(None, n=2)
+    for model, randomized in (("test_noisy_digits_mlp", True), ("digits_mlp", False)):
+        run_tensors(build_attack(recipe, t, src), t, data.x, data.y, {"model": [build_model(model)]})
+        assert made[-1] is randomized
 
 
 def test_a_model_that_writes_to_its_input_is_not_remembered_for_confirm():
