@@ -6,8 +6,10 @@ Each experiment is a whole run with its own results folder (named by its config 
 in where the runs execute: a run writes its records as samples finish and resumes after a crash as it does alone,
 and two workers never run the same experiment (the runner holds a lock on its folder). For ``processes`` and
 ``ray`` the results folder must be one every worker sees (a local disk for ``processes``; a shared file system
-across machines for ``ray``); the data root and the model cache likewise. The leaderboard and the plots are made
-after every run has finished, by the process that launched the sweep.
+across machines for ``ray``); the data root and the model cache likewise. A Ray task runs in the launcher's working
+directory (a config's relative paths mean the same there) with the launcher's ``PATH_VARS``, and is run again when
+its worker or node dies (the run resumes). The leaderboard and the plots are made after every run has finished, by
+the process that launched the sweep.
 
 A worker builds its own models (nothing is shared across processes) and runs with ``threads`` CPU threads; Ray
 reserves ``cpus`` and ``gpus`` per run so that a GPU is never shared by two runs.
@@ -15,9 +17,11 @@ reserves ``cpus`` and ``gpus`` per run so that a GPU is never shared by two runs
 import copy
 import itertools
 import os
+import socket
+import warnings
 
 from .config import ConfigError, parse_number, set_dotted
-from .errors import one_line_warning
+from .errors import BenchError, one_line_warning
 
 BACKENDS = ("serial", "processes", "ray")
 
@@ -76,12 +80,46 @@ def check_backend(spec, source):
     return out
 
 
-def run_one(exp, fresh, threads):
-    """Run one validated experiment in this process; returns ``(run folder, summary)``. What a worker executes."""
+# the environment variables a run takes paths from (data root, model cache, torch hub): a Ray worker has its node's
+PATH_VARS = ("BLACKBOXBENCH_DATA", "BLACKBOXBENCH_CACHE", "TORCH_HOME")
+
+
+def launcher_place():
+    """Where the launcher runs, for a worker to take on (:func:`take_place`): its working directory (a config's
+    relative paths are relative to it) and the path variables it has set, made absolute."""
+    return {"cwd": os.getcwd(), "env": {k: os.path.abspath(os.path.expanduser(os.environ[k])) for k in PATH_VARS
+                                        if os.environ.get(k)}}
+
+
+def for_worker(exp):
+    """``exp`` with its ``output_dir`` absolute, as the launcher sees it (not part of the run hash: the run folder
+    stays the serial run's), so no worker writes its results under its own working directory."""
+    return {**exp, "output_dir": os.path.abspath(os.path.expanduser(exp["output_dir"]))}
+
+
+def take_place(place, exp):
+    """In a worker: the launcher's path variables and working directory; a relative path of ``exp`` that cannot
+    be resolved (no such directory on this machine) is a one-line error naming it."""
+    os.environ.update(place["env"])
+    if os.path.isdir(place["cwd"]):
+        os.chdir(place["cwd"])
+        return
+    for key in ("data_root", "lpips_path"):
+        if exp.get(key) and not os.path.isabs(os.path.expanduser(exp[key])):
+            raise ConfigError(f"{exp[key]} is relative to the launcher's working directory {place['cwd']}, which "
+                              f"the worker on {socket.gethostname()} does not have: give an absolute path",
+                              exp.get("_source"), key)
+
+
+def run_one(exp, fresh, threads, place=None):
+    """Run one validated experiment in this process; returns ``(run folder, summary)``. What a worker executes
+    (``place``: the launcher's, :func:`launcher_place`)."""
     import torch
 
     from .runner import Runner, Session
 
+    if place:
+        take_place(place, exp)
     if threads:
         torch.set_num_threads(threads)
     runner = Runner(exp, fresh=fresh, progress=False)
@@ -116,7 +154,6 @@ def _worker_init(parent):
     run cut short resumes like any interrupted run)."""
     import threading
     import time
-    import warnings
 
     warnings.formatwarning = one_line_warning
 
@@ -128,12 +165,10 @@ def _worker_init(parent):
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _ray_task(exp, fresh, threads):
-    """A Ray task: :func:`run_one`, its warnings one line."""
-    import warnings
-
+def _ray_task(exp, fresh, threads, place):
+    """A Ray task: :func:`run_one` where the launcher is, its warnings one line."""
     warnings.formatwarning = one_line_warning
-    return run_one(exp, fresh, threads)
+    return run_one(exp, fresh, threads, place)
 
 
 def collect(n, finished, done):
@@ -167,6 +202,31 @@ def _processes(experiments, backend, fresh, done):
         return collect(len(experiments), finished(), done)
 
 
+RETRIES = 3  # Ray runs a task again this many times when its worker or node dies
+
+
+def _first_line(err):
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def _resources(r):
+    return f"{r.get('CPU', 0):g} CPU, {r.get('GPU', 0):g} GPU"
+
+
+def _reachable(address, where):
+    """A ``host:port`` address must answer at once: Ray itself waits minutes for a head that is not there."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not host:
+        return  # ray.init's own error
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as e:
+        raise ConfigError(f"no Ray cluster at {address}{'' if where[0] else ' (RAY_ADDRESS)'}: "
+                          f"{e.strerror or type(e).__name__}", *where) from None
+
+
 def _ray(experiments, backend, fresh, done):
     try:
         import ray
@@ -176,18 +236,44 @@ def _ray(experiments, backend, fresh, done):
                           "backend.name") from None
     if not ray.is_initialized():
         address = backend["address"] or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-                 **({} if address else {"num_cpus": backend["workers"] * backend["cpus"]}))
-    task = ray.remote(num_cpus=backend["cpus"], num_gpus=backend["gpus"], max_retries=0)(_ray_task)
-    refs = {task.remote(e, fresh, backend["threads"]): i for i, e in enumerate(experiments)}
+        where = (experiments[0].get("_source") if experiments else None, "backend.address") if backend["address"] \
+            else (None, None)
+        _reachable(address, where)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                     **({} if address else {"num_cpus": backend["workers"] * backend["cpus"]}))
+        except (ConnectionError, ValueError, TimeoutError) as e:
+            raise ConfigError(f"no Ray cluster at {address}{'' if where[0] else ' (RAY_ADDRESS)'}: "
+                              f"{_first_line(e)}", *where) from None
+    need = {"CPU": backend["cpus"], "GPU": backend["gpus"]}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if not any(all(r.get(k, 0) >= v for k, v in need.items()) for r in nodes):  # Ray would wait for one silently
+        warnings.warn(f"no node of the Ray cluster has {need['CPU']} CPU and {need['GPU']} GPU for a run "
+                      f"(backend cpus, gpus; nodes: {'; '.join(_resources(r) for r in nodes) or 'none'}): the runs "
+                      "wait until such a node joins")
+    # a task whose worker or node died is run again (RETRIES times; it resumes from its records under its lock);
+    # a run's own error is not
+    task = ray.remote(num_cpus=backend["cpus"], num_gpus=backend["gpus"], max_retries=RETRIES)(_ray_task)
+    place = launcher_place()
+    refs = {task.remote(for_worker(e), fresh, backend["threads"], place): i for i, e in enumerate(experiments)}
 
     def finished():
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
+            i = refs[ready[0]]
             try:
-                yield refs[ready[0]], ray.get(ready[0])
+                run_dir, summary = ray.get(ready[0])
             except ray.exceptions.RayTaskError as e:  # the worker's own exception, as raised there
-                yield refs[ready[0]], e.as_instanceof_cause()
+                yield i, e.cause if isinstance(e.cause, BaseException) else e.as_instanceof_cause()
+            except ray.exceptions.RayError as e:  # lost: its worker or node died RETRIES + 1 times
+                yield i, BenchError(f"run {i + 1} of the sweep was lost {RETRIES + 1} times ({type(e).__name__}: "
+                                    f"{_first_line(e)}); run the sweep again to resume it")
+            else:
+                if not os.path.isdir(run_dir):  # written where the launcher cannot see it
+                    yield i, BenchError(f"run folder {run_dir} was written by a Ray worker but is not on this "
+                                        "machine: output_dir must be a file system every node shares")
+                else:
+                    yield i, (run_dir, summary)
 
     return collect(len(experiments), finished(), done)

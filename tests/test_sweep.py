@@ -2,6 +2,7 @@
 backends giving the same records as running alone (``processes`` and ``ray`` in other processes; ``ray`` only
 where the ray package is installed, as the ``ray`` extra)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ import pytest
 
 from blackboxbench.config import load_config
 from blackboxbench.errors import BenchError, ConfigError
-from blackboxbench.sweep import check_backend, expand_grid, run_sweep
+from blackboxbench.sweep import check_backend, expand_grid, for_worker, launcher_place, run_one, run_sweep
+
+NO_RAY = "the ray package is not installed (pip install ray, or '.[ray]')"
 
 BASE = """
 dataset: {name: digits, n: 6}
@@ -123,7 +126,7 @@ def test_cli_runs_a_grid_on_worker_processes_and_a_failing_run_lets_the_others_f
 
 
 def test_ray_backend_gives_the_serial_records(tmp_path):
-    ray = pytest.importorskip("ray", reason="the ray package is not installed (pip install ray, or '.[ray]')")
+    ray = pytest.importorskip("ray", reason=NO_RAY)
     want = serial_records(tmp_path)
     exps, opts = load_config(sweep_config(tmp_path / "r", "{name: ray, workers: 2}"))
     dirs = []
@@ -131,12 +134,121 @@ def test_ray_backend_gives_the_serial_records(tmp_path):
         run_sweep(exps, opts["backend"], done=dirs.append)
         exps[0]["dataset"] = {"name": "cifar10", "file": "no/such.npz"}
         exps[0]["data_root"] = str(tmp_path)
-        with pytest.raises(BenchError, match="such.npz"):  # the worker's own one-line error
+        with pytest.raises(BenchError, match="such.npz") as e:  # the worker's own one-line error
             run_sweep(exps, opts["backend"])
+        assert str(e.value).startswith(f"{exps[0]['_source']}:dataset: ") and "\n" not in str(e.value)
+        assert "ray::" not in str(e.value) and "File " not in str(e.value)  # not Ray's traceback of it
     finally:
         ray.shutdown()
     got = [[strip(r) for r in records(d)] for d in dirs]
     assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, want))
+
+
+def test_a_worker_elsewhere_runs_where_the_launcher_is(tmp_path, monkeypatch):
+    """A Ray worker runs in its node's directory with its node's environment: given the launcher's place, a run
+    with a relative output_dir and data_root writes the serial run's folder and records, and takes the launcher's
+    path variables; a launcher directory the worker lacks is a one-line error naming the relative path."""
+    launch = tmp_path / "launch"
+    (launch / "data").mkdir(parents=True)
+    path = launch / "c.yaml"
+    path.write_text(BASE.replace("OUT", "results") + "data_root: data\nattack: {recipe: i_fgsm, hyper: {iterations: 2}}\n")
+    monkeypatch.chdir(launch)
+    exps, _ = load_config(path)
+    dirs = []
+    run_sweep(exps, check_backend("serial", "c"), done=dirs.append)
+    want = [strip(r) for r in records(dirs[0])]
+    place, exp = launcher_place(), for_worker(exps[0])  # in the launcher
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path / "node_cache"))  # the node's own
+    (tmp_path / "node").mkdir()
+    monkeypatch.chdir(tmp_path / "node")
+    run_dir, summary = run_one(exp, True, 1, place)
+    assert Path(run_dir) == launch / dirs[0] and summary["n"] == 6
+    assert [strip(r) for r in records(run_dir)] == want and not (tmp_path / "node" / "results").exists()
+    assert os.environ["BLACKBOXBENCH_CACHE"] == place["env"]["BLACKBOXBENCH_CACHE"]
+    with pytest.raises(ConfigError) as e:
+        run_one(exp, False, 1, {"cwd": str(tmp_path / "gone"), "env": {}})
+    assert str(e.value).startswith(f"{path}:data_root: data is relative to the launcher's working directory "
+                                   f"{tmp_path / 'gone'}, which the worker on ") and "\n" not in str(e.value)
+
+
+def test_ray_address_errors_are_one_line(tmp_path, monkeypatch):
+    """No cluster at the address: one line naming it, at once (Ray itself waits minutes for a missing head)."""
+    pytest.importorskip("ray", reason=NO_RAY)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    path = sweep_config(tmp_path / "r", "{name: ray, address: nonsense}")
+    exps, opts = load_config(path)
+    with pytest.raises(ConfigError, match=f"^{path}:backend.address: no Ray cluster at nonsense: "):
+        run_sweep(exps, opts["backend"])
+    with pytest.raises(ConfigError, match=f"^{path}:backend.address: no Ray cluster at 127.0.0.1:{port}: "):
+        run_sweep(exps, {**opts["backend"], "address": f"127.0.0.1:{port}"})
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=f"^no Ray cluster at 127.0.0.1:{port} \\(RAY_ADDRESS\\): "):
+        run_sweep(exps, {**opts["backend"], "address": None})
+
+
+def test_ray_reservations_are_passed_as_written_and_one_no_node_fits_warns(tmp_path, monkeypatch):
+    """Each task reserves the backend's cpus and gpus (a fraction too) and is run again if its worker dies; a
+    reservation no node of the cluster can hold is a warning (Ray would wait for such a node in silence)."""
+    ray = pytest.importorskip("ray", reason=NO_RAY)
+    asked = []
+
+    def remote(**kwargs):
+        asked.append(kwargs)
+        raise KeyboardInterrupt  # stop before submitting
+
+    exps, opts = load_config(sweep_config(tmp_path / "r", "{name: ray, workers: 2, cpus: 1, gpus: 1/2}"))
+    try:
+        monkeypatch.setattr(ray, "remote", remote)
+        with pytest.warns(UserWarning, match=r"no node of the Ray cluster has 1 CPU and 0.5 GPU for a run .*"
+                                             r"nodes: 2 CPU, 0 GPU\)"), pytest.raises(KeyboardInterrupt):
+            run_sweep(exps, opts["backend"])
+    finally:
+        ray.shutdown()
+    assert asked == [{"num_cpus": 1, "num_gpus": 0.5, "max_retries": 3}]
+
+
+def test_ray_run_whose_worker_is_killed_is_run_again_and_resumes(tmp_path):
+    """A Ray worker killed mid-run (kill -9: as when its node goes down): Ray runs the task again, the run
+    resumes from its records under its lock, and the sweep ends with every run complete, no sample twice."""
+    ray = pytest.importorskip("ray", reason=NO_RAY)
+    import signal
+    import threading
+    import time
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: {{name: digits, n: 8}}\nmodel: digits_mlp\nattack: square_linf\ndevice: cpu\n"
+                   f"batch_size: 2\nthreat: {{norm: linf, eps: 0.03, max_queries: 4000}}\n"
+                   f"output_dir: {tmp_path / 'res'}\ngrid: {{seed: [0, 1]}}\nbackend: {{name: ray, workers: 2}}\n")
+    exps, opts = load_config(cfg)
+    killed = []
+
+    def kill_first_worker():
+        deadline = time.time() + 300
+        while time.time() < deadline and not killed:
+            for rec in (tmp_path / "res").glob("*/records.jsonl"):
+                if rec.read_text().count("\n") >= 1:  # mid-run: one batch written, three to go
+                    pid = int((rec.parent / ".lock").read_text().split()[1])
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(rec.parent)
+                    return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=kill_first_worker, daemon=True)
+    watcher.start()
+    dirs = []
+    try:
+        summaries = run_sweep(exps, opts["backend"], done=dirs.append)
+    finally:
+        ray.shutdown()
+    watcher.join()
+    assert killed and len(killed[0].joinpath("records.jsonl").read_text().splitlines()) == 8
+    assert len(summaries) == 2 and all(s["n"] == 8 for s in summaries)
+    for d in dirs:
+        assert sorted(r["index"] for r in records(d)) == list(range(8))
 
 
 def test_ray_backend_without_ray_names_the_file(tmp_path, monkeypatch):
@@ -190,7 +302,6 @@ def _children(pid):
 def test_processes_workers_print_one_line_warnings_and_die_with_their_launcher(tmp_path):
     """Worker processes print library warnings on one line, as the launcher does; killed, the launcher takes its
     workers with it (they would otherwise run on, holding their run folders' locks)."""
-    import os
     import signal
     import time
 
