@@ -133,6 +133,14 @@ CASES += [(label, norm, targeted, blocks) for label, blocks in _composed() for n
 
 
 def _experiment(name, norm, targeted, out, blocks=None):
+    family, exp = _raw_experiment(name, norm, targeted, out, blocks)
+    exp = validate_experiment(exp, "contract")
+    exp.update(_source="contract", _base_dir=".")
+    return family, exp
+
+
+def _raw_experiment(name, norm, targeted, out, blocks=None):
+    """The contract's experiment of one case before validation (tests/test_batch_invariance.py adapts it)."""
     recipe = name.split("+")[0]
     family = load_yaml(RECIPES[recipe])["family"]
     exp = {"dataset": {"name": "digits", "n": 12 if targeted else 16}, "attack": recipe, "device": "cpu",
@@ -159,8 +167,6 @@ def _experiment(name, norm, targeted, out, blocks=None):
         exp.update(assets=_train_assets(recipe, n=200))
         if recipe in REDUCED:
             exp["attack"] = {"recipe": recipe, "blocks": REDUCED[recipe]}
-    exp = validate_experiment(exp, "contract")
-    exp.update(_source="contract", _base_dir=".")
     return family, exp
 
 

@@ -115,21 +115,34 @@ class ANP(nn.Module):
         self.dec = mlp(2 * z_dim + COORDS, hidden, hidden, hidden, hidden)
         self.dec_mean, self.dec_scale = nn.Linear(hidden, 1), nn.Linear(hidden, 1)
 
-    def encode(self, x):
-        """Images (n, C, H, W) -> (r (n, P, z_dim), z mean (n, z_dim), z scale (n, z_dim))."""
+    def attention(self):
+        """The attention weights (heads, P, P): queries and keys are features of the coordinates alone, so one
+        attention serves every image."""
+        q = self._heads(self.wq(self.query_net(self.coords)))  # (heads, P, 3)
+        k = self._heads(self.wk(self.key_net(self.coords)))
+        return torch.softmax(q @ k.transpose(1, 2) / math.sqrt(COORDS), -1)
+
+    def encode(self, x, weights=None):
+        """Images (n, C, H, W) -> (r (n, P, z_dim), z mean (n, z_dim), z scale (n, z_dim)); ``weights``: those of
+        :meth:`attention` when already computed."""
         n = x.shape[0]
         xy = torch.cat([self.coords.expand(n, -1, -1), to_points(x)[..., None]], -1)
         s = self.lat_out(self.lat(xy).mean(1))
         scale = (0.1 + 0.9 * torch.sigmoid(self.z_scale(s))) * 0.1
-        q = self._heads(self.wq(self.query_net(self.coords)))  # (heads, P, 3)
-        k = self._heads(self.wk(self.key_net(self.coords)))
-        # queries and keys are features of the coordinates alone: one attention (heads, P, P) serves every image
-        weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(COORDS), -1)
+        weights = self.attention() if weights is None else weights
         p, size = self.coords.shape[0], self.wv.out_features // self.heads
         v = self.wv(self.det(xy)).view(n, p, self.heads, size).permute(2, 1, 0, 3).reshape(self.heads, p, n * size)
         att = (weights @ v).view(self.heads, p, n, size).permute(2, 1, 0, 3).reshape(n, p, self.heads * size)
         # the authors sum the heads' output projections: one projection of the concatenated heads
         return self.to_r(self.wo(att)), self.z_mean(s), scale
+
+    def encode_each(self, x):
+        """:meth:`encode` of the images one at a time (the attack's), so that an image's encoding does not depend
+        on the images encoded with it: the global path's layers and the attention multiply matrices with a row
+        (column) per image, and a CPU matrix product's rounding depends on their number (MKL's float32 product of
+        fewer than 4 rows sums in another order)."""
+        weights = self.attention()
+        return tuple(torch.cat(t) for t in zip(*(self.encode(xi[None], weights) for xi in x)))
 
     def _heads(self, t):
         """(P, heads * m) -> (heads, P, m)."""
@@ -327,14 +340,12 @@ def np_attack(ctx, state, *, n_pop=100, lr=0.05, search="R", data="train", r_dim
     net = trained_anp(ctx, data, arch, hp)
     with torch.no_grad():
         fresh = torch.isnan(z_scale[:, 0])
-        if fresh.any():
-            enc_r, enc_mean, enc_scale = net.encode(problem.x)
+        if fresh.any():  # the samples new to their slots
+            enc_r, enc_mean, enc_scale = net.encode_each(problem.x[fresh])
             if search != "R":  # the authors' mu1: the latent mean expanded over the points
                 enc_mean = enc_mean[:, None].expand(-1, r.shape[1], -1)
-            keep = ~fresh[:, None]
-            r = torch.where(keep[..., None], r, enc_r)
-            z_mean = torch.where(keep if search == "R" else keep[..., None], z_mean, enc_mean)
-            z_scale = torch.where(keep, z_scale, enc_scale)
+            r, z_mean, z_scale = r.clone(), z_mean.clone(), z_scale.clone()
+            r[fresh], z_mean[fresh], z_scale[fresh] = enc_r, enc_mean, enc_scale
 
         def decode(rep, z):
             return to_images(net.decode(rep, z)[0], net.shape)
