@@ -52,6 +52,20 @@ def test_anp_has_the_authors_cifar10_sizes():
     assert mu.shape == sigma.shape == (2, 3072) and sigma.min() >= 0.1
 
 
+def test_the_attack_encodes_an_image_whatever_is_encoded_with_it():
+    """``encode_each`` (the attack's) gives an image the same encoding, bit for bit, alone, with one other image or
+    with six (``encode`` of a batch does not: a CPU matrix product's rounding depends on its number of rows), and
+    the encoding of the batch up to float32 rounding."""
+    torch.manual_seed(0)
+    net = ANP((1, 8, 8), r_dim=16, z_dim=16, hidden=32)
+    x = digits(n=7).x
+    with torch.no_grad():
+        full = net.encode_each(x)
+        for rows in ([6], [2, 6], [0, 1, 2, 3, 6]):
+            assert all(torch.equal(a[rows], b) for a, b in zip(full, net.encode_each(x[rows])))
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(full, net.encode(x)))
+
+
 def test_training_lowers_the_held_out_negative_log_likelihood():
     """Trained on 200 digits of the train split, the ANP gives the digits of the test split (never seen) a lower
     negative log-likelihood than the untrained one, and reconstructs them closer than their mean grey does."""
