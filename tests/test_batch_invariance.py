@@ -6,13 +6,17 @@ and, where the recipe supports it, targeted, here with random target labels; the
 composed onto I-FGSM; detection recipes: tests/test_detection_attacks.py) runs on 7 digits at batch_size 1 and
 at batch_size 5 (continuous batching refills the slots as samples finish, so a sample meets other neighbours in
 other slots, and the batches shrink at the end), with a small budget (300 queries, 3 transfer iterations), and
-the two runs' records must be identical. The experiments are the contract's (surrogates, assets, reduced blocks)
+the two runs' records must be identical. The two runs start from different global random states (torch, numpy,
+Python's ``random``), so a block drawing from them instead of its samples' streams fails too. The experiments are the contract's (surrogates, assets, reduced blocks)
 with their digits models swapped for float64 copies, whose forwards are batch-invariant on CPU (a row's logits
 do not depend on the rows computed with it), so that a difference is the attack's."""
 import json
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from blackboxbench.config import validate_experiment
 from blackboxbench.prep.models import _digits_model
@@ -87,7 +91,8 @@ def _records(run_dir):
                          ids=[f"{n}-{m}-{'t' if t else 'u'}" for n, m, t, _ in CASES])
 def test_records_do_not_depend_on_the_batch_size(tmp_path, name, norm, targeted, blocks):
     runs = []
-    for bs in BATCH_SIZES:
+    for k, bs in enumerate(BATCH_SIZES):
+        torch.manual_seed(1000 + k), np.random.seed(1000 + k), random.seed(1000 + k)  # the global states differ
         run_dir, _ = run_experiment(_experiment(tmp_path, name, norm, targeted, bs, blocks), progress=False)
         runs.append(_records(run_dir))
     assert len(runs[0]) == N
