@@ -160,6 +160,29 @@ def test_sia_matches_per_block_reference_and_draws_per_sample():
         draw_sia(ctx, x.shape, n_block=14)
 
 
+class _DrawsOnMeta:
+    """The streams of ``rng``, their draws handed over on the meta device (a stand-in for a GPU run's device)."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def uniform(self, *args, **kwargs):
+        return self.rng.uniform(*args, **kwargs).to("meta")
+
+
+def test_sia_works_on_the_device_of_its_draws_and_images():
+    """SIA's cut points, operations, index maps and band matrices are built on the device of the streams' draws
+    and of the images, not on the CPU: a GPU run makes no host round trip per iteration (the meta device stands in
+    for it here, where a tensor made on another device is an error)."""
+    x = torch.rand(3, 3, 13, 11, generator=gen(4))
+    ctx = transfer_ctx(x, torch.zeros(3, dtype=torch.long), seed=5)
+    p = draw_sia(replace(ctx, rng=_DrawsOnMeta(ctx.rng)), x.shape, n_block=4, copies=2)
+    assert {v.device.type for v in p.values() if isinstance(v, torch.Tensor)} == {"meta"}
+    out = apply_sia(x.to("meta"), p)
+    assert out.device.type == "meta" and out.shape == (6, 3, 13, 11)
+    assert apply_sia(x.to("meta"), draw_sia(ctx, x.shape, n_block=4, copies=2)).device.type == "meta"
+
+
 # -------------------------------------------------------------------------------------- gradient blocks ----
 
 def test_nesterov_and_pregrad_look_ahead():

@@ -68,12 +68,19 @@ def band_table(n, kind):
     return table
 
 
+@functools.lru_cache(maxsize=16)
+def _band_table_on(n, kind, device):
+    """:func:`band_table` on ``device`` (copied there once)."""
+    return band_table(n, kind).to(device)
+
+
 def _cuts(u, size, n_block):
     """(M, n_block + 1) cut points 0 < c_1 < ... < c_{n-1} < size, distinct, uniform (the first n_block - 1 of a
     random permutation of 1 .. size - 1, sorted), from (M, size - 1) uniforms."""
     inner = (u.argsort(dim=1, stable=True)[:, :n_block - 1] + 1).sort(dim=1).values
     m = u.shape[0]
-    return torch.cat([torch.zeros(m, 1, dtype=torch.long), inner, torch.full((m, 1), size, dtype=torch.long)], 1)
+    return torch.cat([torch.zeros(m, 1, dtype=torch.long, device=u.device), inner,
+                      torch.full((m, 1), size, dtype=torch.long, device=u.device)], 1)
 
 
 def draw_sia(ctx, shape, *, n_block=3, copies=10):
@@ -86,7 +93,7 @@ def draw_sia(ctx, shape, *, n_block=3, copies=10):
     nb2 = n_block * n_block
     parts = {"rcut": h - 1, "ccut": w - 1, "op": nb2, "vstep": nb2, "hstep": nb2, "scale": nb2, "drop": c * nb2,
              "noise": c * h * w}
-    u = ctx.rng.uniform((sum(parts.values()),), rows=ctx.rows(big)).cpu().double()
+    u = ctx.rng.uniform((sum(parts.values()),), rows=ctx.rows(big)).double()  # on the streams' device
     p, i = {}, 0
     for key, width in parts.items():
         p[key] = u[:, i:i + width]
@@ -103,7 +110,7 @@ def draw_sia(ctx, shape, *, n_block=3, copies=10):
 
 def _bands(cut, size):
     """Per row and position along an axis: its band, the band's start and length, (M, size) each."""
-    pos = torch.arange(size)
+    pos = torch.arange(size, device=cut.device)
     band = (cut[:, None, 1:-1] <= pos[None, :, None]).sum(-1)
     start = cut.gather(1, band)
     return band, start, cut.gather(1, band + 1) - start
@@ -112,12 +119,13 @@ def _bands(cut, size):
 def _block_diag(table, band, start, length):
     """(M, n, n): per row, the block-diagonal matrix with ``table[len]`` on each band."""
     n = band.shape[1]
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=band.device)
     li = (pos[None] - start)[:, :, None].expand(-1, n, n)
     lj = pos[None, None, :] - start[:, :, None]
     same = band[:, :, None] == band[:, None, :]
     s = length[:, :, None].expand(-1, n, n)
-    return torch.where(same, table[s, li, lj.clamp(0, n - 1)], torch.zeros((), dtype=table.dtype))
+    zero = torch.zeros((), dtype=table.dtype, device=table.device)
+    return torch.where(same, table[s, li, lj.clamp(0, n - 1)], zero)
 
 
 def apply_sia(x, params):
@@ -125,14 +133,15 @@ def apply_sia(x, params):
     xs = x.repeat(params["copies"], 1, 1, 1)
     big, c, h, w = xs.shape
     nb, dev = params["n_block"], x.device
+    params = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
     rband, r0, rlen = _bands(params["rcut"], h)
     cband, c0, clen = _bands(params["ccut"], w)
     block = rband[:, :, None] * nb + cband[:, None, :]                            # (M, H, W)
     flat = block.flatten(1)
     op = params["op"].gather(1, flat).view(big, h, w)
     is_op = {name: op == OP[name] for name in OPS}
-    rr = torch.arange(h)[None, :, None].expand(big, h, w)
-    cc = torch.arange(w)[None, None, :].expand(big, h, w)
+    rr = torch.arange(h, device=dev)[None, :, None].expand(big, h, w)
+    cc = torch.arange(w, device=dev)[None, None, :].expand(big, h, w)
     r0p, rlp = r0[:, :, None].expand(big, h, w), rlen[:, :, None].expand(big, h, w)
     c0p, clp = c0[:, None, :].expand(big, h, w), clen[:, None, :].expand(big, h, w)
     vstep = params["vstep"].gather(1, flat).view(big, h, w)
@@ -141,7 +150,7 @@ def apply_sia(x, params):
     src_r = torch.where(is_op["vflip"] | is_op["rot180"], 2 * r0p + rlp - 1 - rr, src_r)
     src_c = torch.where(is_op["hshift"], c0p + (cc - c0p - hstep) % clp, cc)
     src_c = torch.where(is_op["hflip"] | is_op["rot180"], 2 * c0p + clp - 1 - cc, src_c)
-    idx = (src_r * w + src_c).flatten(1).to(dev)
+    idx = (src_r * w + src_c).flatten(1)
     out = xs.flatten(2).gather(2, idx[:, None].expand(big, c, h * w)).view(big, c, h, w)
 
     def per_pixel(v):  # per-block values (M, nb2) or (M, C, nb2) -> per pixel
@@ -150,14 +159,14 @@ def apply_sia(x, params):
         return v.gather(2, flat[:, None].expand(big, v.shape[1], h * w)).view(big, v.shape[1], h, w)
 
     def where(name, value, other):
-        return torch.where(is_op[name][:, None].to(dev), value, other)
+        return torch.where(is_op[name][:, None], value, other)
 
     out = where("scale", out * per_pixel(params["scale"]).to(xs), out)
     out = where("noise", (xs + params["noise"].to(xs)).clamp(0, 1), out)
     out = where("dropout", xs * per_pixel(params["keep"]).to(xs) / (1 - DROP), out)
     for name, clamp in (("resize", True), ("dct", False)):
-        a = _block_diag(band_table(h, name), rband, r0, rlen).to(xs)
-        b = _block_diag(band_table(w, name), cband, c0, clen).to(xs)
+        a = _block_diag(_band_table_on(h, name, dev), rband, r0, rlen).to(xs)
+        b = _block_diag(_band_table_on(w, name, dev), cband, c0, clen).to(xs)
         y = a[:, None] @ xs @ b[:, None].transpose(-1, -2)
         out = where(name, y.clamp(0, 1) if clamp else y, out)
     return out
