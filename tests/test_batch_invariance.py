@@ -25,12 +25,7 @@ from blackboxbench.runner import run_experiment
 
 import test_contract as contract
 from test_engine import digits_mlp_f64
-
-
-@MODEL.register("test_digits_cnn_f64", dataset="digits")
-def digits_cnn_f64(data_root=None):
-    """The digits CNN in float64 (batch-invariant on CPU): the transfer runs' surrogate and a target."""
-    return _digits_model("digits_cnn", True).double()
+from test_score_surrogate import digits_cnn_f64  # the digits CNN in float64 (registered there, once)
 
 
 @MODEL.register("test_digits_resnet_f64", dataset="digits")
