@@ -141,11 +141,7 @@ CPU_SIDE = {
     # transfer blocks that build small tables on the CPU and move them with .to(x) / .to(xs)
     ("transfer/transforms.py", "si"): "scale factors, moved with .to(x)",
     ("transfer/gradients.py", "gaussian_kernel"): "TI kernel, moved to the gradient's device by its caller",
-    ("transfer/sia.py", "_bands"): "SIA's parameters are drawn then kept on the CPU (draw_sia: .cpu())",
-    ("transfer/sia.py", "_block_diag"): "CPU tables, moved with .to(xs)",
-    ("transfer/sia.py", "apply_sia"): "CPU pixel indices, moved with .to(dev) before the gather",
-    ("transfer/sia.py", "_cuts"): "CPU cut points (draw_sia keeps its parameters on the CPU)",
-    ("transfer/sia.py", "band_table"): "cached CPU table, moved with .to(xs)",
+    ("transfer/sia.py", "band_table"): "cached CPU table, copied to the images' device by _band_table_on",
     ("transfer/sia.py", "resize_matrix"): "CPU table (band_table)",
     ("transfer/sia.py", "lowpass_matrix"): "CPU table (band_table)",
     ("transfer/sia.py", "dct_matrix"): "CPU table (band_table)",
