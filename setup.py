@@ -1,13 +1,28 @@
 """Install with ``pip install .``; the YAML catalogs (attacks/, defenses/, analysis/) ship inside the package as
 ``blackboxbench/_catalogs/<kind>`` so recipes are found from any working directory."""
 import re
+import shutil
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "blackboxbench" / "__init__.py").read_text()).group(1)
 CATALOGS = ("attacks", "defenses", "analysis")
+
+
+class CleanBuildPy(build_py):
+    """``build_py`` into an emptied ``build/lib``: setuptools reuses the folder of an earlier ``pip install .``, so
+    a module or recipe deleted or moved in the checkout since would still be installed (a moved recipe then a
+    duplicate name)."""
+
+    def run(self):
+        lib, here = Path(self.build_lib).resolve(), HERE.resolve()
+        if not getattr(self, "editable_mode", False) and lib.is_dir() and lib not in (here, *here.parents):
+            shutil.rmtree(lib)
+        super().run()
+
 
 setup(
     name="blackboxbench",
@@ -32,4 +47,5 @@ setup(
         "ray": ["ray"],  # backend ray: sweeps across the machines of a Ray cluster (blackboxbench/sweep.py)
     },
     entry_points={"console_scripts": ["blackboxbench=blackboxbench.cli:main"]},
+    cmdclass={"build_py": CleanBuildPy},
 )

@@ -11,12 +11,13 @@ SINGULAR = {"attacks": "attack", "defenses": "defense", "analysis": "analysis"}
 
 
 def catalog_dir(kind):
-    """The directory of catalog ``kind``: the repository's top-level one when running from a checkout, else
-    the copy installed with the package."""
-    for candidate in (_PKG.parent / kind, _PKG / "_catalogs" / kind):
+    """The directory of catalog ``kind``: the copy installed with the package, else (a checkout, where there is
+    none) the repository's top-level one. The installed copy comes first: next to an installed package the parent
+    is site-packages, where another distribution's top-level ``analysis`` or ``attacks`` folder may lie."""
+    for candidate in (_PKG / "_catalogs" / kind, _PKG.parent / kind):
         if candidate.is_dir():
             return candidate
-    raise BenchError(f"catalog '{kind}' not found (looked in {_PKG.parent / kind} and {_PKG / '_catalogs' / kind})")
+    raise BenchError(f"catalog '{kind}' not found (looked in {_PKG / '_catalogs' / kind} and {_PKG.parent / kind})")
 
 
 def entries(kind="attacks"):

@@ -256,10 +256,15 @@ def cmd_analyze(args):
         raise BenchError(f"--n must be >= 1 (the first n images), got {args.n}")
     if not 0 <= args.seed < 1 << 63:
         raise BenchError(f"--seed must be in [0, 2**63), got {args.seed}")
-    png, table, npz, n, loaded = analyze(args.recipe, args.output, _assignments(args.param, "--param"),
-                                 resolve_device(args.device), run=args.run, model=_yaml_arg(args.model, "--model"),
-                                 dataset=_yaml_arg(args.dataset, "--dataset"), data_root=args.data_root, n=args.n,
-                                 indices=indices, seed=args.seed)
+    try:
+        png, table, npz, n, loaded = analyze(args.recipe, args.output, _assignments(args.param, "--param"),
+                                     resolve_device(args.device), run=args.run, model=_yaml_arg(args.model, "--model"),
+                                     dataset=_yaml_arg(args.dataset, "--dataset"), data_root=args.data_root, n=args.n,
+                                     indices=indices, seed=args.seed)
+    except BenchError as e:  # the loaders' wording names a config's data_root; this command has its flag
+        if args.data_root is None and str(e).startswith("no data root"):
+            raise BenchError("no data root: give --data-root or set BLACKBOXBENCH_DATA") from None
+        raise
     print(f"{args.recipe}: {png}, {table} and {npz} ({_count(n, 'image')})")
     if n < loaded:
         print(f"note: {args.recipe} draws its first max_images={n} of the {loaded} images loaded; --param "

@@ -65,3 +65,92 @@ def test_version_and_python_m(tmp_path, capsys):
     out = subprocess.run([sys.executable, "-m", "blackboxbench", "list", "defenses"], cwd=tmp_path, text=True,
                          capture_output=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert out.returncode == 0 and "rnd" in out.stdout, out.stderr
+
+
+# A new user's walkthrough from ``pip install .`` (2026-12-05): what it found.
+
+def test_the_installed_copy_of_a_catalog_comes_first(tmp_path, monkeypatch):
+    """Installed, the package's parent is site-packages, where another distribution may have put a top-level
+    ``analysis`` (or ``attacks``) folder: the bundled copy is read, not that folder."""
+    pkg = tmp_path / "site-packages" / "blackboxbench"
+    (pkg / "_catalogs" / "analysis").mkdir(parents=True)
+    (pkg / "_catalogs" / "analysis" / "aev_bar.yaml").write_text("tool: aev_bar\n")
+    (tmp_path / "site-packages" / "analysis").mkdir()  # someone else's package
+    (tmp_path / "site-packages" / "analysis" / "__init__.py").write_text("")
+    monkeypatch.setattr(catalog, "_PKG", pkg)
+    assert catalog.catalog_dir("analysis") == pkg / "_catalogs" / "analysis"
+    assert list(catalog.entries("analysis")) == ["aev_bar"]
+    checkout = tmp_path / "checkout" / "blackboxbench"  # a checkout has no _catalogs: its top-level folder
+    (checkout.parent / "attacks").mkdir(parents=True)
+    monkeypatch.setattr(catalog, "_PKG", checkout)
+    assert catalog.catalog_dir("attacks") == checkout.parent / "attacks"
+
+
+def test_a_build_does_not_keep_files_deleted_from_the_checkout(tmp_path):
+    """setuptools reuses ``build/lib`` across ``pip install .``: setup.py's build_py empties it first, so a recipe
+    or module deleted (or moved) since an earlier install is not installed again."""
+    lib = tmp_path / "lib"
+    (lib / "blackboxbench" / "_catalogs" / "attacks").mkdir(parents=True)
+    (lib / "blackboxbench" / "gone.py").write_text("")
+    (lib / "blackboxbench" / "_catalogs" / "attacks" / "moved.yaml").write_text("")
+    out = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(lib)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not (lib / "blackboxbench" / "gone.py").exists()
+    assert not (lib / "blackboxbench" / "_catalogs" / "attacks" / "moved.yaml").exists()
+    assert (lib / "blackboxbench" / "cli.py").is_file()
+    assert (lib / "blackboxbench" / "_catalogs" / "attacks" / "score" / "square_linf.yaml").is_file()
+
+
+def test_the_source_distribution_holds_what_the_tests_read(tmp_path):
+    """The sdist (MANIFEST.in) carries the whole tests folder, pytest.ini and the configs, examples and script the
+    tests read; setuptools alone took tests/test_*.py without conftest.py and the helpers."""
+    out = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    sources = set((tmp_path / "blackboxbench.egg-info" / "SOURCES.txt").read_text().split())
+    want = {"pytest.ini", "scripts/run.py", "examples/gaussian_noise.py"}
+    want |= {p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("*.py")}
+    want |= {p.relative_to(REPO).as_posix() for p in (REPO / "configs").glob("*.yaml")}
+    assert want <= sources, sorted(want - sources)
+
+
+def test_pytest_imports_the_checkout_however_it_is_started(tmp_path):
+    """``pytest`` (no working directory on sys.path, as ``python -P``) imports the checkout's package, as
+    ``python -m pytest`` does (pytest.ini's pythonpath), not an installed copy."""
+    import os
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import pathlib\nimport blackboxbench\n\n\ndef test_where():\n"
+                     f"    assert pathlib.Path(blackboxbench.__file__).resolve().parent == pathlib.Path({str(REPO)!r})"
+                     " / 'blackboxbench'\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                          "-c", str(REPO / "pytest.ini"), "--rootdir", str(REPO), str(probe)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_analyze_without_a_data_root_names_its_flag(tmp_path, monkeypatch, capsys):
+    """``blackboxbench analyze`` has no config: its missing data root names ``--data-root``, not ``data_root in
+    the config``."""
+    monkeypatch.delenv("BLACKBOXBENCH_DATA", raising=False)
+    assert main(["analyze", "-r", "fsm", "--model", "cifar_resnet20", "--dataset", "cifar10",
+                 "-o", str(tmp_path / "f.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: no data root: give --data-root or set BLACKBOXBENCH_DATA"], err
+
+
+def test_relative_paths_of_a_config_run_from_another_directory(tmp_path, monkeypatch, fresh_registries):
+    """README, "Relative paths": a config run from another directory writes its output_dir and leaderboard under
+    the working directory and finds its plugins next to itself."""
+    proj, cwd = tmp_path / "proj", tmp_path / "elsewhere"
+    proj.mkdir()
+    cwd.mkdir()
+    (proj / "noise.py").write_text((REPO / "examples" / "gaussian_noise.py").read_text())
+    (proj / "c.yaml").write_text(
+        "plugins: [noise.py]\ndataset: {name: digits, n: 4}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
+        "attack: {recipe: i_fgsm, hyper: {iterations: 2}, blocks: {transform: [{name: gaussian_noise}]}}\n"
+        "threat: {norm: linf, eps: 0.2}\ndevice: cpu\noutput_dir: out\nleaderboard: out/board.csv\n")
+    monkeypatch.chdir(cwd)
+    assert main(["run", str(proj / "c.yaml"), "--quiet"]) == 0
+    assert (cwd / "out" / "board.csv").is_file() and not (proj / "out").exists()
