@@ -300,7 +300,7 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"blackboxbench {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run the experiment(s) of a YAML config (resumes an interrupted run)")
-    p.add_argument("config")
+    p.add_argument("config", help="a YAML config (its output paths are relative to the working directory)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (dotted: threat.eps=4/255; the whole-file keys too: leaderboard=b.csv, "
                         "grid.threat.eps=[...], backend.name=processes); output_dir=D moves the board and plots into D")
@@ -324,26 +324,28 @@ def build_parser():
                                                              "locally when no cluster address is given)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("leaderboard", help="export every run under a results directory as one CSV")
-    p.add_argument("results")
-    p.add_argument("-o", "--output", default="leaderboard.csv")
+    p.add_argument("results", help="a results directory (every run folder under it)")
+    p.add_argument("-o", "--output", default="leaderboard.csv", help="the CSV (default: %(default)s)")
     p.set_defaults(fn=cmd_leaderboard)
     p = sub.add_parser("compare", help="two runs on the same images, paired: who fooled which samples (McNemar) "
                                        "and who needed fewer queries on the samples both fooled (sign test)")
-    p.add_argument("run_a")
-    p.add_argument("run_b")
+    p.add_argument("run_a", help="a run directory")
+    p.add_argument("run_b", help="a run directory of the same dataset and family")
     p.add_argument("--json", action="store_true", help="the numbers as JSON")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("robustness", help="ASR and mean queries per attack x defense: a CSV and a PNG chart, and "
                                           "the worst case per sample over the attacks (<output>_worst_case.csv)")
-    p.add_argument("results")
-    p.add_argument("-o", "--output", default="robustness.csv")
+    p.add_argument("results", help="a results directory (its query runs)")
+    p.add_argument("-o", "--output", default="robustness.csv",
+                   help="the CSV; the chart and <output>_worst_case.csv go next to it (default: %(default)s)")
     p.set_defaults(fn=cmd_robustness)
     text = ("an analysis figure (aev_line, aev_scatter, aev_bar, aev_bubble, aev_heatmap) of a leaderboard CSV or a "
             "results directory: a PNG and its numbers as CSV")
     p = sub.add_parser("plot", help=text, description=text)
     p.add_argument("results", help="a leaderboard CSV or a results directory")
     p.add_argument("-r", "--recipe", required=True, help="an analysis recipe (blackboxbench list analysis) or .yaml")
-    p.add_argument("-o", "--output", default="plot.png", help="the figure; its numbers go next to it as .csv")
+    p.add_argument("-o", "--output", default="plot.png",
+                   help="the figure; its numbers go next to it as .csv (default: %(default)s)")
     for key in ("x", "y", "hue", "size"):
         p.add_argument(f"--{key}", default=None, help=f"the column for {key} (overrides the recipe)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other tool parameter")
@@ -360,7 +362,7 @@ def build_parser():
                                                  "save_adv: true its adversarial images are read too)")
     p.add_argument("--model", default=None, help="a model spec (YAML: a name or {name: ..., ...}); overrides the run's")
     p.add_argument("--dataset", default=None, help="a dataset spec (YAML); overrides the run's")
-    p.add_argument("--data-root", default=None)
+    p.add_argument("--data-root", default=None, help="the data root (default: the run's, else BLACKBOXBENCH_DATA)")
     p.add_argument("--n", type=int, default=None, help="the first n images (of the run's saved ones)")
     p.add_argument("--indices", default=None, help="comma-separated dataset indices")
     p.add_argument("--seed", type=int, default=0, help="seed of random directions (a run's own seed wins)")
@@ -369,10 +371,12 @@ def build_parser():
     p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE",
                    help="import a plugin first (an analysis tool, a dataset or model it registers; a run's own "
                         "plugins are imported by --run)")
-    p.add_argument("-o", "--output", default="analysis.png", help="the figure; .csv and .npz go next to it")
+    p.add_argument("-o", "--output", default="analysis.png",
+                   help="the figure; .csv and .npz go next to it (default: %(default)s)")
     p.set_defaults(fn=cmd_analyze)
     p = sub.add_parser("list", help="list the attack, defense or analysis catalog, or the registered blocks")
-    p.add_argument("what", choices=("attacks", "defenses", "analysis", "blocks"), nargs="?", default="attacks")
+    p.add_argument("what", choices=("attacks", "defenses", "analysis", "blocks"), nargs="?", default="attacks",
+                   help="the catalog or registry to list (default: %(default)s)")
     p.set_defaults(fn=cmd_list)
     return parser
 

@@ -154,3 +154,13 @@ def test_relative_paths_of_a_config_run_from_another_directory(tmp_path, monkeyp
     monkeypatch.chdir(cwd)
     assert main(["run", str(proj / "c.yaml"), "--quiet"]) == 0
     assert (cwd / "out" / "board.csv").is_file() and not (proj / "out").exists()
+
+
+def test_every_option_and_argument_of_every_subcommand_has_help():
+    """``blackboxbench SUBCOMMAND --help`` explains each of its options and arguments (a bare ``-o OUTPUT`` did not
+    say what it writes or where by default)."""
+    from blackboxbench.cli import build_parser
+    subs = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict)).choices
+    for name, parser in subs.items():
+        bare = [a.dest for a in parser._actions if a.dest != "help" and not a.help]
+        assert not bare, f"blackboxbench {name}: no help for {bare}"
