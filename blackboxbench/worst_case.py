@@ -65,14 +65,19 @@ def _views(summary, records):
     """``[(settings, records)]`` with records reduced to ``attacked`` and ``success``: a query run once, a sample
     a cascade's earlier run fooled (``fooled_by``) counted as attacked and fooled; a transfer run once per target,
     as if that target had been attacked alone (the target's clean check for ``attacked``, its answer on the
-    returned image for ``success``)."""
+    returned image for ``success``; randomized only where that target, defended if so, is one of the run's
+    ``randomized_models``)."""
     if summary["family"] in QUERY_FAMILIES:
         return [(summary, {i: {"attacked": r["attacked"] or bool(r.get("fooled_by")),
                                "success": r["success"] or bool(r.get("fooled_by"))} for i, r in records.items()})]
     views = []
+    randomized = f", {summary.get('randomized_models') or ''}, "  # the run's randomized models, defended as '<m>+<d>'
     for target in summary.get("per_target") or {}:
         per = {i: r["targets"].get(target) or {"clean_correct": False, "success": False} for i, r in records.items()}
-        views.append(({**summary, "target_model": target, "defense": summary["per_target"][target].get("defense")},
+        defense = summary["per_target"][target].get("defense")
+        mine = any(f", {m}, " in randomized for m in (target, f"{target}+{defense}"))
+        views.append(({**summary, "target_model": target, "defense": defense, "randomized_models": target if mine
+                       else None},
                       {i: {"attacked": records[i]["attacked"] and t["clean_correct"],
                            "success": records[i]["attacked"] and t["clean_correct"] and t["success"]}
                        for i, t in per.items()}))
@@ -83,8 +88,8 @@ def worst_case_rows(results_dirs):
     """``(rows, skipped)``: one row per group of the finished query and transfer runs below the results directory
     (or directories), in the order of their first run directory (a transfer run joins one group per target); each
     row the group's settings, :func:`worst_case` and ``runs`` (the runs' names: the config's ``name`` else the
-    attack, with the run directory where two share one). A run whose records cannot be read is left out and
-    listed in ``skipped``."""
+    attack, with the run directory where two share one, its path where two directories share a name). A run whose
+    records cannot be read is left out and listed in ``skipped``."""
     groups, skipped = {}, []
     for d in run_dirs(results_dirs):
         summary, reason = read_summary(d)
@@ -101,6 +106,8 @@ def worst_case_rows(results_dirs):
     for members in groups.values():
         taken = [label(s) for s, _, _ in members]
         names = [m if taken.count(m) == 1 else f"{m} ({d.name})" for m, (_, _, d) in zip(taken, members)]
+        # one run directory's name under two results directories (a copy of a run): its path tells them apart
+        names = [m if names.count(m) == 1 else f"{label(s)} ({d})" for m, (s, _, d) in zip(names, members)]
         row = {k: members[0][0].get(k) for k in GROUP}
         row.update(worst_case([(m, records) for m, (_, records, _) in zip(names, members)]))
         row["only_fooled_by"] = "; ".join(f"{m} {k}" for m, k in row["only_fooled_by"].items())
