@@ -38,7 +38,7 @@ COMMON_FIELDS = {"index": (int,), "label": (int,), "target": (int, type(None)), 
                  "attacked": (bool,), "l2": (float, int), "linf": (float, int), "time": (float, int),
                  "ssim": (float, int), "lpips": (float, int, type(None))}
 COMMON_COLUMNS = ("attack", "name", "family", "category", "year", "dataset", "dataset_params", "target_model",
-                  "defense", "surrogates", "norm", "eps", "targeted", "n", "clean_acc")
+                  "defense", "surrogates", "norm", "eps", "targeted", "target_label", "n", "clean_acc")
 TRAILING_COLUMNS = ("trained_on", "randomized_models", "cascade_after", "wall_time", "seed", "batch_size", "device",
                     "config_hash", "version", "run")
 DIRECTIONS = ("higher", "lower", None)

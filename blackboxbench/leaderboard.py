@@ -132,12 +132,12 @@ def label(row):
 
 # settings that can tell apart runs with one label (a figure's cell or bar, a table row): the first ones that differ
 SETTING_KEYS = ("eps", "target_model", "surrogates", "defense", "success_rule", "eot", "budget", "feedback",
-                "targeted", "seed", "dataset", "dataset_params", "n", "cascade_after")
+                "targeted", "target_label", "seed", "dataset", "dataset_params", "n", "cascade_after")
 
 
 # a setting's name in a label
 SETTING_NAMES = {"success_rule": "rule", "target_model": "target", "eot": "EOT", "dataset_params": "data",
-                 "cascade_after": "after"}
+                 "target_label": "targets", "cascade_after": "after"}
 
 
 def _setting(key, value):

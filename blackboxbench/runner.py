@@ -836,13 +836,23 @@ class Runner:
                  dataset=exp["dataset"]["name"], dataset_params=dataset_params(exp["dataset"]),
                  target_model="+".join(by_role.get("target", [])) or None,
                  surrogates="+".join(by_role.get("surrogate", [])) or None,
-                 norm=t["norm"], eps=t["eps"], targeted=t["targeted"], budget=t.get("max_queries"),
+                 norm=t["norm"], eps=t["eps"], targeted=t["targeted"],
+                 target_label=target_label_text(t.get("target_label")), budget=t.get("max_queries"),
                  feedback=t.get("feedback"), seed=exp["seed"], batch_size=exp["batch_size"],
                  config_hash=self.hash, version=__version__, device=self.device.type, wall_time=wall,
                  randomized_models=", ".join(self.randomized) or None, shared_forwards=self.shared_with,
                  trained_on=self.trained_on,
                  cascade_after=", ".join(p.label for p in self.after) or None)
         return s
+
+
+def target_label_text(spec):
+    """A targeted run's target-label mode as text (``random``, ``specified(label=3)``); None when untargeted: the
+    leaderboard and the worst case tell apart runs that aim at other classes by it."""
+    if not spec:
+        return None
+    params = ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if k != "name" and v is not None)
+    return f"{spec['name']}({params})" if params else spec["name"]
 
 
 def dataset_params(spec):

@@ -3,8 +3,8 @@ fooled it.
 
 One attack's ASR says how often that attack wins; an evaluator asks how many images survive every attack at the
 same threat. The query runs below a results directory are grouped by what they attacked: the same images
-(dataset and its parameters), the same target model and defense, the same norm, eps, targeted mode, query budget
-and success rule. Runs that differ in the attack, its settings, the seed or the EOT option fall into one group; a
+(dataset and its parameters), the same target model and defense, the same norm, eps, targeted mode and target
+labels (``target_label``: ``random``, ``least_likely``...), query budget and success rule. Runs that differ in the attack, its settings, the seed or the EOT option fall into one group; a
 group of one run is kept (its worst case is its own). A transfer run joins one group per target (its budget and
 success rule are empty, so transfer and query runs form separate groups), whatever its surrogates. Within a group
 the samples are the indices every run recorded, and per sample:
@@ -32,7 +32,8 @@ from .robustness import QUERY_FAMILIES
 from .stats import wilson
 
 FAMILIES = (*QUERY_FAMILIES, "transfer")
-GROUP = ("dataset", "dataset_params", "target_model", "defense", "norm", "eps", "targeted", "budget", "success_rule")
+GROUP = ("dataset", "dataset_params", "target_model", "defense", "norm", "eps", "targeted", "target_label", "budget",
+         "success_rule")
 COLUMNS = (*GROUP, "n", "n_runs", "clean_acc", "robust_acc", "robust_acc_low", "robust_acc_high", "asr_any",
            "best_run", "best_asr", "complement", "only_fooled_by", "randomized", "cascade", "runs")
 

@@ -43,6 +43,7 @@ runs:
   - {attack: rays}
   - {attack: square_linf, defense: {name: rnd, sigma: 0.05}, threat: {success_rule: {name: majority, draws: 3}}}
   - {attack: square_linf, threat: {targeted: true, target_label: random}}
+  - {attack: square_linf, threat: {targeted: true, target_label: least_likely}}
   - {attack: square_linf, name: square_none, threat: {eps: 0.004, max_queries: 3}}
   - {attack: square_linf, name: square_miscls, dataset: {name: test_board_shifted_digits, n: 6}}
 """
@@ -246,12 +247,13 @@ def test_every_summary_equals_its_records(results):
         assert (s["norm"], s["eps"], s["targeted"]) == (cfg["threat"]["norm"], cfg["threat"]["eps"],
                                                         cfg["threat"]["targeted"])
         assert s["budget"] == cfg["threat"].get("max_queries")
+        assert s["target_label"] == (cfg["threat"]["target_label"] or {}).get("name")  # random, least_likely...
         if s["family"] in ("score", "decision"):
             assert s["target_model"] == cfg["model"]["name"]
             assert s["defense"] == ("rnd(sigma=0.05)" if cfg.get("defense") else "none")
             assert bool(s["randomized_models"]) == bool(cfg.get("defense"))
     assert sorted(families) == ["decision", "detection", "score", "transfer"]
-    assert len(families["score"]) == 11
+    assert len(families["score"]) == 12
 
 
 def test_special_runs(results):
@@ -312,7 +314,7 @@ def test_leaderboard_equals_the_summaries_and_the_records(results, tmp_path, cap
     capsys.readouterr()
     runs = runs_below(results / "runs", results / "again")
     rows = read(out)
-    assert len(rows) == len(runs) == 13 + 7 + 1
+    assert len(rows) == len(runs) == 14 + 8 + 1
     names = [c for c, _ in columns()]
     assert list(rows[0]) == names
     directions = dict(columns())
@@ -336,6 +338,13 @@ def test_leaderboard_equals_the_summaries_and_the_records(results, tmp_path, cap
     want = expected_order([{**runs[d][0], "run": d.name} for d in runs])
     assert [r["run"] for r in want] == [g for g, _ in got]
     assert sum(r["run"].startswith("square_dup") for r in rows) == 2
+    # the settings columns tell apart every two runs of different configs (not only their hash)
+    identity = ("attack", "name", "dataset", "dataset_params", "target_model", "defense", "surrogates", "norm", "eps",
+                "targeted", "target_label", "budget", "success_rule", "eot", "seed", "n")
+    hashes = {}
+    for r in rows:
+        hashes.setdefault(tuple(r[c] for c in identity), set()).add(r["config_hash"])
+    assert all(len(h) == 1 for h in hashes.values()), [k for k, h in hashes.items() if len(h) > 1]
 
 
 def test_csv_files_round_trip_with_one_line_ending(results, tmp_path, capsys):
@@ -401,12 +410,14 @@ def test_worst_case_equals_the_records(results, tmp_path, capsys):
         else:
             continue
         for target, defense, budget, rule, per, randomized in views:
-            key = (s["dataset"], target, defense, s["norm"], s["eps"], s["targeted"], budget, rule)
+            key = (s["dataset"], target, defense, s["norm"], s["eps"], s["targeted"],
+                   (cfg["threat"].get("target_label") or {}).get("name"), budget, rule)
             groups.setdefault(key, []).append((per, randomized))
     assert len(rows) == len(groups)
     for row in rows:
         key = (row["dataset"], row["target_model"], row["defense"], row["norm"], float(row["eps"]),
-               row["targeted"] == "True", cell_value(row["budget"]), cell_value(row["success_rule"]))
+               row["targeted"] == "True", cell_value(row["target_label"]), cell_value(row["budget"]),
+               cell_value(row["success_rule"]))
         members = groups[key]
         common = set.intersection(*(set(p) for p, _ in members))
         correct = [i for i in common if all(p[i][0] for p, _ in members)]
@@ -481,4 +492,4 @@ def test_an_older_result_folder_still_loads(results, tmp_path, capsys):
         cap = capsys.readouterr()
         assert "Traceback" not in cap.err + cap.out
         assert rc == 0 or (rc == 2 and cap.err.count("\n") == 1), (argv[0], cap.err)
-    assert len(read(tmp_path / "b.csv")) == 8
+    assert len(read(tmp_path / "b.csv")) == 9
