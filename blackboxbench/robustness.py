@@ -1,8 +1,8 @@
 """The robustness leaderboard: ASR and mean queries per attack x defense, one CSV and a PNG bar chart.
 
 Built from the same summaries as the leaderboard (:func:`blackboxbench.leaderboard.collect`), query runs only.
-A row is one (attack, norm, eps, targeted, target labels, defense) with its target model; the ``defense`` cell is the summary's
-(``none``, ``rnd(sigma=0.02)``, ``aaa_linear(...)``, ``at`` for an adversarially trained target, ...). Besides ASR
+A row is one (attack, norm, eps, targeted, target labels, defense) with its target model; the ``defense`` cell is
+the summary's (``none``, ``rnd(sigma=0.02)``, ``aaa_linear(...)``, ``at`` for an adversarially trained target, ...). Besides ASR
 and AQN (mean queries over successes) it keeps the mean queries over all attacked samples (a defense that makes an
 attack fail also spends its budget), the clean accuracy with and without the defense, the defended majority-of-5
 re-evaluation, the perceptual cost (mean SSIM and LPIPS over successes) and the mean of every other metric the
@@ -18,8 +18,8 @@ from .leaderboard import collect, run_labels, summarized_metrics, to_csv
 from .plotting import error_bars
 
 COLUMNS = ("attack", "name", "family", "norm", "eps", "targeted", "target_label", "target_model", "defense",
-           "n_attacked", "asr", "asr_low", "asr_high", "aqn", "aqn_low", "aqn_high", "mqn", "mean_queries_all", "clean_acc",
-           "clean_acc_defended", "asr_reeval_defended", "asr_reeval_undefended", "reeval_gap",
+           "n_attacked", "asr", "asr_low", "asr_high", "aqn", "aqn_low", "aqn_high", "mqn", "mean_queries_all",
+           "clean_acc", "clean_acc_defended", "asr_reeval_defended", "asr_reeval_undefended", "reeval_gap",
            "success_rule", "eot", "mean_ssim", "mean_lpips", "wall_time", "config_hash", "run")
 QUERY_FAMILIES = ("score", "decision")
 
