@@ -1,14 +1,14 @@
 """The robustness leaderboard: ASR and mean queries per attack x defense, one CSV and a PNG bar chart.
 
-Built from the same summaries as the leaderboard (:func:`blackboxbench.leaderboard.collect`), query runs only.
-A row is one (attack, norm, eps, targeted, target labels, defense) with its target model; the ``defense`` cell is
-the summary's (``none``, ``rnd(sigma=0.02)``, ``aaa_linear(...)``, ``at`` for an adversarially trained target, ...). Besides ASR
-and AQN (mean queries over successes) it keeps the mean queries over all attacked samples (a defense that makes an
-attack fail also spends its budget), the clean accuracy with and without the defense, the defended majority-of-5
-re-evaluation, the perceptual cost (mean SSIM and LPIPS over successes) and the mean of every other metric the
-summaries hold (L2, Linf, a plugin's). Its last columns name the run
-(``config_hash`` and the run directory), so that the runs of an older version of a recipe or config left in the
-same results directory are told apart from the current ones.
+Built from the same summaries as the leaderboard (:func:`blackboxbench.leaderboard.collect`), query runs only. A row
+is one (attack, norm, eps, targeted, target labels, defense) with its target model; the ``defense`` cell is the
+summary's (``none``, ``rnd(sigma=0.02)``, ``aaa_linear(...)``, ``at`` for an adversarially trained target, ...).
+Besides ASR and AQN (mean queries over successes) it keeps the mean queries over all attacked samples (a defense
+that makes an attack fail also spends its budget), the clean accuracy with and without the defense, the defended
+majority-of-5 re-evaluation, the perceptual cost (mean SSIM and LPIPS over successes) and the mean of every other
+metric the summaries hold (L2, Linf, a plugin's). Its last columns name the run (``config_hash`` and the run
+directory), so that the runs of an older version of a recipe or config left in the same results directory are told
+apart from the current ones.
 """
 import math
 from pathlib import Path

@@ -1,13 +1,14 @@
 """Worst case per sample over the attacks (AutoAttack's robust accuracy): a sample is robust only if no attack
 fooled it.
 
-One attack's ASR says how often that attack wins; an evaluator asks how many images survive every attack at the
-same threat. The query runs below a results directory are grouped by what they attacked: the same images
-(dataset and its parameters), the same target model and defense, the same norm, eps, targeted mode and target
-labels (``target_label``: ``random``, ``least_likely``...), query budget and success rule. Runs that differ in
-the attack, its settings, the seed or the EOT option fall into one group; a group of one run is kept (its worst case is its own). A transfer run joins one group per target (its budget and
-success rule are empty, so transfer and query runs form separate groups), whatever its surrogates. Within a group
-the samples are the indices every run recorded, and per sample:
+One attack's ASR says how often that attack wins; an evaluator asks how many images survive every attack at the same
+threat. The query runs below a results directory are grouped by what they attacked: the same images (dataset and its
+parameters), the same target model and defense, the same norm, eps, targeted mode and target labels
+(``target_label``: ``random``, ``least_likely``...), query budget and success rule. Runs that differ in the attack,
+its settings, the seed or the EOT option fall into one group; a group of one run is kept (its worst case is its
+own). A transfer run joins one group per target (its budget and success rule are empty, so transfer and query runs
+form separate groups), whatever its surrogates. Within a group the samples are the indices every run recorded, and
+per sample:
 
 * **correct**: every run attacked it (the target, defended if so, classified it correctly on the clean check);
 * **robust**: correct, and no run's success (the oracle's confirmation on the returned image) fooled it.
