@@ -63,23 +63,31 @@ def _key(summary):
     return tuple(json.dumps(summary.get(k), sort_keys=True) for k in GROUP)
 
 
+def _randomized(summary, target, defense):
+    """``target`` when the run found that target randomized, itself or behind its defenses (``<target>+rnd(...)``;
+    the ``defense`` cell may start with the target's own tag, ``at+``), else None: a randomized surrogate leaves the
+    target's verdicts as they are."""
+    found, parts = f", {summary.get('randomized_models') or ''}, ", str(defense).split("+")
+    names = [target] + [f"{target}+{'+'.join(parts[k:])}" for k in range(len(parts))]
+    return target if any(f", {m}, " in found for m in names) else None
+
+
 def _views(summary, records):
     """``[(settings, records)]`` with records reduced to ``attacked`` and ``success``: a query run once, a sample
     a cascade's earlier run fooled (``fooled_by``) counted as attacked and fooled; a transfer run once per target,
     as if that target had been attacked alone (the target's clean check for ``attacked``, its answer on the
-    returned image for ``success``; randomized only where that target, defended if so, is one of the run's
-    ``randomized_models``)."""
+    returned image for ``success``); ``randomized_models`` reduced to the target's (:func:`_randomized`)."""
     if summary["family"] in QUERY_FAMILIES:
-        return [(summary, {i: {"attacked": r["attacked"] or bool(r.get("fooled_by")),
-                               "success": r["success"] or bool(r.get("fooled_by"))} for i, r in records.items()})]
+        return [({**summary, "randomized_models": _randomized(summary, summary.get("target_model"),
+                                                              summary.get("defense"))},
+                 {i: {"attacked": r["attacked"] or bool(r.get("fooled_by")),
+                      "success": r["success"] or bool(r.get("fooled_by"))} for i, r in records.items()})]
     views = []
-    randomized = f", {summary.get('randomized_models') or ''}, "  # the run's randomized models, defended as '<m>+<d>'
     for target in summary.get("per_target") or {}:
         per = {i: r["targets"].get(target) or {"clean_correct": False, "success": False} for i, r in records.items()}
         defense = summary["per_target"][target].get("defense")
-        mine = any(f", {m}, " in randomized for m in (target, f"{target}+{defense}"))
-        views.append(({**summary, "target_model": target, "defense": defense, "randomized_models": target if mine
-                       else None},
+        views.append(({**summary, "target_model": target, "defense": defense,
+                       "randomized_models": _randomized(summary, target, defense)},
                       {i: {"attacked": records[i]["attacked"] and t["clean_correct"],
                            "success": records[i]["attacked"] and t["clean_correct"] and t["success"]}
                        for i, t in per.items()}))

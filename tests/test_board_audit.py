@@ -19,6 +19,7 @@ from blackboxbench.cli import main
 from blackboxbench.leaderboard import columns
 from blackboxbench.prep.data import Dataset, digits
 from blackboxbench.registry import DATASET
+from test_engine import noisy_digits_mlp  # noqa: F401  (registers test_noisy_digits_mlp there, once: a noisy surrogate)
 
 Z95 = 1.959963984540054  # the 97.5 % quantile of the standard normal
 
@@ -76,6 +77,16 @@ batch_size: 2
 device: cpu
 output_dir: OUT/d
 """
+SURROGATE = """
+dataset: {name: digits, n: 6}
+model: digits_cnn
+surrogates: [test_noisy_digits_mlp]
+attack: prgf
+threat: {norm: linf, eps: 0.1, max_queries: 30}
+batch_size: 3
+device: cpu
+output_dir: OUT/s
+"""
 RESUMED = """
 dataset: {name: digits, n: 10}
 model: digits_mlp
@@ -98,7 +109,7 @@ def results(tmp_path_factory, data_root):
     """The root of every run (``runs``) and a second results directory (``again``) holding a copy of the query runs."""
     root = tmp_path_factory.mktemp("board")
     for name, text in (("query", QUERY), ("sweep", SWEEP), ("transfer", TRANSFER), ("detection", DETECTION),
-                       ("resumed", RESUMED)):
+                       ("surrogate", SURROGATE), ("resumed", RESUMED)):
         _run(root, name, text)
     # the interruption: the resumed run keeps its first 4 records (written as samples finish), loses its summary
     (run,) = (root / "runs" / "resumed").iterdir()
@@ -251,9 +262,9 @@ def test_every_summary_equals_its_records(results):
         if s["family"] in ("score", "decision"):
             assert s["target_model"] == cfg["model"]["name"]
             assert s["defense"] == ("rnd(sigma=0.05)" if cfg.get("defense") else "none")
-            assert bool(s["randomized_models"]) == bool(cfg.get("defense"))
+            assert bool(s["randomized_models"]) == bool(cfg.get("defense") or cfg.get("surrogates"))
     assert sorted(families) == ["decision", "detection", "score", "transfer"]
-    assert len(families["score"]) == 12
+    assert len(families["score"]) == 13
 
 
 def test_special_runs(results):
@@ -314,7 +325,7 @@ def test_leaderboard_equals_the_summaries_and_the_records(results, tmp_path, cap
     capsys.readouterr()
     runs = runs_below(results / "runs", results / "again")
     rows = read(out)
-    assert len(rows) == len(runs) == 14 + 8 + 1
+    assert len(rows) == len(runs) == 15 + 8 + 1
     names = [c for c, _ in columns()]
     assert list(rows[0]) == names
     directions = dict(columns())
@@ -400,7 +411,7 @@ def test_worst_case_equals_the_records(results, tmp_path, capsys):
         if s["family"] in ("score", "decision"):
             views = [(s["target_model"], s["defense"], s["budget"], s["success_rule"],
                       {r["index"]: (r["attacked"], r["success"]) for r in records},
-                      bool(s["randomized_models"]))]
+                      bool(cfg.get("defense")))]  # RND; the surrogate of the prgf run is randomized, its target not
         elif s["family"] == "transfer":
             views = [(t, p["defense"], None, None,
                       {r["index"]: (r["attacked"] and r["targets"][t]["clean_correct"],
@@ -493,3 +504,16 @@ def test_an_older_result_folder_still_loads(results, tmp_path, capsys):
         assert "Traceback" not in cap.err + cap.out
         assert rc == 0 or (rc == 2 and cap.err.count("\n") == 1), (argv[0], cap.err)
     assert len(read(tmp_path / "b.csv")) == 9
+
+
+def test_a_randomized_target_is_told_from_its_neighbours():
+    """The worst case's ``randomized``: the target itself, or behind its defenses (after an ``at`` tag), in the run's
+    ``randomized_models``; never another target whose label starts alike, nor a surrogate."""
+    from blackboxbench.worst_case import _randomized
+
+    s = {"randomized_models": "digits_mlp+rnd+rnd(sigma=0.05), noisy_surrogate"}
+    assert _randomized(s, "digits_mlp+rnd", "rnd(sigma=0.05)") == "digits_mlp+rnd"
+    assert _randomized(s, "digits_mlp", "none") is None and _randomized(s, "digits_cnn", "none") is None
+    at = {"randomized_models": "cifar_resnet4b_adv+rnd(sigma=0.02)"}
+    assert _randomized(at, "cifar_resnet4b_adv", "at+rnd(sigma=0.02)") == "cifar_resnet4b_adv"
+    assert _randomized({"randomized_models": "m"}, "m", "none") == "m" and _randomized({}, "m", "none") is None
