@@ -19,7 +19,7 @@ from blackboxbench.cli import main
 from blackboxbench.leaderboard import columns
 from blackboxbench.prep.data import Dataset, digits
 from blackboxbench.registry import DATASET
-from test_engine import noisy_digits_mlp  # noqa: F401  (registers test_noisy_digits_mlp there, once: a noisy surrogate)
+from test_engine import noisy_digits_mlp
 
 Z95 = 1.959963984540054  # the 97.5 % quantile of the standard normal
 
@@ -77,6 +77,7 @@ batch_size: 2
 device: cpu
 output_dir: OUT/d
 """
+NOISY = noisy_digits_mlp  # test_noisy_digits_mlp (registered once, in test_engine): the randomized surrogate below
 SURROGATE = """
 dataset: {name: digits, n: 6}
 model: digits_cnn
