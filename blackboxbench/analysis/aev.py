@@ -249,7 +249,10 @@ def aev_heatmap(rows, *, x, y, hue, average=True, families=None, self_pairs=True
     by definition). The paper says only that it averages the block's entries: by default they all count. The table
     is then the family matrix; the figure shows the member matrix and the family matrix side by side."""
     need(rows, hue)
-    table = aggregate([r for r in rows if r.get(hue) is not None], x, y, hue)
+    kept = [r for r in rows if r.get(hue) is not None]
+    if not kept:  # (not "no column x": every row has x)
+        raise BenchError(f"no row has a value in '{hue}', the heatmap's rows (a query run has no surrogates)")
+    table = aggregate(kept, x, y, hue)
     rl, cl = order([r["hue"] for r in table]), order([r["x"] for r in table])
     m = [[math.nan] * len(cl) for _ in rl]
     for r in table:
