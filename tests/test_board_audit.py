@@ -18,7 +18,7 @@ import pytest
 from blackboxbench.cli import main
 from blackboxbench.leaderboard import columns
 from blackboxbench.prep.data import Dataset, digits
-from blackboxbench.registry import DATASET
+from blackboxbench.registry import DATASET, FAMILY
 from test_engine import noisy_digits_mlp
 
 Z95 = 1.959963984540054  # the 97.5 % quantile of the standard normal
@@ -331,6 +331,8 @@ def test_leaderboard_equals_the_summaries_and_the_records(results, tmp_path, cap
     assert list(rows[0]) == names
     directions = dict(columns())
     assert {c: directions[c] for c in DIRECTIONS} == DIRECTIONS
+    for family in FAMILY.names():  # no family's column gets another family's direction
+        assert all(directions[c] == d for c, d in FAMILY.get(family).columns), family
     seen = {}
     for row in rows:
         d = next(d for d in runs if d.name == row["run"] and d not in seen.values() and
@@ -372,6 +374,11 @@ def test_csv_files_round_trip_with_one_line_ending(results, tmp_path, capsys):
         assert raw.count(b"\r\n") == raw.count(b"\n") == len(read(path)) + 1, path.name
         for r in read(path):
             assert "None" not in r.values() and "nan" not in r.values(), path.name
+    (d,) = (results / "runs" / "d").iterdir()
+    per = json.loads((d / "summary.json").read_text())["per_target"]
+    for r in read(tmp_path / "board_detection.csv"):  # one row per target detector, its own figures
+        for c in ("clean_map", "adv_map", "drop_map", "clean_csr", "adv_csr", "clean_n_det", "adv_n_det"):
+            assert same(cell_value(r[c]), per[r["target"]][c]), (r["target"], c)
     none = next(r for r in read(board) if r["name"] == "square_none")
     assert none["aqn"] == none["mqn"] == none["mean_l2"] == "" and none["asr"] == "0.0"
 
