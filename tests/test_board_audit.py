@@ -4,8 +4,9 @@ recomputation from the runs' ``records.jsonl`` (this file's own arithmetic, not 
 Real small result folders (digits, 6-10 images, budgets of 3-60 queries; a few seconds on one core): score and
 decision runs, two runs of one config under different names, a randomized defense with a majority success rule, a
 targeted run, a run where no sample succeeds, one where every sample is misclassified when clean, a sweep (grid of
-eps x seed), a transfer run with three targets (one behind RND), a detection run (untrained tiny detectors) and a
-run resumed after an interruption; a copy of the query runs in a second results directory (one config run twice).
+eps x seed), a transfer run with three targets (one behind RND) and a targeted one with two, a detection run
+(untrained tiny detectors) and a run resumed after an interruption; a copy of the query runs in a second results
+directory (one config run twice).
 """
 import csv
 import json
@@ -62,11 +63,13 @@ TRANSFER = """
 dataset: {name: digits, n: 10}
 attack: i_fgsm
 surrogates: [digits_cnn]
-targets: [digits_mlp, digits_lenet, {name: digits_mlp, defense: {name: rnd, sigma: 0.05}}]
 threat: {norm: linf, eps: 0.1}
 batch_size: 5
 device: cpu
 output_dir: OUT/t
+runs:
+  - {targets: [digits_mlp, digits_lenet, {name: digits_mlp, defense: {name: rnd, sigma: 0.05}}]}
+  - {targets: [digits_mlp, digits_lenet], threat: {eps: 0.2, targeted: true, target_label: random}}
 """
 DETECTION = """
 dataset: {name: shapes, n: 4, seed: 0}
@@ -326,7 +329,7 @@ def test_leaderboard_equals_the_summaries_and_the_records(results, tmp_path, cap
     capsys.readouterr()
     runs = runs_below(results / "runs", results / "again")
     rows = read(out)
-    assert len(rows) == len(runs) == 15 + 8 + 1
+    assert len(rows) == len(runs) == 16 + 8 + 1
     names = [c for c, _ in columns()]
     assert list(rows[0]) == names
     directions = dict(columns())
@@ -516,7 +519,7 @@ def test_an_older_result_folder_still_loads(results, tmp_path, capsys):
         cap = capsys.readouterr()
         assert "Traceback" not in cap.err + cap.out
         assert rc == 0 or (rc == 2 and cap.err.count("\n") == 1), (argv[0], cap.err)
-    assert len(read(tmp_path / "b.csv")) == 9
+    assert len(read(tmp_path / "b.csv")) == 10
 
 
 def test_a_randomized_target_is_told_from_its_neighbours():
