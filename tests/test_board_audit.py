@@ -482,8 +482,8 @@ def test_plots_of_nan_zero_and_single_runs(results, tmp_path, capsys):
     # a heatmap of query runs only (no surrogates, its default rows): the reason in one line, not a missing column
     assert main(["plot", str(results / "runs" / "q"), "-r", "aev_heatmap", "--where", "attack=rays", "-o",
                  str(tmp_path / "heat.png")]) == 2
-    assert capsys.readouterr().err == "error: no row has a value in 'surrogates', the heatmap's rows (a query run has " \
-                                      "no surrogates)\n"
+    assert capsys.readouterr().err == ("error: no row has a value in 'surrogates', the heatmap's rows (a query run "
+                                       "has no surrogates)\n")
     # a leaderboard CSV with NaN cells plots too
     board = tmp_path / "board.csv"
     assert main(["leaderboard", str(results / "runs"), "-o", str(board)]) == 0
