@@ -165,8 +165,12 @@ def _robustness(results, out):
         if g["robust_acc"] is not None and g["n_runs"] > 1:
             best = "" if g["best_run"] is None else \
                 f"; the best alone ({g['best_run']}) leaves {g['clean_acc'] * (1 - (g['best_asr'] or 0)):.3f}"
-            print(f"  {g['target_model']} ({g['defense'] or 'none'}) {g['norm']} {g['eps']:.4g}: robust accuracy "
-                  f"{g['robust_acc']:.3f} ({g['robust_acc_low']:.3f}-{g['robust_acc_high']:.3f}) under "
+            threat = "".join([f" targeted ({g['target_label']})" if g["targeted"] else "",
+                              f" {g['budget']} queries" if g["budget"] else "",
+                              f" {g['success_rule']}" if g["success_rule"] not in (None, "single") else ""])
+            data = g["dataset"] + (f" ({g['dataset_params']})" if g["dataset_params"] else "")
+            print(f"  {data}: {g['target_model']} ({g['defense'] or 'none'}) {g['norm']} {g['eps']:.4g}{threat}: "
+                  f"robust accuracy {g['robust_acc']:.3f} ({g['robust_acc_low']:.3f}-{g['robust_acc_high']:.3f}) under "
                   f"{g['n_runs']} runs{' (cascade)' if g['cascade'] else ''} on {g['n']} images{best}")
 
 

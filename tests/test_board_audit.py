@@ -410,10 +410,13 @@ def test_robustness_board_equals_the_records(results, tmp_path, capsys):
 
 
 def test_worst_case_equals_the_records(results, tmp_path, capsys):
-    """Both results directories: the copies of the query runs join their groups as runs of their own."""
+    """Both results directories: the copies of the query runs join their groups as runs of their own; each group's
+    line on the terminal names what sets it apart (targeted, budget, success rule)."""
     out = tmp_path / "rob.csv"
     assert main(["robustness", str(results), "-o", str(out)]) == 0
-    capsys.readouterr()
+    lines = [ln.split(": robust accuracy")[0] for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")]
+    assert len(lines) == len(set(lines)) == 8, lines  # the query groups (each with its copy)
+    assert "  digits: digits_mlp (none) linf 0.1 targeted (least_likely) 60 queries" in lines
     runs = runs_below(results / "runs", results / "again")
     rows = read(tmp_path / "rob_worst_case.csv")
     # my own grouping: a query run by its images, target, defense and threat; a transfer run once per target
