@@ -18,6 +18,7 @@ import copy
 import itertools
 import os
 import socket
+import traceback
 import warnings
 
 from .config import ConfigError, parse_number, set_dotted
@@ -141,10 +142,18 @@ def run_sweep(experiments, backend, fresh=False, done=lambda run_dir: None):
 
 
 def attempt(fn, *args):
-    """``fn(*args)``, or the exception it raised (runs in this process go on after a failure)."""
+    """``fn(*args)``, or the exception it raised (runs in this process go on after a failure). The exception keeps
+    its traceback (file, line and function of each frame) but not the frames' local variables: those hold the
+    failed run's models, session, worker and tensors, which would otherwise stay alive (on its device) until the
+    sweep ends, one set per failed run."""
     try:
         return fn(*args)
     except Exception as e:
+        seen, err = set(), e
+        while err is not None and id(err) not in seen:  # the chained exceptions' frames too
+            seen.add(id(err))
+            traceback.clear_frames(err.__traceback__)
+            err = err.__cause__ or err.__context__
         return e
 
 

@@ -16,8 +16,10 @@ activations"). Its output must be bit-identical to the folded copy's on the prob
 used without it.
 """
 import copy
+import linecache
 import operator
 import sys
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -118,12 +120,46 @@ def is_randomized(model, x, first=None):
         return not torch.equal(model(x) if first is None else first, model(x))
 
 
+def _generated_sources():
+    """torch.fx's store of the code it generates (one entry per traced module and per recompile, also in
+    ``linecache``), or None in a torch without it."""
+    from torch.fx import graph_module
+
+    return getattr(getattr(graph_module, "_loader", None), "eval_cache", None)
+
+
+def _forget_sources(keys):
+    """Drop generated code ``keys`` from torch.fx's store and ``linecache`` (their modules are gone)."""
+    store = _generated_sources()
+    for key in keys:
+        if store is not None:
+            store.pop(key, None)
+        linecache.cache.pop(key, None)
+
+
 def inference_copy(model, probe, name="model", in_place_ops=True):
     """A copy of the frozen ``model`` for forwards only (see the module docstring), or ``model`` itself when the
     copy cannot be made or run, when its logits on ``probe`` (a few inputs of the run) differ from the model's by
     more than ``RTOL`` of the largest, or when the model's own logits cannot be compared: it fails on the probe,
     returns non-finite logits, or is randomized (:func:`is_randomized`; such a model is never copied).
-    ``in_place_ops=False`` skips the :func:`in_place` rewrite (the folded, channels-last copy only)."""
+    ``in_place_ops=False`` skips the :func:`in_place` rewrite (the folded, channels-last copy only).
+
+    torch.fx keeps the source of every module it generates for the life of the process (its ``_loader`` and
+    ``linecache``): the entries made here are dropped when the copy is (at once when the model itself is
+    returned), so a process that builds copy after copy (a sweep's runs, each in its own Session) does not grow."""
+    store = _generated_sources()
+    before = set(store or ())
+    fast = _copy(model, probe, name, in_place_ops)
+    made = [k for k in (store or ()) if k not in before]
+    if made:
+        if fast is model:
+            _forget_sources(made)
+        else:
+            weakref.finalize(fast, _forget_sources, made)
+    return fast
+
+
+def _copy(model, probe, name, in_place_ops):
     if getattr(model, "opaque", False):  # not a torch graph (a TFLite black box): nothing to fold
         return model
     try:

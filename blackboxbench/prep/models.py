@@ -332,12 +332,18 @@ def save_atomic(obj, path):
     """``torch.save(obj)`` to ``path`` through a temporary file in its folder, so that a concurrent reader never
     sees a partial file."""
     cache_folder(path)
+    tmp = None
     try:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            tmp = f.name
             torch.save(obj, f)
-        os.replace(f.name, path)
-    except OSError as e:
-        raise BenchError(f"cannot write {path}: {e.strerror or e}") from None
+        os.replace(tmp, path)
+    except BaseException as e:  # a failed write leaves no partial file (each try would leave one more)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise BenchError(f"cannot write {path}: {e.strerror or e}") from None
+        raise
 
 
 def _digits_model(name, pretrained):

@@ -8,6 +8,7 @@ by NP-attack's neural process (``query/np_attack.py``) and by the c-Glows of CG-
 :func:`once_per_run` keeps what a block trained or loaded for the later steps of its run.
 """
 import hashlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +69,21 @@ _KEEP = 8
 
 def once_per_run(key, alive, build):
     """``build()`` once per ``key`` in this process (the last ``_KEEP`` keys). A key holds the ``id`` of run objects
-    (the run's asset, its surrogates): ``alive`` keeps them referenced with the value, so that no later object can
-    take one of those ids while the key is remembered."""
+    (the run's asset first, then e.g. its surrogates): ``alive`` keeps them referenced with the value, so that no
+    later object can take one of those ids while the key is remembered; the run's asset only weakly, the entry
+    going with it (at the run's end: a later run's key holds its own asset's id and could never use it), so a
+    sweep does not keep the trained networks of its last finished runs."""
     if key in _RUN:
         return _RUN[key][1]
     value = build()
     if len(_RUN) >= _KEEP:
         _RUN.pop(next(iter(_RUN)))
-    _RUN[key] = (alive, value)
+    owner, *others = alive if isinstance(alive, tuple) else (alive,)
+    try:
+        weakref.finalize(owner, _RUN.pop, key, None)  # runs as the owner goes, before its id can be reused
+    except TypeError:  # not weakly referenceable: held as the other objects are
+        others.append(owner)
+    _RUN[key] = (others, value)
     return value
 
 
