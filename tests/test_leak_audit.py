@@ -56,7 +56,7 @@ def test_inference_copies_leave_no_generated_code_behind():
     probe = torch.rand(4, 1, 8, 8)
     before = _fx_sources()
     copies = [inference_copy(_bn_net(), probe, "bn") for _ in range(5)]
-    assert all(not isinstance(c, nn.Sequential) or c is not None for c in copies)
+    assert all(isinstance(c, torch.fx.GraphModule) for c in copies)  # folded copies, not the models as built
     alive = _fx_sources()
     assert alive[0] > before[0]  # the copies were traced (BatchNorm folded): their code is there while they live
     del copies
@@ -67,7 +67,7 @@ def test_inference_copies_leave_no_generated_code_behind():
 def test_failed_runs_of_a_serial_sweep_release_their_models_and_tensors(tmp_path, monkeypatch):
     """A run that fails lets the sweep go on; its exception was kept (to be raised at the end) with its frames'
     locals: the failed run's Session, models, worker and slot tensors stayed alive, one set per failed run."""
-    exps, opts = _config(tmp_path, [{"attack": "square_linf", "seed": i} for i in range(4)])
+    exps, opts = _config(tmp_path, [{"attack": "square_linf", "seed": i} for i in range(3)])
     step = pipeline.QueryWorker.step
 
     def failing(self):
@@ -94,7 +94,7 @@ def test_failed_runs_of_a_serial_sweep_release_their_models_and_tensors(tmp_path
     assert after[-1] == after[0], after
 
 
-def _sweep_counts(tmp_path, runs, share=False, n_first=1):
+def _sweep_counts(tmp_path, runs, share=False):
     """Counts after each run of ``runs`` in one Session (``blackboxbench run``'s serial path)."""
     exps, _ = _config(tmp_path, runs)
     session, after = Session(), []
@@ -107,9 +107,9 @@ def test_query_runs_in_one_session_keep_models_tensors_fds_and_threads_flat(tmp_
     nothing else accumulates: live tensors and modules, open files (records, locks) and threads after the last run
     are those after the first round of attacks."""
     attacks = ["square_linf", "rays", "bandits_linf", "signhunter"]
-    runs = [{"attack": attacks[i % 4], "seed": i, "threat": {"eps": 0.1 + 0.02 * i}} for i in range(10)]
+    runs = [{"attack": attacks[i % 4], "seed": i, "threat": {"eps": 0.1 + 0.02 * i}} for i in range(8)]
     session, after = _sweep_counts(tmp_path, runs)
-    assert len(after) == 10
+    assert len(after) == 8
     assert len(session.models) == 2  # digits_mlp and its inference copy: one of each, whatever the run count
     assert after[-1] == after[3], (after[3], after[-1])
     assert after[-1]["fds"] == after[0]["fds"] and after[-1]["threads"] == after[0]["threads"]
@@ -130,7 +130,7 @@ def test_query_worker_keeps_per_sample_state_for_the_samples_in_flight_only(tmp_
     """Many samples through few slots (each sample's path kept): the worker's per-sample dicts hold at most the
     samples in its slots and those waiting for the audit, and are empty at the end; live tensors do not grow with
     the samples done."""
-    exps, _ = _config(tmp_path, [{"attack": "square_linf"}], dataset={"name": "digits", "n": 120, "split": "train"},
+    exps, _ = _config(tmp_path, [{"attack": "square_linf"}], dataset={"name": "digits", "n": 96, "split": "train"},
                       batch_size=6, save_path_every=4)
     seen = []
     real = runner_mod.schedule
@@ -139,7 +139,7 @@ def test_query_worker_keeps_per_sample_state_for_the_samples_in_flight_only(tmp_
         def progress(records):
             on_progress(records)
             if records:
-                gc.collect()
+                gc.collect(1)  # the young generations: a finished step's cycles (a full collection is slow here)
                 snapshots = sum(len(p) for p in worker.paths.values())  # the kept paths of samples in flight
                 seen.append((len(worker.started), len(worker.paths), _live(torch.Tensor) - snapshots))
         real(worker, pending, write, progress)
@@ -147,7 +147,7 @@ def test_query_worker_keeps_per_sample_state_for_the_samples_in_flight_only(tmp_
 
     monkeypatch.setattr(runner_mod, "schedule", watched)
     Runner(exps[0], progress=False).run()
-    assert len((tmp_path / "out").glob("*/records.jsonl").__next__().read_text().splitlines()) == 120
+    assert len((tmp_path / "out").glob("*/records.jsonl").__next__().read_text().splitlines()) == 96
     assert max(s for s, _, _ in seen) <= 6 and max(p for _, p, _ in seen) <= 6
     assert seen[-1][:2] == (0, 0)
     tensors = [t for _, _, t in seen if t is not None]
@@ -158,7 +158,7 @@ def test_query_worker_keeps_per_sample_state_for_the_samples_in_flight_only(tmp_
 def test_transfer_runs_in_one_session_leave_no_hooks_and_no_new_models(tmp_path):
     """Transfer runs with feature taps (FIA, ILA) and input transforms on the Session's cached surrogate: every
     hook is removed at the run's end, and the Session holds one model per distinct spec."""
-    runs = [{"attack": a, "seed": i} for i, a in enumerate(["fia", "ila", "mi_fgsm", "fia", "ila", "mi_fgsm"])]
+    runs = [{"attack": a, "seed": i} for i, a in enumerate(["fia", "ila", "mi_fgsm", "fia", "ila"])]
     exps, _ = _config(tmp_path, runs, surrogates=["digits_cnn"], targets=["digits_mlp"], model=None,
                       threat={"norm": "linf", "eps": 0.2})
     session, after = Session(), []
