@@ -9,6 +9,7 @@ process, and inside one query run as thousands of samples flow through a fixed n
     BLACKBOXBENCH_DATA=... python benchmarks/leak_check.py families N    # N transfer + N detection runs
     BLACKBOXBENCH_DATA=... python benchmarks/leak_check.py resnet N      # ResNet-20 runs, a Session each
     BLACKBOXBENCH_DATA=... python benchmarks/leak_check.py failing N     # N runs that fail mid-run
+    BLACKBOXBENCH_DATA=... python benchmarks/leak_check.py prior N       # N PSBA runs (a trained prior)
 
 LEAK_KEEP_FREED=1 applies ``blackboxbench run``'s allocator setting first (``malloc.py``). Prints, per checkpoint:
 VmRSS (MB), live gc objects, live torch tensors, open fds, threads, and the types whose live count grew most since
@@ -218,6 +219,31 @@ def failing(n_runs):
         pipeline.QueryWorker.step, sweep_mod.attempt = step, attempt
 
 
+def prior(n_runs):
+    """``n_runs`` PSBA runs (its auto-encoder prior trained from the digits CNN on 200 digits train images, a
+    small prior: 3 epochs; cached on disk after the first run), 40 digits through 8 slots each, one Session: live
+    modules and the per-run networks ``prep.trained`` keeps (before the fix: the last 8 runs', after their end)."""
+    import yaml
+    from blackboxbench.prep import trained
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = write_config(tmp, yaml.safe_dump({
+            "dataset": {"name": "digits", "n": 40}, "model": "digits_mlp", "surrogates": ["digits_cnn"],
+            "device": "cpu", "batch_size": 8, "output_dir": f"{tmp}/out",
+            "assets": {"train": {"name": "train_images", "spec": {"name": "digits", "split": "train", "n": 200}}},
+            "threat": {"norm": "l2", "eps": 1.5, "max_queries": 100},
+            "runs": [{"attack": {"recipe": "psba", "blocks": {"perturb": {"name": "psba", "epochs": 3, "views": 1}}},
+                      "seed": i} for i in range(n_runs)]}))
+        exps, _ = load_config(cfg)
+        count = [0]
+
+        def done(_):
+            count[0] += 1
+            show(f"run {count[0]}", snapshot())
+            print(f"   live nn.Modules {sum(1 for o in gc.get_objects() if isinstance(o, torch.nn.Module))}, "
+                  f"entries in prep.trained._RUN {len(trained._RUN)}", flush=True)
+        run_all([Runner(e, progress=False) for e in exps], Session(), False, done)
+
+
 def families(n_runs):
     """``n_runs`` transfer runs (attacks varied: feature taps, surgery, input transforms), then ``n_runs``
     detection runs (the detection quickstart's first run, seed varied), each set with one Session as ``blackboxbench
@@ -261,6 +287,8 @@ if __name__ == "__main__":
     elif what == "within-cifar":  # CIFAR-10 (300 images), ResNet-20, 20 slots, each sample's path kept
         within(sys.argv[2:] or ["square_linf"], n=300, slots=20, queries=40, dataset="{name: cifar10, n: 300}",
                model="cifar_resnet20", extra="save_path_every: 5")
+    elif what == "prior":
+        prior(int(sys.argv[2]) if len(sys.argv) > 2 else 6)
     elif what == "failing":
         failing(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
     elif what == "resnet":
