@@ -152,7 +152,8 @@ def test_query_worker_keeps_per_sample_state_for_the_samples_in_flight_only(tmp_
     assert seen[-1][:2] == (0, 0)
     tensors = [t for _, _, t in seen if t is not None]
     assert len(tensors) > 10
-    assert max(tensors[len(tensors) // 2:]) <= max(tensors[:len(tensors) // 2])  # no growth in the second half
+    # the working set varies by a few tensors from step to step; one tensor kept per finished sample would add 48
+    assert max(tensors[len(tensors) // 2:]) <= max(tensors[:len(tensors) // 2]) + 16
 
 
 def test_transfer_runs_in_one_session_leave_no_hooks_and_no_new_models(tmp_path):
