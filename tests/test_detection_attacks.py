@@ -35,9 +35,10 @@ def context():
     return detection_context(None, "cpu")
 
 
-def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None, extra=(), target=None):
+def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None, extra=(), target=None, assets=None):
     """Records and summary of a detection recipe on ``data`` with ``model`` as surrogate (then ``extra``) and
-    target (or ``target``); CAA gets the default context tables as asset ``context``."""
+    target (or ``target``); CAA gets the default context tables as asset ``context``, unless ``assets`` says
+    otherwise."""
     recipe, src = load_recipe({"recipe": attack, **(overrides or {})}, "test")
     fam = FAMILY.get("detection")
     t = finish_threat(threat or {}, recipe, fam, "test")
@@ -46,7 +47,8 @@ def run_recipe(attack, model, data, threat=None, seed=0, slots=N, overrides=None
     run = RunInputs(attack=atk, threat=t, data=data, models={"surrogates": sur, "targets": [target or model]},
                     model_names={"surrogates": [f"s{k}" for k in range(len(sur))], "targets": ["m"]}, streams=Streams(seed, len(data.y), "cpu"),
                     device=torch.device("cpu"), slots=slots,
-                    assets={"context": context()} if attack.startswith("caa") else {}, save_adv=True)
+                    assets=assets if assets is not None else {"context": context()} if attack.startswith("caa") else {},
+                    save_adv=True)
     records = []
     schedule(fam.worker(run), range(len(data.y)), records.extend, lambda _: None)
     return sorted(records, key=lambda r: r["index"]), fam.summarize(records), t

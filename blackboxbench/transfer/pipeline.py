@@ -280,20 +280,22 @@ class TransferWorker(WholeBatchWorker):
         paths = None if paths[0] is None else [p for part in paths for p in part][:n]
         problem = Problem(x, y, t["eps"], t["norm"], target, run.data.num_classes)
         check_outputs(x_adv, x, t["eps"], t["norm"], self.attack.name)
+        # a sample whose target is its label is not attacked (as a query run): its record is the clean image's
+        valid = torch.ones_like(y, dtype=torch.bool) if target is None else target != y
+        x_adv = torch.where(valid.view(-1, *([1] * (x.dim() - 1))), x_adv, x)
         metrics = sample_metrics(x_adv, x, run.lpips)
-        valid = (torch.ones_like(y, dtype=torch.bool) if target is None else target != y).tolist()
         results = {}
         who = idx.to(dev)
         for (name, m), defended in zip(self.targets, self.defended):
             logits = partial(forward_logits, m, name=name) if defended is None else \
                 (lambda z, d=defended, n=name: forward_logits(lambda v: d(v, who), z, n, chunk=z.shape[0] or 1))
             clean_ok = logits(x).argmax(1) == y
-            adv = problem.is_adv_label(logits(x_adv).argmax(1))
+            adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
             results[name] = (clean_ok.tolist(), adv.tolist())
         per = (time.perf_counter() - t0) / len(index)
         images = to_uint8(x_adv) if run.save_adv else None
         final = to_uint8(x_adv) if every else None
-        records = base_records(index, y, target, correct)
+        records, valid = base_records(index, y, target, correct), valid.tolist()
         for i, r in enumerate(records):
             r.update(attacked=bool(valid[i]), time=per, **{k: v[i] for k, v in metrics.items()},
                      targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i]), "defense": lab}
