@@ -578,6 +578,10 @@ class Runner:
             raise ConfigError(f"dataset block {block_label(DATASET.get(exp['dataset']['name']))} returned "
                               f"{type(data).__name__}: it returns a Dataset (blackboxbench/prep/data.py) with image "
                               "tensor x and label tensor y", source, "dataset")
+        bad = off_grid(data.x)
+        if bad:  # every output is quantized to the clean image's grid: off it, the eps check would blame the attack
+            raise ConfigError(f"dataset block {block_label(DATASET.get(exp['dataset']['name']))} returned images "
+                              f"{bad}: images are in [0, 1] on the uint8 grid (k/255)", source, "dataset")
         return data_root, data
 
     def _inputs(self, data_root, data):
@@ -853,6 +857,19 @@ def target_label_text(spec):
         return None
     params = ", ".join(f"{k}={v}" for k, v in sorted(spec.items()) if k != "name" and v is not None)
     return f"{spec['name']}({params})" if params else spec["name"]
+
+
+def off_grid(x, chunk=1024):
+    """None when images ``x`` are finite, in [0, 1] and on the uint8 grid (as an attack's output must be,
+    :func:`~blackboxbench.family.check_outputs`), else what they are instead; ``chunk`` images at a time."""
+    for part in x.split(chunk):
+        if not bool(torch.isfinite(part).all()):
+            return "with non-finite values (NaN or inf)"
+        if part.min() < 0 or part.max() > 1:
+            return f"with values in [{x.min().item():.4g}, {x.max().item():.4g}], outside [0, 1]"
+        if (part * 255 - torch.round(part * 255)).abs().max() > 1e-3:
+            return "with values off the uint8 grid"
+    return None
 
 
 def dataset_params(spec):

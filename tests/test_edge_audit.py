@@ -14,6 +14,7 @@ digits with a small budget."""
 import functools
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -210,8 +211,9 @@ def test_transfer_one_iteration_smallest_eps(tmp_path, name):
 
 @pytest.mark.parametrize("name", TRANSFER)
 def test_transfer_edge_samples(tmp_path, name):
-    """One sample in 4 slots at the largest ball (targeted where the recipe allows, each target mode in turn); samples every target misclassifies clean (a transfer run attacks
-    every sample; no target counts them: every per-target ASR and the average are None); a constant image."""
+    """One sample in 4 slots at the largest ball (targeted where the recipe allows, each target mode in turn);
+    samples every target misclassifies clean (a transfer run attacks every sample; no target counts them: every
+    per-target ASR and the average are None); a constant image."""
     norm = NORMS[name][0]
     mode = TARGET_MODES[TRANSFER.index(name) % len(TARGET_MODES)]  # each mode in turn
     _run(tmp_path, name, norm, name in TARGETED, eps=LARGEST[norm], data={"name": "digits", "n": 1}, slots=4,
@@ -229,7 +231,8 @@ def test_transfer_edge_samples(tmp_path, name):
 
 # ------------------------------------------------------------------------------------------ detection recipes
 
-EMPTY = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "difficult": torch.zeros(0, dtype=torch.bool)}
+EMPTY = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long),
+         "difficult": torch.zeros(0, dtype=torch.bool)}
 SHORT = {"iterations": 1, "epochs": 1, "queries": 1, "steps": 1, "patience": 1}  # the craft's loop parameters
 
 
@@ -286,3 +289,21 @@ def test_detection_images_without_boxes(name):
             assert all(not (isinstance(x, float) and math.isnan(x)) for x in v.values()), v
         if not boxes:
             assert all(v["clean_map"] is None for v in summary["per_target"].values()), summary
+
+
+# ------------------------------------------------------------------------------------------ datasets
+
+@DATASET.register("test_edge_off_grid", source="test")
+def edge_off_grid(data_root=None, *, n=2, value=0.5):
+    """``n`` constant digits-sized images of ``value`` (0.5 lies between two uint8 levels)."""
+    return Dataset("test_edge_off_grid", torch.full((n, 1, 8, 8), float(value)), torch.zeros(n, dtype=torch.long), 10)
+
+
+@pytest.mark.parametrize("value,says", [(0.5, "off the uint8 grid"), (1.5, "outside [0, 1]")])
+@pytest.mark.parametrize("name", ["square_linf", "i_fgsm"])
+def test_a_dataset_off_the_grid_is_a_config_error(tmp_path, name, value, says):
+    """A constant grey of 0.5 is no uint8 image: every output is quantized to the clean image's grid level, so the
+    run failed mid-way with the eps check blaming the attack ("attack 'square_linf' returned invalid images: a
+    perturbation of linf norm 0.001961 > eps"); now it is a one-line config error naming the dataset block."""
+    with pytest.raises(ConfigError, match=rf"edge:dataset: dataset block 'test_edge_off_grid' .*{re.escape(says)}"):
+        _run(tmp_path, name, data={"name": "test_edge_off_grid", "value": value})
