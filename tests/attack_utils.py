@@ -135,6 +135,23 @@ def refine_ctx(seed=0):
     return BlockContext(problem=None, rng=run_stream(seed, "cpu", 1))
 
 
+class Jitter(nn.Module):
+    """Logits that move by a relative ``rel``, differently for each batch size (a CPU proxy of TF32 and of GPU
+    kernels chosen per batch shape)."""
+
+    def __init__(self, model, rel=1e-3):
+        super().__init__()
+        self.model, self.rel, self.factors = model, rel, {}
+
+    def forward(self, x):
+        out = self.model(x)
+        m = x.shape[0]
+        if m not in self.factors:
+            g = torch.Generator().manual_seed(1000 + m)
+            self.factors[m] = 1 + (torch.rand(out.shape[1], generator=g) * 2 - 1) * self.rel
+        return out * self.factors[m].to(out)
+
+
 class Linear(nn.Module):
     """A linear classifier ``x.flatten(1) @ w.T + b`` (frozen): known gradients and boundaries for unit tests."""
 

@@ -20,7 +20,7 @@ from blackboxbench.query.common import start_state
 from blackboxbench.registry import INIT, MODEL
 from blackboxbench.runner import run_experiment
 
-from attack_utils import check_outputs, correctly_classified, run_query
+from attack_utils import Jitter, check_outputs, correctly_classified, run_query
 
 
 @MODEL.register("test_digits_mlp_f64", dataset="digits")
@@ -286,23 +286,6 @@ def test_randomized_target_success_policy(tmp_path):
     assert major["success_rule"] == "majority of 5" and all(r["success_rule"] == "majority of 5" for r in rec)
     assert all(r["queries"] >= 6 for r in rec if r["success"])  # the start, then five confirming draws
     assert all(r["queries"] <= 300 for r in rec)
-
-
-class Jitter(nn.Module):
-    """Logits that move by a relative ``rel``, differently for each batch size (a CPU proxy of TF32 and of GPU
-    kernels chosen per batch shape)."""
-
-    def __init__(self, model, rel=1e-3):
-        super().__init__()
-        self.model, self.rel, self.factors = model, rel, {}
-
-    def forward(self, x):
-        out = self.model(x)
-        m = x.shape[0]
-        if m not in self.factors:
-            g = torch.Generator().manual_seed(1000 + m)
-            self.factors[m] = 1 + (torch.rand(out.shape[1], generator=g) * 2 - 1) * self.rel
-        return out * self.factors[m].to(out)
 
 
 @pytest.mark.parametrize("name,norm,eps", [("hsja_linf", "linf", 8 / 255), ("hsja_l2", "l2", 1.0),

@@ -1,0 +1,101 @@
+"""Batch-dependent logits for every score and decision recipe of the catalog (a new recipe is covered
+automatically). On a GPU a model's logits for one image move slightly with the batch it is forwarded in (cuDNN's
+kernels chosen per shape, TF32). The engine's rule: a recorded success is the oracle's confirmation on the exact
+returned image, and a decision attack's returned point keeps a margin on the adversarial side
+(``decision.CLAIM_MARGIN``), so that an independent forward still agrees.
+
+Each recipe runs at its first native norm, untargeted, on the first ``N`` test digits against the float32 digits
+MLP wrapped in :class:`attack_utils.Jitter` (logits scaled by a per-batch-size factor, relative 1e-3), through the
+contract's experiment (tests/test_contract.py: its eps, surrogates, learned assets and reduced generative blocks)
+with a small budget. Every recorded success must be adversarial again when its returned uint8 image is forwarded
+alone (batch size 1) and inside a batch of another size; every disagreement of the runner's audit (its own
+forward, at whatever batch the finished samples make) is flagged on its record and counted in the summary, and
+never turns a failure into a success. Decision recipes also run on the clean model: measured (2026-12-05) every
+decision recipe fools the same number of the 15 attacked digits with and without the jitter (12 to 15 of 15);
+the jittered run may trail the clean one by ``ASR_SLACK`` sample and must keep the contract's bar (60 %), which a
+search returning its non-adversarial end (its claims never confirmed) does not."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from blackboxbench.config import load_yaml, validate_experiment
+from blackboxbench.prep.data import digits
+from blackboxbench.prep.models import _digits_model
+from blackboxbench.registry import MODEL
+from blackboxbench.runner import run_experiment
+
+import test_contract as contract
+from attack_utils import Jitter, check_output
+
+
+@MODEL.register("test_digits_mlp_jitter", dataset="digits")
+def digits_mlp_jitter(data_root=None):
+    """The float32 digits MLP whose logits move by a relative 1e-3 with the batch size (:class:`Jitter`)."""
+    return Jitter(_digits_model("digits_mlp", True))
+
+
+N = 16  # the first 16 test digits; the MLP misclassifies one, so 15 are attacked
+BUDGET = {"score": 1_000, "decision": 2_000}
+ASR_SLACK = 1  # of the attacked samples: the jittered decision ASR may trail the clean one by one sample
+ASR_BAR = 0.6  # the contract's untargeted bar
+OTHER_BATCH = 2 * N + 3  # the second independent forward: the returned images among the clean ones and padding
+FAMILY = {name: load_yaml(path)["family"] for name, path in contract.RECIPES.items()}
+CASES = [(name, next(n for n in load_yaml(path)["norms"] if contract._native(name, n)))
+         for name, path in contract.RECIPES.items() if FAMILY[name] in ("score", "decision")]
+
+
+def _run(tmp_path, name, norm, model):
+    """The contract's untargeted experiment of ``name`` on ``N`` digits against ``model``, saving the returned
+    images. Returns ``(run_dir, summary, records sorted by index, experiment)``."""
+    family, exp = contract._raw_experiment(name, norm, False, tmp_path / model)
+    exp.update(dataset={"name": "digits", "n": N}, batch_size=N, model=model, save_adv=True)
+    exp["threat"]["max_queries"] = BUDGET[family]
+    exp = validate_experiment(exp, "numerics")
+    exp.update(_source="numerics", _base_dir=".")
+    run_dir, summary = run_experiment(exp, progress=False)
+    records = sorted((json.loads(line) for line in (Path(run_dir) / "records.jsonl").read_text().splitlines()),
+                     key=lambda r: r["index"])
+    return Path(run_dir), summary, records, exp
+
+
+def _returned(run_dir, records, x):
+    """The returned uint8 images (``adv/<index>.png``) as floats; the clean image where not attacked."""
+    from PIL import Image
+
+    out = x.clone()
+    for r in records:
+        if r["attacked"]:
+            img = np.array(Image.open(run_dir / "adv" / f"{r['index']:06d}.png"))
+            out[r["index"]] = torch.from_numpy(img).float().div(255).reshape(out.shape[1:])
+    return out
+
+
+@pytest.mark.parametrize("name,norm", CASES, ids=[n for n, _ in CASES])
+def test_successes_survive_batch_dependent_logits(tmp_path, name, norm):
+    run_dir, summary, records, exp = _run(tmp_path, name, norm, "test_digits_mlp_jitter")
+    data = digits(n=N)
+    x, y = data.x, data.y
+    x_adv = _returned(run_dir, records, x)
+    attacked = torch.tensor([r["attacked"] for r in records])
+    success = torch.tensor([r["success"] for r in records])
+    assert attacked.sum() >= N - 1 and not (success & ~attacked).any()
+    check_output(x_adv[attacked], x[attacked], exp["threat"]["eps"], norm)
+    assert all(r["queries"] <= exp["threat"]["max_queries"] for r in records)
+    model = digits_mlp_jitter()
+    with torch.no_grad():
+        alone = torch.cat([model(x_adv[i:i + 1]).argmax(1) for i in range(N)]) != y
+        among = model(torch.cat([x_adv, x, x[:OTHER_BATCH - 2 * N]])).argmax(1)[:N] != y
+    assert alone[success].all(), f"not adversarial at batch size 1: {(success & ~alone).nonzero()}"
+    assert among[success].all(), f"not adversarial in a batch of {OTHER_BATCH}: {(success & ~among).nonzero()}"
+    # the audit: flagged on the record, counted in the summary, never folded into the success count
+    flagged = [r for r in records if r["attacked"] and r["audit_adv"] != r["success"]]
+    assert summary["n_audit_disagree"] == len(flagged)
+    assert summary["n_success"] == int(success.sum()) and summary["n_attacked"] == int(attacked.sum())
+    if FAMILY[name] == "decision":
+        assert not flagged, flagged  # the claim margin: the audit agrees with every decision record
+        _, clean, _, _ = _run(tmp_path, name, norm, "digits_mlp")
+        assert summary["n_success"] >= clean["n_success"] - ASR_SLACK, (clean["asr"], summary["asr"])
+        assert summary["asr"] >= ASR_BAR, summary["asr"]
