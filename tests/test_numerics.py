@@ -99,3 +99,26 @@ def test_successes_survive_batch_dependent_logits(tmp_path, name, norm):
         _, clean, _, _ = _run(tmp_path, name, norm, "digits_mlp")
         assert summary["n_success"] >= clean["n_success"] - ASR_SLACK, (clean["asr"], summary["asr"])
         assert summary["asr"] >= ASR_BAR, summary["asr"]
+
+
+CLEAN_FOOLED = {"opt": 9, "sign_opt": 14}  # of 24, measured on the clean model (both before and after the fix)
+
+
+@pytest.mark.parametrize("name", sorted(CLEAN_FOOLED))
+def test_opt_searches_keep_their_asr_near_the_boundary(name):
+    """At L2 eps 0.6 on the digits MLP (about the median distance to the boundary: 9 and 14 of 24 fooled by OPT
+    and Sign-OPT in 2,000 queries), where a search converges to the boundary. OPT's RGF differences
+    ``g(theta + beta u) - g(theta)`` and Sign-OPT's single-query signs compare searches to ``beta / 500`` with
+    beta 0.001; logits that move by 1e-3 with the batch size shift the boundary by more, so the signs of a sample's
+    probes all agreed (Sign-OPT: 57 % of the sample-iterations 95 % on one side, 4 % without the jitter) and the
+    estimates were noise: 6 and 8 of 24 fooled. Beta now grows tenfold after such an iteration
+    (``opt.grow_beta``): 9 and 12 of 24 (the clean runs are unchanged)."""
+    from attack_utils import run_query
+
+    base = _digits_model("digits_mlp", True)
+    data = digits(n=40)
+    with torch.no_grad():
+        ok = base(data.x).argmax(1) == data.y
+    x, y = data.x[ok][:24], data.y[ok][:24]
+    _, res = run_query(name, Jitter(base), x, y, 0.6, "l2", budget=2_000, slots=16)
+    assert res.success.sum() >= CLEAN_FOOLED[name] - 2, res.success.sum()

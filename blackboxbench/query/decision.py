@@ -45,6 +45,17 @@ def known_dist(problem, x_bd, found):
     return torch.where(found, d, torch.full_like(d, float("inf")))
 
 
+def lopsided(f_sum, count, balance=1.0, z=3.0):
+    """(n,) bool: samples whose answered +1/-1 probe decisions (their sum ``f_sum`` over ``count``, both (n,)) are
+    lopsided: the mean ``m`` has ``|m| - balance >= z * sqrt((1 - m^2) / count)`` (``balance`` 1: all its answers
+    agreed). Probes of a point at a smooth boundary split about evenly; lopsided answers mean the probes were
+    smaller than the uncertainty of where the boundary lies (a bisection's threshold, logits that move with the
+    batch they are computed in), and the estimate carries no information (HSJA's ``probe_balance``, Sign-OPT)."""
+    mean = f_sum / count.clamp_min(1)
+    spread = z * torch.sqrt((1 - mean * mean).clamp_min(0) / count.clamp_min(1))
+    return (mean.abs() - balance >= spread) & (count > 0)
+
+
 def has_budget(ctx):
     return ctx.oracle.remaining() > 0
 

@@ -16,7 +16,7 @@ import torch
 from ..registry import INIT, PERTURB
 from . import common
 from .common import per_sample, rows_where
-from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, known_dist,
+from .decision import (bisect, blend, blended_start, claim_limit, decision_state, has_budget, known_dist, lopsided,
                        query_adv, stop_radius)
 from .probes import PROBES, draw_probes
 
@@ -119,9 +119,8 @@ def estimate_direction(ctx, x_bd, num, delta, draw, balance=1.0):
     mean = f_sum / count.clamp_min(1)
     mixed = mean.abs() < 1
     grad = torch.where(per_sample(mixed, x_bd) > 0, f_u - per_sample(mean, x_bd) * ok_u, f_u)
-    spread = BALANCE_Z * torch.sqrt((1 - mean * mean).clamp_min(0) / count.clamp_min(1))
-    lopsided = (mean.abs() - balance >= spread) & (count > 0)
-    return grad / per_sample(grad.flatten(1).norm(dim=1).clamp_min(1e-20), grad), lopsided
+    return (grad / per_sample(grad.flatten(1).norm(dim=1).clamp_min(1e-20), grad),
+            lopsided(f_sum, count, balance, BALANCE_Z))
 
 
 def geometric_step(ctx, x_bd, update, size, live):
