@@ -146,10 +146,14 @@ def test_relative_paths_of_a_config_run_from_another_directory(tmp_path, monkeyp
     proj, cwd = tmp_path / "proj", tmp_path / "elsewhere"
     proj.mkdir()
     cwd.mkdir()
-    (proj / "noise.py").write_text((REPO / "examples" / "gaussian_noise.py").read_text())
+    # a block of its own name: examples/gaussian_noise.py may be registered already in this process (another test)
+    (proj / "shift.py").write_text(
+        "from blackboxbench.registry import TRANSFORM\n\n\n"
+        "@TRANSFORM.register('relative_paths_probe', paper='test plugin')\n"
+        "def relative_paths_probe(ctx, x):\n    return x\n")
     (proj / "c.yaml").write_text(
-        "plugins: [noise.py]\ndataset: {name: digits, n: 4}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
-        "attack: {recipe: i_fgsm, hyper: {iterations: 2}, blocks: {transform: [{name: gaussian_noise}]}}\n"
+        "plugins: [shift.py]\ndataset: {name: digits, n: 4}\nsurrogates: [digits_cnn]\ntargets: [digits_mlp]\n"
+        "attack: {recipe: i_fgsm, hyper: {iterations: 2}, blocks: {transform: [{name: relative_paths_probe}]}}\n"
         "threat: {norm: linf, eps: 0.2}\ndevice: cpu\noutput_dir: out\nleaderboard: out/board.csv\n")
     monkeypatch.chdir(cwd)
     assert main(["run", str(proj / "c.yaml"), "--quiet"]) == 0
