@@ -111,7 +111,7 @@ def test_geoda_normal_estimate_approaches_the_true_normal():
     x_b = x - (s / w.flatten().dot(w.flatten()))[:, None, None, None] * w  # on the hyperplane
     ctx = make_ctx(model, x, torch.zeros(5, dtype=torch.long), 0.1, "l2", 5000, "label", num_classes=2)
     num = torch.tensor([2000, 2000, 2000, 41, 0])
-    est, answered = estimate_normal(ctx, x_b, num, 0.01, side, 40)
+    est, answered, _ = estimate_normal(ctx, x_b, num, 0.01, side, 40)
     assert torch.equal(ctx.oracle.counts, num) and torch.equal(answered, num)
     pw = low_pass(w, side).flatten().float()
     cos = (est.flatten(1) @ pw) / (est.flatten(1).norm(dim=1).clamp_min(1e-12) * pw.norm())
@@ -125,7 +125,7 @@ def test_geoda_estimate_leaves_out_refused_probes():
     model = Constant(1)
     x = torch.full((2, 3, 8, 8), 0.5)
     ctx = make_ctx(model, x, torch.zeros(2, dtype=torch.long), 0.1, "l2", 50, "label", num_classes=2)
-    est, answered = estimate_normal(ctx, x, torch.tensor([120, 30]), 0.01, 10, 40)
+    est, answered, _ = estimate_normal(ctx, x, torch.tensor([120, 30]), 0.01, 10, 40)
     assert answered.tolist() == [50, 30] and ctx.oracle.counts.tolist() == [50, 30]
 
 
@@ -205,7 +205,7 @@ def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):
                             or real(c, images, rows))
         ctx = make_ctx(Linear2(w, 0.0), x, torch.zeros(4, dtype=torch.long), 0.1, "l2", 5000, "label",
                        num_classes=2)
-        est, answered = estimate_normal(ctx, x, num, 0.05, 4, 40)
+        est, answered, _ = estimate_normal(ctx, x, num, 0.05, 4, 40)
         return est, answered, calls, ctx.oracle.counts
 
     est, answered, calls, counts = run(1 << 26)
