@@ -202,18 +202,22 @@ def pick_targets(threat, logits, y, rng, given):
     return choose_targets(threat["target_label"], logits, y, rng, given).to(y.device)
 
 
+def image_fault(x):
+    """None when images ``x`` are finite, in [0, 1] and on the uint8 grid (k/255), else what they are instead: what
+    an attack returns (:func:`check_outputs`) and what a dataset gives (the runner's load check)."""
+    if not bool(torch.isfinite(x).all()):
+        return "non-finite values (NaN or inf)"
+    if x.min() < 0 or x.max() > 1:
+        return f"values in [{x.min().item():.4g}, {x.max().item():.4g}], outside [0, 1]"
+    if (x * 255 - torch.round(x * 255)).abs().max() > 1e-3:
+        return "values off the uint8 grid"
+    return None
+
+
 def check_outputs(x_adv, x, eps, norm, name):
     """Guard the threat model on what an attack returns: finite, in [0, 1], on the uint8 grid, inside the ball."""
-    bad = None
-    if x_adv.shape != x.shape:
-        bad = f"shape {tuple(x_adv.shape)} != {tuple(x.shape)}"
-    elif not bool(torch.isfinite(x_adv).all()):
-        bad = "non-finite values (NaN or inf)"
-    elif x_adv.min() < 0 or x_adv.max() > 1:
-        bad = "values outside [0, 1]"
-    elif (x_adv * 255 - torch.round(x_adv * 255)).abs().max() > 1e-3:
-        bad = "values off the uint8 grid"
-    else:
+    bad = f"shape {tuple(x_adv.shape)} != {tuple(x.shape)}" if x_adv.shape != x.shape else image_fault(x_adv)
+    if bad is None:
         d = (x_adv - x).flatten(1)
         d = d.abs().amax(1) if norm == "linf" else d.norm(dim=1)
         if (d > eps + 1e-5).any():

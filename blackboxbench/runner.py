@@ -45,7 +45,7 @@ from .config import ConfigError, check_family_keys, config_hash, finish_threat, 
 from .defense import DefendedTarget, build_defenses, defense_streams, parse_defenses
 from .errors import BenchError, describe
 from .evaluation import check_metric_names, distances
-from .family import RunInputs, not_class_scores
+from .family import RunInputs, image_fault, not_class_scores
 from .oracle import forward_chunk
 from .prep.data import resolve_data_root
 from .prep.inference import FixedBatch, inference_copy, is_randomized
@@ -581,7 +581,7 @@ class Runner:
         bad = off_grid(data.x)
         if bad:  # every output is quantized to the clean image's grid: off it, the eps check would blame the attack
             raise ConfigError(f"dataset block {block_label(DATASET.get(exp['dataset']['name']))} returned images "
-                              f"{bad}: images are in [0, 1] on the uint8 grid (k/255)", source, "dataset")
+                              f"with {bad}: images are in [0, 1] on the uint8 grid (k/255)", source, "dataset")
         return data_root, data
 
     def _inputs(self, data_root, data):
@@ -860,16 +860,8 @@ def target_label_text(spec):
 
 
 def off_grid(x, chunk=1024):
-    """None when images ``x`` are finite, in [0, 1] and on the uint8 grid (as an attack's output must be,
-    :func:`~blackboxbench.family.check_outputs`), else what they are instead; ``chunk`` images at a time."""
-    for part in x.split(chunk):
-        if not bool(torch.isfinite(part).all()):
-            return "with non-finite values (NaN or inf)"
-        if part.min() < 0 or part.max() > 1:
-            return f"with values in [{x.min().item():.4g}, {x.max().item():.4g}], outside [0, 1]"
-        if (part * 255 - torch.round(part * 255)).abs().max() > 1e-3:
-            return "with values off the uint8 grid"
-    return None
+    """:func:`~blackboxbench.family.image_fault` of images ``x``, ``chunk`` images at a time (the first found)."""
+    return next((bad for bad in map(image_fault, x.split(chunk)) if bad), None)
 
 
 def dataset_params(spec):

@@ -112,7 +112,7 @@ def test_opt_searches_keep_their_asr_near_the_boundary(name):
     beta 0.001; logits that move by 1e-3 with the batch size shift the boundary by more, so the signs of a sample's
     probes all agreed (Sign-OPT: 57 % of the sample-iterations 95 % on one side, 4 % without the jitter) and the
     estimates were noise: 6 and 8 of 24 fooled. Beta now grows tenfold after such an iteration
-    (``opt.grow_beta``): 9 and 12 of 24 (the clean runs are unchanged)."""
+    (``decision.grow_lopsided``): 9 and 12 of 24 (the clean runs are unchanged)."""
     from attack_utils import run_query
 
     base = _digits_model("digits_mlp", True)
@@ -128,7 +128,7 @@ def test_geoda_keeps_its_asr_with_batch_dependent_logits(data_root):
     """geoda_l2 on 8 CIFAR-10 images (ResNet-20 wrapped in :class:`Jitter`), L2 1.0, 3,000 queries. GeoDA's probes
     (alpha 2e-4) lie below the boundary's shift with the batch size: 11 of its 57 estimates got one answer from
     every probe, and it fooled 2 of the 8 (5 on the model as it is). Alpha now grows tenfold after such an
-    estimate (``geoda.ALPHA_GROWTH``): 4 of 8 (16 images: 6 -> 11 of 16, 10 clean; the clean records unchanged)."""
+    estimate (``decision.grow_lopsided``): 4 of 8 (16 images: 6 -> 11 of 16, 10 clean; the clean records unchanged)."""
     from attack_utils import check_outputs, correctly_classified, run_query
     from blackboxbench.prep.models import build_model
 

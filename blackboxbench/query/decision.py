@@ -56,6 +56,13 @@ def lopsided(f_sum, count, balance=1.0, z=3.0):
     return (mean.abs() - balance >= spread) & (count > 0)
 
 
+def grow_lopsided(scale, go, f_sum, count, cap, growth=10.0):
+    """(n,) probe-size ``scale`` grown ``growth``-fold, up to ``cap``, for the samples ``go`` whose probes all got
+    one answer (:func:`lopsided` of their answers' sum ``f_sum`` over ``count``): OPT's and Sign-OPT's beta, GeoDA's
+    alpha (a deviation, as HSJA's probe growth)."""
+    return torch.where(go & lopsided(f_sum, count), (scale * growth).clamp(max=cap), scale)
+
+
 def has_budget(ctx):
     return ctx.oracle.remaining() > 0
 

@@ -54,8 +54,8 @@ from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from . import common
 from .common import per_sample, rows_where
-from .decision import (bisect, blend, claim_limit, decision_state, find_start, has_budget, known_dist, lopsided,
-                       query_adv,
+from .decision import (bisect, blend, claim_limit, decision_state, find_start, grow_lopsided, has_budget,
+                       known_dist, query_adv,
                        stop_radius)
 from .simba import dct_matrix
 
@@ -67,11 +67,11 @@ WALK_STEP = 1.0     # the walk's step (BlackboxBench's port; the authors' ImageN
 WALK_TRIES = 100    # steps after which the walk gives up (authors' code)
 START_STEP = 0.02   # the start's k-th try adds Gaussian noise of std k * START_STEP (authors' find_random_adversarial)
 # A sample whose probes all got one answer grows its probe size alpha tenfold, up to ALPHA_CAP (a deviation, as
-# HSJA's probe growth and OPT's beta): they were below the uncertainty of where the boundary lies. With logits that
-# move by 1e-3 with the batch size (tests/test_numerics.py's Jitter), 41 of 106 estimates on 16 CIFAR-10 images
-# (ResNet-20, L2 1.0, 3,000 queries) were all one answer and geoda_l2 fooled 6 instead of 10 (11 after); on the
-# model as it is the records are unchanged (10 of 16, the same queries).
-ALPHA_GROWTH, ALPHA_CAP = 10.0, 0.1
+# HSJA's probe growth and OPT's beta; decision.grow_lopsided): they were below the uncertainty of where the
+# boundary lies. With logits that move by 1e-3 with the batch size (tests/test_numerics.py's Jitter), 41 of 106
+# estimates on 16 CIFAR-10 images (ResNet-20, L2 1.0, 3,000 queries) were all one answer and geoda_l2 fooled 6
+# instead of 10 (11 after); on the model as it is the records are unchanged (10 of 16, the same queries).
+ALPHA_CAP = 0.1
 
 
 # --------------------------------------------------------------------------- query allocation
@@ -258,8 +258,7 @@ def geoda(ctx, state, *, sub_dim=10, tol=1e-4, alpha=2e-4, mu=0.6, search_space=
     num = torch.where(go, num, torch.zeros_like(num))
     scale = state["alpha_scale"]
     est, answered, f_sum = estimate_normal(ctx, x_bd, num, alpha * scale, sub_dim, grad_estimator_batch_size)
-    grown = (scale * ALPHA_GROWTH).clamp(max=ALPHA_CAP / alpha)
-    scale = torch.where(go & lopsided(f_sum, answered), grown, scale)  # all its probes agreed: they grow
+    scale = grow_lopsided(scale, go, f_sum, answered, ALPHA_CAP / alpha)  # all its probes agreed: they grow
     grad = state["grad"] + est
     has = go & (answered > 0) & (grad.flatten(1).abs().amax(1) > 0)
     norm = grad.flatten(1).norm(dim=1).clamp_min(1e-20)

@@ -49,7 +49,7 @@ from ..rng import rank_within_group
 from ..threat import flat_norm
 from . import common
 from .common import per_sample, rows_where
-from .decision import claim_limit, decision_state, known_dist, has_budget, lopsided, query_adv, stop_radius
+from .decision import claim_limit, decision_state, grow_lopsided, known_dist, has_budget, query_adv, stop_radius
 
 PAPER_OPT = ("Cheng, Le, Chen, Yi, Zhang, Hsieh, Query-Efficient Hard-label Black-box Attack: An "
              "Optimization-based Approach, ICLR 2019")
@@ -66,10 +66,12 @@ BETA_FLOOR = 1e-8     # below it: the sample stops (authors' code)
 LOCAL_TOL = 500       # local searches bisect to beta / 500 (authors' code)
 TOL_FLOOR = 2e-9      # smallest bisection tolerance (Sign_OPT_lf.py)
 # OPT's and Sign-OPT's beta grows tenfold after an iteration whose probes' signs all agreed (a deviation, as HSJA's
-# probe growth), up to 0.1: logits that move by 1e-3 with the batch size shifted the boundary past beta 0.001; 57 %
-# of Sign-OPT's sample-iterations on the digits MLP got signs 95 % or more on one side (4 % without the jitter), and
-# it fooled 8 of 24 instead of 14, OPT 6 instead of 9 (tests/test_numerics.py)
-BETA_GROWTH, BETA_CAP = 10.0, 0.1
+# probe growth; decision.grow_lopsided), up to BETA_CAP: such signs carry no information (the probes were below
+# the uncertainty of where the boundary lies: the local searches' tolerance, logits that move with the batch size).
+# Logits that move by 1e-3 with the batch size shifted the boundary past beta 0.001: 57 % of Sign-OPT's
+# sample-iterations on the digits MLP got signs 95 % or more on one side (4 % without the jitter), and it fooled 8
+# of 24 instead of 14, OPT 6 instead of 9 (tests/test_numerics.py)
+BETA_CAP = 0.1
 
 PROBE, GROW, SHRINK, BISECT, DONE = range(5)
 
@@ -321,19 +323,9 @@ def _best_point(state):
 
 def count_signs(tally, owner, sgn, answered):
     """Add the signs ``sgn`` (m,) of rows ``answered`` (m,) bool of samples ``owner`` to ``tally`` (each sample's
-    sum of signs and count of answered rows, (n,) each; see :func:`grow_beta`)."""
+    sum of signs and count of answered rows, (n,) each; see :func:`~.decision.grow_lopsided`)."""
     tally[0].index_add_(0, owner, torch.where(answered, sgn, 0).to(tally[0].dtype))
     tally[1].index_add_(0, owner, answered.to(tally[1].dtype))
-
-
-def grow_beta(state, go, tally, beta):
-    """(n,) ``beta_scale`` after an iteration whose probes' signs (``tally``: their sums and counts, (n,) each;
-    OPT: of ``g(theta + beta u) - g(theta)``, Sign-OPT: its single-query signs) all agreed: such signs carry no
-    information (the probes were below the uncertainty of where the boundary lies: the local searches' tolerance,
-    logits that move with the batch size), so beta grows ``BETA_GROWTH``-fold, up to ``BETA_CAP``, as HSJA's
-    probes (:func:`~.decision.lopsided`)."""
-    grown = go & lopsided(*tally)
-    return torch.where(grown, (state["beta_scale"] * BETA_GROWTH).clamp(max=BETA_CAP / beta), state["beta_scale"])
 
 
 def _finish(state, go, theta, g, alpha, beta, best_point, dir_norm, **extra):
@@ -379,7 +371,7 @@ def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     idx = go.nonzero().squeeze(1)
     best_point = _best_point(state)
     grad = torch.zeros_like(theta)
-    tally = (torch.zeros_like(g), torch.zeros_like(g))  # the signs of g1 - g (see grow_beta)
+    tally = (torch.zeros_like(g), torch.zeros_like(g))  # the signs of g1 - g (see BETA_CAP)
     min_g1 = torch.full_like(g, float("inf"))
     min_probe = theta.clone()
     for group in common.bounded_calls(torch.ones_like(idx), q * theta[0].numel()):  # whole samples per search
@@ -404,8 +396,8 @@ def opt(ctx, state, *, alpha=0.2, beta=0.001, q=10):
     use_probe = go & (min_g1 < new_g)
     new_theta = rows_where(use_probe, min_probe, new_theta)
     new_g = torch.where(use_probe, min_g1, new_g)
-    return _finish({**state, "beta_scale": grow_beta(state, go, tally, beta)}, go, new_theta, new_g, a, beta,
-                   best_point, "l2")
+    return _finish({**state, "beta_scale": grow_lopsided(state["beta_scale"], go, *tally, BETA_CAP / beta)},
+                   go, new_theta, new_g, a, beta, best_point, "l2")
 
 
 # ------------------------------------------------------------------------------------------------ Sign-OPT
@@ -512,7 +504,7 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
     stop = stop_radius(problem, state)
     idx = go.nonzero().squeeze(1)
     grad = torch.zeros_like(theta)
-    tally = (torch.zeros_like(g), torch.zeros_like(g))  # the signs (see grow_beta)
+    tally = (torch.zeros_like(g), torch.zeros_like(g))  # the signs (see BETA_CAP)
     if svm:  # whole samples per draw, about PROBE_VALUES directions' values (one draw on CIFAR-10)
         for group in common.bounded_calls(torch.ones_like(idx), svm_k * theta[0].numel()):
             sel = idx[group]
@@ -531,6 +523,6 @@ def sign_opt(ctx, state, *, alpha=0.2, beta=0.001, k=200, momentum=0.0, svm=Fals
                                            max_lambda=MAX_LAMBDA[problem.targeted], velocity=state["velocity"],
                                            momentum=momentum)
     moved = go & (new_g < g)
-    return _finish({**state, "beta_scale": grow_beta(state, go, tally, beta)}, go, new_theta, new_g, a, beta,
-                   best_point, norm,
+    return _finish({**state, "beta_scale": grow_lopsided(state["beta_scale"], go, *tally, BETA_CAP / beta)},
+                   go, new_theta, new_g, a, beta, best_point, norm,
                    velocity=rows_where(moved, vel, state["velocity"]))
