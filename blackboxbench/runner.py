@@ -832,14 +832,14 @@ class Runner:
     def summary(self, records, wall):
         s = self.family.summarize(records)
         exp, t, fam = self.exp, self.threat, self.family
-        by_role = {}
+        by_role = {}  # models of one role joined by ", ": a model's own label joins its defenses with "+"
         for key, _, spec in fam.roles(exp):
             by_role.setdefault(fam.model_keys[key].role, []).append(spec_label(spec))
         s.update(run=self.run_dir.name, attack=self.recipe["name"], name=exp["name"], family=fam.name,
                  paper=self.recipe.get("paper"), category=self.recipe.get("category"), year=self.recipe.get("year"),
                  dataset=exp["dataset"]["name"], dataset_params=dataset_params(exp["dataset"]),
-                 target_model="+".join(by_role.get("target", [])) or None,
-                 surrogates="+".join(by_role.get("surrogate", [])) or None,
+                 target_model=", ".join(by_role.get("target", [])) or None,
+                 surrogates=", ".join(by_role.get("surrogate", [])) or None,
                  norm=t["norm"], eps=t["eps"], targeted=t["targeted"],
                  target_label=target_label_text(t.get("target_label")), budget=t.get("max_queries"),
                  feedback=t.get("feedback"), seed=exp["seed"], batch_size=exp["batch_size"],

@@ -546,7 +546,7 @@ def test_a_label_tells_apart_two_targets_of_one_model(tmp_path):
     _, summary = _run(_write(tmp_path, text, tmp_path / "o", TARGETED="false"))
     per = summary["per_target"]
     assert set(per) == {"digits_mlp", "mlp_again"} and per["digits_mlp"]["asr"] == per["mlp_again"]["asr"]
-    assert summary["target_model"] == "digits_mlp+mlp_again"
+    assert summary["target_model"] == "digits_mlp, mlp_again"
 
 
 def test_plugin_metric_nan_is_no_value(tmp_path, fresh_registries):
