@@ -169,6 +169,13 @@ def _target_average_interval(per_target, attacked):
     return _averaged_interval(attacked, list(per_target))
 
 
+def _audit_disagreements(records, target):
+    """How many attacked samples' verdict of ``target`` its audit (the returned image forwarded alone) contradicts;
+    records written before the audit, and defended targets, have none (``audit_adv`` absent or None)."""
+    return sum(r["targets"][target].get("audit_adv") not in (None, r["targets"][target]["success"])
+               for r in records if r["attacked"])
+
+
 def summarize_transfer(records):
     """Per target: clean accuracy and ASR over the samples that target classifies correctly when clean (with its
     Wilson interval); ``asr`` is their average over targets (the paper's "averaged ASR", Sec. IV-B), its interval
@@ -181,13 +188,15 @@ def summarize_transfer(records):
         per_target[t] = {"clean_acc": _ratio(sum(r["targets"][t]["clean_correct"] for r in records), n),
                          "asr": _ratio(wins := sum(r["targets"][t]["success"] for r in valid), len(valid)),
                          **_interval("asr", wilson(wins, len(valid))),
-                         "n": len(valid), "defense": records[0]["targets"][t].get("defense", "none")}
+                         "n": len(valid), "defense": records[0]["targets"][t].get("defense", "none"),
+                         "n_audit_disagree": _audit_disagreements(records, t)}
     asrs = [v["asr"] for v in per_target.values() if v["asr"] is not None]
     attacked = [r for r in records if r["attacked"]]
     return {
         "n": n, "clean_acc": _mean([v["clean_acc"] for v in per_target.values() if v["clean_acc"] is not None]),
         "surrogate_clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
-        "n_attacked": len(attacked), "asr": _mean(asrs), **_interval("asr", _target_average_interval(per_target,
+        "n_attacked": len(attacked), "n_audit_disagree": sum(v["n_audit_disagree"] for v in per_target.values()),
+        "asr": _mean(asrs), **_interval("asr", _target_average_interval(per_target,
                                                                                                    attacked)),
         "per_target": per_target, "aqn": None, "mqn": None,
         **distortion_summary(attacked),

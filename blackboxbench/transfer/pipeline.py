@@ -35,6 +35,13 @@ naming both blocks, before anything runs.
 to the eps ball and [0, 1] and quantized to uint8 inside it (``Problem.quantize``). Every sample takes the same number of
 iterations, so a unit of work is one whole batch of ``batch_size`` samples; their random numbers come from their
 own streams, so a sample's result does not depend on the batch.
+
+**A target's verdict and its audit.** A record's ``targets[name]`` holds the target's verdicts on the clean image
+(``clean_correct``) and on the returned uint8 image (``success``), each from the target's forward of the whole
+batch's images, so both see one batch composition. On a GPU a model's answer moves slightly with the batch it is
+forwarded in (kernels chosen per shape), so the worker also forwards each returned image alone: an audit
+(``audit_adv``; None behind a defense, whose answers are draws), as the query family's. A disagreement is flagged
+on the record and counted in the summary (``n_audit_disagree``), never turned into a success or a failure.
 """
 import time
 from dataclasses import dataclass, field
@@ -291,15 +298,19 @@ class TransferWorker(WholeBatchWorker):
                 (lambda z, d=defended, n=name: forward_logits(lambda v: d(v, who), z, n, chunk=z.shape[0] or 1))
             clean_ok = logits(x).argmax(1) == y
             adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
-            results[name] = (clean_ok.tolist(), adv.tolist())
+            # the audit: each returned image forwarded alone (None behind a defense, whose answers are draws)
+            audit = [None] * n if defended is not None else \
+                (problem.is_adv_label(forward_logits(m, x_adv, name, chunk=1).argmax(1)) & valid).tolist()
+            results[name] = (clean_ok.tolist(), adv.tolist(), audit)
         per = (time.perf_counter() - t0) / len(index)
         images = to_uint8(x_adv) if run.save_adv else None
         final = to_uint8(x_adv) if every else None
         records, valid = base_records(index, y, target, correct), valid.tolist()
         for i, r in enumerate(records):
             r.update(attacked=bool(valid[i]), time=per, **{k: v[i] for k, v in metrics.items()},
-                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i]), "defense": lab}
-                              for (n, (c, s)), lab in zip(results.items(), self.labels)})
+                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i]), "audit_adv": a[i],
+                                  "defense": lab}
+                              for (n, (c, s, a)), lab in zip(results.items(), self.labels)})
             if images is not None and valid[i]:
                 r["_image"] = images[i]
             if every and valid[i]:
@@ -321,7 +332,7 @@ class TransferFamily(Family):
     surrogate_may_be_target = True  # a target equal to the surrogate reports the white-box success rate
     columns = (("asr", "higher"), ("asr_low", None), ("asr_high", None), ("mean_l2", "lower"), ("median_l2", "lower"),
                ("mean_linf", "lower"), ("median_linf", "lower"), ("mean_ssim", "higher"), ("median_ssim", "higher"), ("mean_lpips", "lower"),
-               ("median_lpips", "lower"))
+               ("median_lpips", "lower"), ("n_audit_disagree", "lower"))
 
     def build(self, name, blocks, hyper, meta):
         if int(hyper["iterations"]) != hyper["iterations"] or hyper["iterations"] < 1:

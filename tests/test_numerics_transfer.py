@@ -1,0 +1,135 @@
+"""Batch-dependent logits for every transfer recipe of the catalog (a new recipe is covered automatically) and for
+detection targets. On a GPU a model's answer for one image moves slightly with the batch it is forwarded in
+(cuDNN's kernels chosen per shape, TF32); tests/test_numerics.py checks the query recipes.
+
+A transfer record says per target whether the returned image fools it: the target's forward of the batch's
+returned uint8 images (its clean check is the same forward of the clean images, so both see one batch
+composition). That verdict is one forward among others the image could get: the worker also forwards each
+returned image alone, an audit (``audit_adv`` per target), and a disagreement is flagged and counted in the
+summary (``n_audit_disagree``), as the query family's audit, never turned into a success or a failure.
+
+Each recipe runs at its first native norm, untargeted, on the first ``N`` test digits, through the contract's
+experiment (tests/test_contract.py: surrogate, learned assets) with ``ITERATIONS`` iterations, against the
+float32 digits MLP wrapped in :class:`attack_utils.Jitter` (logits scaled by a per-batch-size factor, relative
+1e-3). Every recorded success must still be a misclassification when its returned image is forwarded alone and
+inside a batch of another size, and the audit must be exactly the forward alone."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from blackboxbench.config import load_yaml, validate_experiment
+from blackboxbench.prep.data import digits
+from blackboxbench.prep.models import _digits_model
+from blackboxbench.registry import MODEL
+from blackboxbench.runner import Session, run_experiment
+
+import test_contract as contract
+from attack_utils import Jitter, check_output
+
+
+@MODEL.register("test_digits_jitter", dataset="digits")
+def digits_jitter(data_root=None, *, base="digits_cnn", rel=1e-3):
+    """The float32 digits model ``base`` whose logits move by a relative ``rel`` with the batch size
+    (:class:`Jitter`). The catalog test's target is a jittered copy of the recipe's surrogate, so that the images
+    it returns do fool the target in a few iterations (the digits MLP, a black box to them, is fooled by none)."""
+    return Jitter(_digits_model(base, True), rel=rel)
+
+
+N = 8
+ITERATIONS = 3
+TARGET = "jittered"  # the target's label in the records
+OTHER_BATCH = 2 * N + 3  # the second independent forward: the returned images among the clean ones and padding
+CASES = [(name, next(n for n in load_yaml(path)["norms"] if contract._native(name, n)))
+         for name, path in contract.RECIPES.items() if load_yaml(path)["family"] == "transfer"]
+
+
+def _white(name):
+    """The recipe's surrogate in the contract: the residual digits net or the CNN."""
+    return "digits_resnet" if contract._residual_surrogate(name) else "digits_cnn"
+
+
+def _run(tmp_path, name, norm, rel=1e-3, batch_size=N, n=N, eps=None):
+    """The contract's untargeted experiment of ``name`` on ``n`` digits with its surrogate, jittered by ``rel``, as
+    the only target (labelled ``TARGET``), saving the returned images (``eps``: the contract's when None). Returns ``(run_dir, summary, records sorted
+    by index)``."""
+    _, exp = contract._raw_experiment(name, norm, False, tmp_path / f"{rel}-{batch_size}")
+    exp.update(dataset={"name": "digits", "n": n}, batch_size=batch_size, save_adv=True,
+               targets=[{"name": "test_digits_jitter", "base": _white(name), "rel": rel, "label": TARGET}])
+    exp["threat"]["eps"] = eps or exp["threat"]["eps"]
+    exp["assets"] = contract._train_assets(name, n=200)  # learned surrogates train on 200 digits (cached)
+    # steps of eps / ITERATIONS (the recipes' eps / 10 would not leave the clean class in so few)
+    exp["attack"]["hyper"].update(iterations=ITERATIONS, alpha=exp["threat"]["eps"] / ITERATIONS)
+    exp = validate_experiment(exp, "numerics")
+    exp.update(_source="numerics", _base_dir=".")
+    run_dir, summary = run_experiment(exp, progress=False, session=Session())
+    records = sorted((json.loads(line) for line in (Path(run_dir) / "records.jsonl").read_text().splitlines()),
+                     key=lambda r: r["index"])
+    return Path(run_dir), summary, records
+
+
+def _returned(run_dir, records, x):
+    """The returned uint8 images (``adv/<index>.png``) as floats; the clean image where not attacked."""
+    from PIL import Image
+
+    out = x.clone()
+    for r in records:
+        if r["attacked"]:
+            img = np.array(Image.open(run_dir / "adv" / f"{r['index']:06d}.png"))
+            out[r["index"]] = torch.from_numpy(img).float().div(255).reshape(out.shape[1:])
+    return out
+
+
+def _verdicts(model, x_adv, x, y, n):
+    """(alone, among): whether each of the ``n`` returned images is misclassified forwarded alone and inside a
+    batch of ``OTHER_BATCH`` images."""
+    with torch.no_grad():
+        alone = torch.cat([model(x_adv[i:i + 1]).argmax(1) for i in range(n)]) != y
+        among = model(torch.cat([x_adv, x, x[:OTHER_BATCH - 2 * n]])).argmax(1)[:n] != y
+    return alone, among
+
+
+@pytest.mark.parametrize("name,norm", CASES, ids=[n for n, _ in CASES])
+def test_transfer_successes_survive_batch_dependent_logits(tmp_path, name, norm):
+    run_dir, summary, records = _run(tmp_path, name, norm)
+    data = digits(n=N)
+    x, y = data.x, data.y
+    x_adv = _returned(run_dir, records, x)
+    attacked = torch.tensor([r["attacked"] for r in records])
+    assert attacked.all()
+    check_output(x_adv, x, contract.EPS[False][norm], norm)
+    verdict = [r["targets"][TARGET] for r in records]
+    success = torch.tensor([v["success"] for v in verdict])
+    clean_ok = torch.tensor([v["clean_correct"] for v in verdict])
+    model = digits_jitter(base=_white(name))
+    alone, among = _verdicts(model, x_adv, x, y, N)
+    assert alone[success].all(), f"not adversarial at batch size 1: {(success & ~alone).nonzero()}"
+    assert among[success].all(), f"not adversarial in a batch of {OTHER_BATCH}: {(success & ~among).nonzero()}"
+    with torch.no_grad():  # the target's clean check: the clean images' verdict, alone as in the batch
+        assert torch.equal(clean_ok, torch.cat([model(x[i:i + 1]).argmax(1) for i in range(N)]) == y)
+    # the audit is the forward alone; its disagreements are counted, never folded into the ASR
+    assert [v["audit_adv"] for v in verdict] == alone.tolist()
+    assert summary["n_audit_disagree"] == sum(v["audit_adv"] != v["success"] for v in verdict) == 0
+    assert summary["per_target"][TARGET]["asr"] == (success & clean_ok).sum().item() / clean_ok.sum().item()
+    assert success.sum() >= N // 4, "too few successes to check"  # 3 to 8 of 8 measured (2026-12-05)
+
+
+def test_transfer_audit_flags_verdicts_that_move_with_the_batch(tmp_path):
+    """An exaggerated jitter (relative 0.02) on a target near its boundary (I-FGSM at Linf 0.08, 32 digits,
+    white-box: 8 fooled): the verdict of the batch of 32 and that of one returned image alone disagree for one
+    image. The audit is that forward alone; its disagreements are flagged and counted, and the ASR stays the
+    batch's verdicts (measured: 8 of 32 fooled in the batch, 9 alone: image 6; at batch_size 1 the run records
+    9 and its audit agrees)."""
+    n, rel = 32, 0.02
+    run_dir, summary, records = _run(tmp_path, "i_fgsm", "linf", rel=rel, batch_size=n, n=n, eps=0.08)
+    data = digits(n=n)
+    x_adv = _returned(run_dir, records, data.x)
+    alone, _ = _verdicts(digits_jitter(rel=rel), x_adv, data.x, data.y, n)
+    verdict = [r["targets"][TARGET] for r in records]
+    success = torch.tensor([v["success"] for v in verdict])
+    assert [v["audit_adv"] for v in verdict] == alone.tolist()
+    assert summary["n_audit_disagree"] == summary["per_target"][TARGET]["n_audit_disagree"] == \
+        int((success != alone).sum()) > 0
+    assert summary["asr"] == success.sum().item() / sum(v["clean_correct"] for v in verdict)
