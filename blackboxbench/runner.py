@@ -548,9 +548,6 @@ class Runner:
         self.recipe, self.threat, self.attack = self.plan.recipe, self.plan.threat, self.plan.attack
         self.family = self.plan.family
         self.device = resolve_device(exp["device"])
-        if exp.get("fixed_batch") and not self.family.classifier_models:
-            raise ConfigError(f"family {self.family.name} forwards its models its own way (detection: one image at "
-                              "a time); fixed_batch is for query and transfer runs", exp["_source"], "fixed_batch")
         if exp.get("fixed_batch") and self.device.type == "cuda":
             deterministic_kernels()
         self.run_dir, self.hash = run_dir_for(self.plan, self.device)

@@ -18,7 +18,11 @@ images):
   target's record says whether its detections meet the goal (``goal``; the summary's ``goal_rate``) and whether
   its clean detections already did (``goal_clean``, the control: ``goal_rate_clean``).
 
-Every sample takes the same work, so a unit of work is one whole batch (as the transfer family). Records hold,
+Every sample takes the same work, so a unit of work is one whole batch (as the transfer family). Every detector
+answers each image alone (:func:`forward_dets`) wherever a record reads its detections, so what a record says of
+an image does not depend on its neighbours; a batched craft forwards the surrogate on the whole batch, or under
+``fixed_batch: k`` on parts of exactly k images (:meth:`DetectionWorker.craft`), whose shape then does not depend
+on ``batch_size`` either. Records hold,
 per target detector, the matching of the clean and the adversarial image (per detection: score, label, TP/FP/
 ignored flag, for the class-aware and the fused matching), so the summary computes mAP, AP_loc and CSR over the
 run as a pure function of the records. Threat keys of the family: ``score_thr`` and ``max_det`` (harmonized
@@ -38,6 +42,7 @@ from ..context import BlockContext, Pool
 from ..errors import BenchError, ConfigError, describe
 from ..evaluation import distances, distortion_summary
 from ..family import BlockKind, Family, ModelKey, WholeBatchWorker, check_outputs, to_uint8
+from ..prep.inference import fixed_rows
 from ..registry import DET_CRAFT, DET_OBJECTIVE, FAMILY, MODEL, block_label
 from ..stats import bootstrap_intervals
 from ..threat import Problem
@@ -301,14 +306,24 @@ class DetectionWorker(WholeBatchWorker):
         """The craft block on the batch, or one image at a time for a block registered ``per_image=True``: an
         attack that adapts per image (EBAD's surrogate weights, CAA's plans) on torchvision training losses, which
         are batch means (normalised by the batch's positives, R-CNN's sampled proposals), so a batched run would
-        make an image's result depend on its neighbours. The authors run both one image at a time."""
-        a = self.attack
-        if not a.per_image:
+        make an image's result depend on its neighbours. The authors run both one image at a time.
+
+        Under ``fixed_batch: k`` a batched craft runs on parts of exactly k images, the last padded with copies of
+        its last image (:func:`~blackboxbench.prep.inference.fixed_rows`; the padding's images dropped): on a GPU
+        the surrogate's answers, hence its gradients, move with the shape of its calls, so the images returned
+        would otherwise depend on ``batch_size``."""
+        a, n = self.attack, ctx.problem.n
+        if a.per_image:
+            rows = list(torch.arange(n, device=ctx.device).split(1))
+        elif self.run.fixed_batch:
+            rows = fixed_rows(n, self.run.fixed_batch, ctx.device)
+        else:
             return _checked_craft(a.craft(ctx, a.objective), ctx.problem.x, a.craft)
-        rows = torch.arange(ctx.problem.n, device=ctx.device)
-        parts = [a.craft(ctx.sub(rows[k:k + 1]), a.objective) for k in range(ctx.problem.n)]
-        parts = [_checked_craft(p, ctx.problem.x[k:k + 1], a.craft) for k, p in enumerate(parts)]
-        return Crafted.cat(parts) if isinstance(parts[0], Crafted) else torch.cat(parts)
+        parts = [_checked_craft(a.craft(ctx.sub(r), a.objective), ctx.problem.x[r], a.craft) for r in rows]
+        if isinstance(parts[0], Crafted):
+            out = Crafted.cat(parts)
+            return Crafted(out.x[:n], out.boxes[:n], out.labels[:n], out.iou)
+        return torch.cat(parts)[:n]
 
     def step(self):
         index = self.take()
