@@ -39,7 +39,8 @@ own streams, so a sample's result does not depend on the batch.
 **A target's verdict and its audit.** A record's ``targets[name]`` holds the target's verdicts on the clean image
 (``clean_correct``) and on the returned uint8 image (``success``), each from the target's forward of the whole
 batch's images, so both see one batch composition. On a GPU a model's answer moves slightly with the batch it is
-forwarded in (kernels chosen per shape), so the worker also forwards each returned image alone: an audit
+forwarded in (kernels chosen per shape), so the worker also forwards each returned image alone (under
+``fixed_batch: k`` in calls of k images, which the wrapper makes independent of the neighbours): an audit
 (``audit_adv``; None behind a defense, whose answers are draws), as the query family's. A disagreement is flagged
 on the record and counted in the summary (``n_audit_disagree``), never turned into a success or a failure.
 """
@@ -233,6 +234,9 @@ class TransferWorker(WholeBatchWorker):
         base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
                             surrogates=tuple(self.surrogates), assets=run.assets, pool=self.pool)
         self.model = self.attack.refine(base, list(self.surrogates))
+        # the audit's calls: one image, or under fixed_batch k (the wrapper would pad one image to k; there a
+        # row's answer is the row's alone, so calls of k real images cost 1/k of that and check the same)
+        self.audit_chunk = run.fixed_batch or 1
         super().__init__()
 
     def _parts(self, n):
@@ -299,8 +303,8 @@ class TransferWorker(WholeBatchWorker):
             clean_ok = logits(x).argmax(1) == y
             adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
             # the audit: each returned image forwarded alone (None behind a defense, whose answers are draws)
-            audit = [None] * n if defended is not None else \
-                (problem.is_adv_label(forward_logits(m, x_adv, name, chunk=1).argmax(1)) & valid).tolist()
+            alone = None if defended is not None else forward_logits(m, x_adv, name, chunk=self.audit_chunk)
+            audit = [None] * n if alone is None else (problem.is_adv_label(alone.argmax(1)) & valid).tolist()
             results[name] = (clean_ok.tolist(), adv.tolist(), audit)
         per = (time.perf_counter() - t0) / len(index)
         images = to_uint8(x_adv) if run.save_adv else None
