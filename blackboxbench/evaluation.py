@@ -196,8 +196,7 @@ def summarize_transfer(records):
         "n": n, "clean_acc": _mean([v["clean_acc"] for v in per_target.values() if v["clean_acc"] is not None]),
         "surrogate_clean_acc": _ratio(sum(r["clean_correct"] for r in records), n),
         "n_attacked": len(attacked), "n_audit_disagree": sum(v["n_audit_disagree"] for v in per_target.values()),
-        "asr": _mean(asrs), **_interval("asr", _target_average_interval(per_target,
-                                                                                                   attacked)),
+        "asr": _mean(asrs), **_interval("asr", _target_average_interval(per_target, attacked)),
         "per_target": per_target, "aqn": None, "mqn": None,
         **distortion_summary(attacked),
         "defense": ", ".join(f"{t}={v['defense']}" for t, v in per_target.items() if v["defense"] != "none")

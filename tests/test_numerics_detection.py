@@ -97,10 +97,11 @@ def test_detection_targets_answer_each_image_alone(tmp_path):
 
 
 def test_fixed_batch_makes_detection_crafts_batch_invariant(tmp_path):
-    """A jittered surrogate: without ``fixed_batch`` TOG's images move with the batch size (all 6 differ between
-    batch sizes 6 and 4, mAP drop 0.355 vs 0.313 on 8 images, measured 2026-12-05); with ``fixed_batch: 2`` the
-    records are identical at batch sizes 6, 4 and 1, and the craft's surrogate calls all have 2 images (its clean
-    detections: 1)."""
+    """A jittered surrogate: without ``fixed_batch`` TOG's images move with the batch size (measured 2026-12-05:
+    all 6 records differ between batch sizes 6 and 4, mean mAP drop 0.387 vs 0.304; before ``fixed_batch`` was
+    accepted by detection runs there was no way to avoid it); with ``fixed_batch: 2`` the records are identical at
+    batch sizes 6, 4 and 1 (mAP drop 0.331), and the craft's surrogate calls all have 2 images (its clean
+    detections and the target's: 1)."""
     plain = [_run(tmp_path, bs, surrogate="test_shapes_fcos_jitter")[2] for bs in (N, 4)]
     assert plain[0] != plain[1]
     fixed = []
