@@ -22,12 +22,13 @@ Every sample takes the same work, so a unit of work is one whole batch (as the t
 answers each image alone (:func:`forward_dets`) wherever a record reads its detections, so what a record says of
 an image does not depend on its neighbours; a batched craft forwards the surrogate on the whole batch, or under
 ``fixed_batch: k`` on parts of exactly k images (:meth:`DetectionWorker.craft`), whose shape then does not depend
-on ``batch_size`` either. Records hold, per target detector, the matching of the clean and the adversarial
-image (per detection: score, label, TP/FP/ignored flag, for the class-aware and the fused matching), so the
-summary computes mAP, AP_loc and CSR over the run as a pure function of the records. Threat keys of the family: ``score_thr`` and ``max_det`` (harmonized
-post-processing of every detector; None keeps each one's own, both logged), ``count_thr`` (score at which
-detections are counted, the fabrication measure; None: every detection the detector returns). Summaries give mAP and AP_loc with VOC2007 11-point
-interpolation (``map``, ``ap_loc``) and all-point (``map_area``, ``ap_loc_area``).
+on ``batch_size`` either. Records hold, per target detector, the matching of the clean and the adversarial image
+(per detection: score, label, TP/FP/ignored flag, for the class-aware and the fused matching), so the summary
+computes mAP, AP_loc and CSR over the run as a pure function of the records. Threat keys of the family:
+``score_thr`` and ``max_det`` (harmonized post-processing of every detector; None keeps each one's own, both
+logged), ``count_thr`` (score at which detections are counted, the fabrication measure; None: every detection the
+detector returns). Summaries give mAP and AP_loc with VOC2007 11-point interpolation (``map``, ``ap_loc``) and
+all-point (``map_area``, ``ap_loc_area``).
 """
 import time
 from dataclasses import dataclass, field, fields
