@@ -8,9 +8,9 @@ Each recipe runs at its first native norm, untargeted, on the first ``N`` test d
 MLP wrapped in :class:`attack_utils.Jitter` (logits scaled by a per-batch-size factor, relative 1e-3), through the
 contract's experiment (tests/test_contract.py: its eps, surrogates, learned assets and reduced generative blocks)
 with a small budget. Every recorded success must be adversarial again when its returned uint8 image is forwarded
-alone (batch size 1) and inside a batch of another size; every disagreement of the runner's audit (its own
-forward, at whatever batch the finished samples make) is flagged on its record and counted in the summary, and
-never turns a failure into a success. Decision recipes also run on the clean model: measured (2026-12-05) every
+alone (batch size 1) and inside a batch of another size; the runner's audit (its own forward of each returned
+image alone) gives that image's verdict alone, whatever samples finished with it, and its every disagreement is
+flagged on its record and counted in the summary, and never turns a failure into a success. Decision recipes also run on the clean model: measured (2026-12-05) every
 decision recipe fools the same number of the 15 attacked digits with and without the jitter (12 to 15 of 15);
 the jittered run may trail the clean one by ``ASR_SLACK`` sample and must keep the contract's bar (60 %), which a
 search returning its non-adversarial end (its claims never confirmed) does not."""
@@ -92,6 +92,8 @@ def test_successes_survive_batch_dependent_logits(tmp_path, name, norm):
     assert among[success].all(), f"not adversarial in a batch of {OTHER_BATCH}: {(success & ~among).nonzero()}"
     # the audit: flagged on the record, counted in the summary, never folded into the success count
     flagged = [r for r in records if r["attacked"] and r["audit_adv"] != r["success"]]
+    audit = torch.tensor([bool(r["audit_adv"]) for r in records])  # each returned image forwarded alone
+    assert torch.equal(audit[attacked], alone[attacked]), (audit & attacked ^ alone & attacked).nonzero()
     assert summary["n_audit_disagree"] == len(flagged)
     assert summary["n_success"] == int(success.sum()) and summary["n_attacked"] == int(attacked.sum())
     if FAMILY[name] == "decision":

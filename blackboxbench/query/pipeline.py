@@ -26,8 +26,10 @@ or none when that image is the one the oracle answered for the sample in its mos
 :meth:`blackboxbench.oracle.Oracle.confirm`). The success rule ``majority`` (for randomized targets) instead asks
 the image ``draws`` times, each a counted query, and needs a strict majority. If the claim is not confirmed, the
 sample keeps being attacked. A sample's record holds that confirmation and the query count at which it was made;
-the worker's own forward of the returned image is an audit: a disagreement is flagged on the record
-(``audit_adv``) and counted in the summary, never turned into a failure.
+the worker's own forward of the returned image, alone (under ``fixed_batch: k`` in calls of k, whose rows are
+independent), is an audit: a disagreement is flagged on the record (``audit_adv``) and counted in the summary,
+never turned into a failure. On a GPU an image's logits move with the batch it is forwarded in; forwarded alone,
+the audit depends on the image only, not on which samples finished with it.
 
 **Defenses** (``defense:`` of a query run, :mod:`blackboxbench.defense`) sit inside the oracle. The clean check that
 picks the samples to attack stays on the undefended model, so every defense of a target attacks the same samples;
@@ -154,6 +156,9 @@ class QueryWorker:
         self.family, self.run, self.attack, self.threat = family, run, run.attack, t
         self.model, self.model_name = run.models["model"][0], run.model_names["model"][0]
         self.device, self.slots = run.device, run.slots
+        # the audit's calls: one image, or under fixed_batch k (the wrapper pads each call to k and a row's answer
+        # is the row's alone there, so calls of k images check the same at 1/k of the forwards)
+        self.audit_chunk = run.fixed_batch or 1
         self.draws = t["success_rule"].get("draws", 1)
         n, seed = len(data.y), run.streams.seed
         defenses = run.defenses.get("model", [[]])[0]
@@ -365,14 +370,14 @@ class QueryWorker:
         return self._audit()
 
     def _audit(self, force=False):
-        """The worker's own forward of the returned images, an audit of the oracle's confirmations: it sets
-        ``audit_adv`` on the waiting records and releases them, once ``slots`` samples wait, a second has passed,
-        or ``force``."""
+        """The worker's own forward of each returned image alone, an audit of the oracle's confirmations that
+        does not depend on which samples finished with it: it sets ``audit_adv`` on the waiting records and
+        releases them, once ``slots`` samples wait, a second has passed, or ``force``."""
         waiting = sum(len(r) for r, _, _ in self.unaudited)
         if not waiting or not (force or waiting >= self.slots or time.perf_counter() - self.audited > AUDIT_EVERY_S):
             return []
         x_out = torch.cat([x for _, x, _ in self.unaudited])
-        labels = forward_logits(self.model, x_out, self.model_name).argmax(1)
+        labels = forward_logits(self.model, x_out, self.model_name, chunk=self.audit_chunk).argmax(1)
         records, k = [], 0
         for recs, x, sub in self.unaudited:
             audit = sub.is_adv_label(labels[k:k + len(recs)]).tolist()
