@@ -238,6 +238,27 @@ def forward_logits(model, x, name, chunk=256):
     return out
 
 
+AUDIT_CALL_CUDA = 32  # images per audit call on CUDA, padded: a call there costs its launches, about one image's
+
+
+def audit_call_size(fixed_batch, device):
+    """Images per call of an audit's forward (:func:`audit_logits`): a run's ``fixed_batch`` where it gives one (its
+    models' calls already have that shape); on CUDA :data:`AUDIT_CALL_CUDA` (a forward of one image there is
+    latency-bound: a call of 32 costs about as much); elsewhere 1 (a CPU's cost grows with the images)."""
+    if fixed_batch:
+        return int(fixed_batch)
+    return AUDIT_CALL_CUDA if torch.device(device).type == "cuda" else 1
+
+
+def audit_logits(model, x, name, size):
+    """``model``'s logits on ``x`` in calls of exactly ``size`` images, the last padded with copies of its last
+    image (``prep.inference.FixedBatch``): the rows of calls of one shape are computed independently of each
+    other, so an image's answer depends on that image only, not on the images audited with it, which on a GPU
+    move its logits slightly (kernels chosen per shape)."""
+    from .prep.inference import FixedBatch
+    return forward_logits(model if size == 1 else FixedBatch(model, size), x, name, chunk=size)
+
+
 def to_uint8(x):
     """[0, 1] images on the uint8 grid -> uint8 tensor on CPU."""
     return torch.round(x * 255).clamp(0, 255).to(torch.uint8).cpu()

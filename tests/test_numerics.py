@@ -140,3 +140,22 @@ def test_geoda_keeps_its_asr_with_batch_dependent_logits(data_root):
     problem, res = run_query("geoda_l2", model, x, y, 1.0, "l2", budget=3_000)
     check_outputs(problem, res, model, 3_000)
     assert res.success.sum() >= 4, res.success.sum()
+
+
+def test_audit_calls_have_one_shape_whatever_the_images_audited_together():
+    """The audit's forward (:func:`family.audit_logits`): in calls of exactly ``size`` images (alone on a CPU, 32
+    on CUDA, k under ``fixed_batch``), so an image's answer from a model whose logits move with the batch size is
+    the same whatever other images, and however many, are audited with it."""
+    from blackboxbench.family import AUDIT_CALL_CUDA, audit_call_size, audit_logits
+
+    assert audit_call_size(None, "cpu") == 1 and audit_call_size(0, torch.device("cpu")) == 1
+    assert audit_call_size(None, "cuda") == AUDIT_CALL_CUDA == 32 and audit_call_size(None, "cuda:1") == 32
+    assert audit_call_size(4, "cuda") == 4 and audit_call_size(4, "cpu") == 4
+    model = digits_mlp_jitter()
+    x = digits(n=N).x
+    with torch.no_grad():
+        for size in (1, 8):
+            few, many = audit_logits(model, x[:3], "m", size), audit_logits(model, x.flip(0), "m", size)
+            assert torch.equal(few, many.flip(0)[:3]), size
+            assert torch.equal(few, torch.cat([model(torch.cat([x[i:i + 1]] * size))[:1] for i in range(3)]))
+        assert not torch.equal(audit_logits(model, x, "m", 1), model(x))  # the jitter: the batch of 16 differs

@@ -26,10 +26,11 @@ or none when that image is the one the oracle answered for the sample in its mos
 :meth:`blackboxbench.oracle.Oracle.confirm`). The success rule ``majority`` (for randomized targets) instead asks
 the image ``draws`` times, each a counted query, and needs a strict majority. If the claim is not confirmed, the
 sample keeps being attacked. A sample's record holds that confirmation and the query count at which it was made;
-the worker's own forward of the returned image, alone (under ``fixed_batch: k`` in calls of k, whose rows are
-independent), is an audit: a disagreement is flagged on the record (``audit_adv``) and counted in the summary,
-never turned into a failure. On a GPU an image's logits move with the batch it is forwarded in; forwarded alone,
-the audit depends on the image only, not on which samples finished with it.
+the worker's own forward of the returned image is an audit: a disagreement is flagged on the record
+(``audit_adv``) and counted in the summary, never turned into a failure. On a GPU an image's logits move with the
+batch it is forwarded in, so the audit forwards in calls of one shape (alone on a CPU, 32 padded on CUDA, k under
+``fixed_batch: k``; :func:`blackboxbench.family.audit_logits`): its verdict depends on the image only, not on which
+samples finished with it.
 
 **Defenses** (``defense:`` of a query run, :mod:`blackboxbench.defense`) sit inside the oracle. The clean check that
 picks the samples to attack stays on the undefended model, so every defense of a target attacks the same samples;
@@ -50,8 +51,8 @@ from ..context import BlockContext, Pool
 from ..defense import EVAL_SALT, REEVAL_DRAWS, DefendedTarget, defense_streams, label, majority_adv
 from ..errors import BenchError, ConfigError, QueryError
 from ..evaluation import sample_metrics, summarize_query
-from ..family import (BlockKind, Family, ModelKey, base_records, check_outputs, forward_logits, pick_targets,
-                      to_uint8)
+from ..family import (BlockKind, Family, ModelKey, audit_call_size, audit_logits, base_records, check_outputs,
+                      forward_logits, pick_targets, to_uint8)
 from ..oracle import Oracle
 from ..registry import ACCEPT, FAMILY, INIT, PERTURB, block_label
 from ..threat import Problem
@@ -156,9 +157,7 @@ class QueryWorker:
         self.family, self.run, self.attack, self.threat = family, run, run.attack, t
         self.model, self.model_name = run.models["model"][0], run.model_names["model"][0]
         self.device, self.slots = run.device, run.slots
-        # the audit's calls: one image, or under fixed_batch k (the wrapper pads each call to k and a row's answer
-        # is the row's alone there, so calls of k images check the same at 1/k of the forwards)
-        self.audit_chunk = run.fixed_batch or 1
+        self.audit_size = audit_call_size(run.fixed_batch, run.device)
         self.draws = t["success_rule"].get("draws", 1)
         n, seed = len(data.y), run.streams.seed
         defenses = run.defenses.get("model", [[]])[0]
@@ -370,14 +369,14 @@ class QueryWorker:
         return self._audit()
 
     def _audit(self, force=False):
-        """The worker's own forward of each returned image alone, an audit of the oracle's confirmations that
-        does not depend on which samples finished with it: it sets ``audit_adv`` on the waiting records and
+        """The worker's own forward of each returned image in calls of one shape (:func:`audit_logits`), an audit
+        of the oracle's confirmations that does not depend on which samples finished with it: it sets ``audit_adv`` on the waiting records and
         releases them, once ``slots`` samples wait, a second has passed, or ``force``."""
         waiting = sum(len(r) for r, _, _ in self.unaudited)
         if not waiting or not (force or waiting >= self.slots or time.perf_counter() - self.audited > AUDIT_EVERY_S):
             return []
         x_out = torch.cat([x for _, x, _ in self.unaudited])
-        labels = forward_logits(self.model, x_out, self.model_name, chunk=self.audit_chunk).argmax(1)
+        labels = audit_logits(self.model, x_out, self.model_name, self.audit_size).argmax(1)
         records, k = [], 0
         for recs, x, sub in self.unaudited:
             audit = sub.is_adv_label(labels[k:k + len(recs)]).tolist()

@@ -39,8 +39,8 @@ own streams, so a sample's result does not depend on the batch.
 **A target's verdict and its audit.** A record's ``targets[name]`` holds the target's verdicts on the clean image
 (``clean_correct``) and on the returned uint8 image (``success``), each from the target's forward of the whole
 batch's images, so both see one batch composition. On a GPU a model's answer moves slightly with the batch it is
-forwarded in (kernels chosen per shape), so the worker also forwards each returned image alone (under
-``fixed_batch: k`` in calls of k images, which the wrapper makes independent of the neighbours): an audit
+forwarded in (kernels chosen per shape), so the worker also forwards each returned image in calls of one shape
+(:func:`~blackboxbench.family.audit_logits`; alone on a CPU), whose rows are computed independently: an audit
 (``audit_adv``; None behind a defense, whose answers are draws), as the query family's. A disagreement is flagged
 on the record and counted in the summary (``n_audit_disagree``), never turned into a success or a failure.
 """
@@ -55,8 +55,8 @@ from ..context import BlockContext, Pool
 from ..defense import DefendedTarget, defense_streams, label, target_salt
 from ..errors import BenchError, ConfigError, describe
 from ..evaluation import sample_metrics, summarize_transfer
-from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, base_records, check_outputs, forward_logits,
-                      pick_targets, to_uint8)
+from ..family import (BlockKind, Family, ModelKey, WholeBatchWorker, audit_call_size, audit_logits, base_records,
+                      check_outputs, forward_logits, pick_targets, to_uint8)
 from ..prep.inference import fixed_rows
 from ..registry import AUXILIARY, DIRECTION, FAMILY, GRADIENT, LOSS, REFINE, TRANSFORM, UPDATE, block_label
 from ..rng import drawing_from, run_stream
@@ -234,9 +234,7 @@ class TransferWorker(WholeBatchWorker):
         base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
                             surrogates=tuple(self.surrogates), assets=run.assets, pool=self.pool)
         self.model = self.attack.refine(base, list(self.surrogates))
-        # the audit's calls: one image, or under fixed_batch k (the wrapper would pad one image to k; there a
-        # row's answer is the row's alone, so calls of k real images cost 1/k of that and check the same)
-        self.audit_chunk = run.fixed_batch or 1
+        self.audit_size = audit_call_size(run.fixed_batch, run.device)
         super().__init__()
 
     def _parts(self, n):
@@ -302,8 +300,8 @@ class TransferWorker(WholeBatchWorker):
                 (lambda z, d=defended, n=name: forward_logits(lambda v: d(v, who), z, n, chunk=z.shape[0] or 1))
             clean_ok = logits(x).argmax(1) == y
             adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
-            # the audit: each returned image forwarded alone (None behind a defense, whose answers are draws)
-            alone = None if defended is not None else forward_logits(m, x_adv, name, chunk=self.audit_chunk)
+            # the audit: calls of one shape, an image's answer its own (None behind a defense: answers are draws)
+            alone = None if defended is not None else audit_logits(m, x_adv, name, self.audit_size)
             audit = [None] * n if alone is None else (problem.is_adv_label(alone.argmax(1)) & valid).tolist()
             results[name] = (clean_ok.tolist(), adv.tolist(), audit)
         per = (time.perf_counter() - t0) / len(index)
