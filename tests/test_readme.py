@@ -1,11 +1,14 @@
 """README.md against the code: its tables of recipes and defenses against the catalogs and registries, its config
-block against the config schema, its command lines against the command line's parser. A user reads the README, not
-the code; these checks keep the two from drifting apart."""
+block against the config schema, its command lines against the command line's parser, and the files, tests, library
+objects and identifiers it (and the recipes' notes) name against the checkout. A user reads the README, not the code;
+these checks keep the two from drifting apart."""
 import fnmatch
+import functools
 import re
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 from blackboxbench import catalog, registry
@@ -253,3 +256,173 @@ def test_the_contract_test_runs_a_plugins_block():
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert "BLACKBOXBENCH_PLUGINS" in README
+
+
+# ---- references by name: files, tests, library objects and identifiers the README and the recipes' notes name ----
+# A reference goes stale silently when the thing it names is renamed or removed; these tests extract them with a few
+# explicit rules and check that each still exists. Not checked (too fuzzy to check by rule): bare file names without
+# a directory (``square.py``, the authors' ``NPAttack_targeted.py``), files of the data root or the cache
+# (``models/...``, ``BLACKBOXBENCH_CACHE/priors``), dotted names whose first part is no module (``ctx.pool``,
+# ``torch.fx``), and the meaning of a name: a record or summary field must be named somewhere in the code, not
+# declared in its family's schema (the README's prose does not say reliably which field belongs to which file).
+
+TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - {"results"}  # results/: a run's output
+PACKAGE = REPO / "blackboxbench"
+SUBPACKAGES = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}  # query/geoda.py: in the package
+# Other code the recipes' notes cite by path, whose first part is also one of this repository's: the original
+# BlackboxBench's query/attacks/score/*.py, DRA's authors' examples/attacks/dra/attack.py, MCG's authors' square.py.
+OTHERS = ("query/attacks/", "examples/attacks/", "attacks/square.py")
+PATH = re.compile(r"[\w.<>{}*-]+(?:/[\w.<>{}*-]*)+(?:::[\w\[\]-]+)?|[\w-]+\.(?:py|yaml|md|sh|csv|png|ini|in)")
+TEST = re.compile(r"test_\w+(?:\[.*)?")  # test_x or a parametrized test_x[id]
+DOTTED = re.compile(r"[a-z_]\w*(?:\.[A-Za-z_]\w*)+")
+IDENT = re.compile(r"[a-z][a-z0-9]*_[a-z0-9_]+")  # snake_case with at least one underscore: keys, fields, names
+
+
+def _tokens(text):
+    """Whitespace-separated words of ``text``, stripped of the punctuation of the prose around them; a word
+    ``key: value`` or ``key=value`` also yields ``key``."""
+    for word in text.split():
+        for part in re.split(r"[=:](?!:)", word) if "::" not in word else [word]:
+            part = part.lstrip("([\"'").rstrip(".,;:)]\"'")
+            if part:
+                yield part
+
+
+def _code_spans(text):
+    """(line number, text) of every inline code span of a markdown text, outside its fenced code blocks (blanked
+    out, lines kept); a span may run over a line break, as in the README's wrapped paragraphs."""
+    text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
+            for m in re.finditer(r"`([^`]+)`", text)]
+
+
+@functools.lru_cache(maxsize=None)
+def _defined_tests():
+    """The ``test_...`` names of tests/: its test functions (parametrized ids are prefixed by them), its modules
+    (``test_engine``) and the names its tests register (the model ``"test_digits_mlp_f64"``)."""
+    names = set()
+    for f in (REPO / "tests").glob("*.py"):
+        text = f.read_text()
+        names |= {f.stem, *re.findall(r"^\s*(?:async\s+)?def (test_\w+)", text, re.M)}
+        names |= set(re.findall(r"[\"'](test_\w+)[\"']", text))
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _code_words():
+    """Every identifier of the code, recipes and configs (not of the markdown docs, which would make the check
+    below a tautology)."""
+    words = set()
+    for pattern in ("blackboxbench/**/*.py", "tests/*.py", "benchmarks/**/*.py", "benchmarks/**/*.sh", "scripts/*.py",
+                    "examples/*.py", "setup.py", "pytest.ini", "attacks/**/*.yaml", "defenses/**/*.yaml",
+                    "analysis/*.yaml", "configs/*.yaml"):
+        for f in REPO.glob(pattern):
+            words |= set(re.findall(r"\w+", f.read_text()))
+    return words
+
+
+def _glob(path):
+    """A README path with placeholders (``<name>``, ``{a,b}``, ``*``) as a glob pattern."""
+    return re.sub(r"<[^>]*>|\{[^}]*\}", "*", path)
+
+
+def _path_problem(token):
+    """Why a path-like token names no file of the checkout (None when it does, or is no repository path)."""
+    path, _, test = token.partition("::")
+    first = path.split("/")[0]
+    if path.startswith(OTHERS):
+        return None
+    roots = []  # analysis/ is both a folder of the repository and a subpackage
+    if first in TOP:
+        roots.append(REPO)
+    if first in SUBPACKAGES and "/" in path:
+        roots.append(PACKAGE)
+    if not roots:
+        return None  # not a repository path: a run's output (adv/<index>.png), an authors' file, a cache folder
+    pattern = _glob(path.rstrip("/"))
+    hits = [f for root in roots for f in (root.glob(pattern) if "*" in pattern else [root / pattern]) if f.exists()]
+    if not hits:
+        return f"{path}: no such file or folder"
+    defines = rf"^\s*def {re.escape(test.split('[')[0])}\("
+    if test and not any(re.search(defines, f.read_text(), re.M) for f in hits):
+        return f"{path} defines no {test}"
+    return None
+
+
+def _resolve(dotted):
+    """Whether ``family.audit_logits``, ``prep.inference.FixedBatch`` or ``blackboxbench.oracle.Oracle`` names an
+    object of the library: the longest importable module prefix, then attributes. None: the first part is not a
+    module of the package (``ctx.pool``, ``torch.fx``)."""
+    import importlib
+    parts = dotted.split(".")
+    if parts[0] == "blackboxbench":
+        parts = parts[1:]
+    modules = {p.stem for p in PACKAGE.glob("*.py")} | SUBPACKAGES
+    if not parts or parts[0] not in modules:
+        return None
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module("blackboxbench." + ".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def reference_problems(text, spans=None, check_words=True):
+    """Stale references of a text: [(where, reference, why)]. ``spans``: (where, text) pieces to read, ``where`` a
+    line number or a label (default: the whole text, unlabelled). Paths must exist (placeholders match at least one
+    file), ``file::test`` must define the test, a ``test_...`` name must be a test of tests/, a dotted name whose
+    first part is a module of the package must name an object of it, unless it is a config key (``dataset.n``;
+    ``threat.X``: X a threat key), and, with ``check_words``, a snake_case identifier must occur in the code,
+    recipes or configs."""
+    spans = [("", text)] if spans is None else spans
+    tests, words = _defined_tests(), _code_words() if check_words else set()
+    config_keys, threat = {**top_keys(), **FILE_KEYS}, threat_keys()
+    problems = []
+    for line, span in spans:
+        for token in _tokens(span):
+            if PATH.fullmatch(token):
+                why = _path_problem(token)
+            elif TEST.fullmatch(token):
+                why = None if token.split("[")[0] in tests else "no test of tests/ has this name"
+            elif DOTTED.fullmatch(token):  # dataset.n, threat.success_rule (keys); threat.quantize_l2 (a function)
+                first, second = token.split(".")[:2]
+                key = first in config_keys and (first != "threat" or second in threat)
+                why = (None if key or _resolve(token) is not False
+                       else "neither a config key nor an object of the library")
+            elif check_words and IDENT.fullmatch(token):
+                why = None if token in words else "no code, recipe or config names it"
+            else:
+                why = None
+            if why:
+                problems.append((line, token, why))
+    return problems
+
+
+def _report(problems, where):
+    return f"stale references in {where}:\n" + "\n".join(
+        f"  {'line ' if isinstance(n, int) else ''}{n}: `{ref}`: {why}" for n, ref, why in problems)
+
+
+def test_readme_references_exist():
+    """Every file, test, library object and identifier README.md names in backticks still exists."""
+    problems = reference_problems(README, _code_spans(README))
+    assert not problems, _report(problems, "README.md")
+
+
+RECIPES = sorted(p for d in ("attacks", "defenses", "analysis") for p in (REPO / d).rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(REPO)))
+def test_recipe_notes_references_exist(recipe):
+    """The files and tests a recipe's ``notes`` and ``defaults`` cite (plain prose: identifiers there are often the
+    authors' code's, so only paths, test names and dotted names of the library are checked)."""
+    spec = yaml.safe_load(recipe.read_text())
+    fields = [(key, str(spec[key])) for key in ("notes", "defaults") if key in spec]
+    problems = reference_problems("", fields, check_words=False)
+    assert not problems, _report(problems, recipe.relative_to(REPO))
