@@ -276,6 +276,7 @@ PATH = re.compile(r"[\w.<>{}*-]+(?:/[\w.<>{}*-]*)+(?:::[\w\[\]-]+)?|[\w-]+\.(?:p
 TEST = re.compile(r"test_\w+(?:\[.*)?")  # test_x or a parametrized test_x[id]
 DOTTED = re.compile(r"[a-z_]\w*(?:\.[A-Za-z_]\w*)+")
 IDENT = re.compile(r"[a-z][a-z0-9]*_[a-z0-9_]+")  # snake_case with at least one underscore: keys, fields, names
+WORD = re.compile(r"[a-z][a-z0-9]*")  # a one-word span (`rnd`, `psba`), not a word of a command line (`pip install`)
 
 
 def _tokens(text):
@@ -378,8 +379,8 @@ def reference_problems(text, spans=None, check_words=True):
     line number or a label (default: the whole text, unlabelled). Paths must exist (placeholders match at least one
     file), ``file::test`` must define the test, a ``test_...`` name must be a test of tests/, a dotted name whose
     first part is a module of the package must name an object of it, unless it is a config key (``dataset.n``;
-    ``threat.X``: X a threat key), and, with ``check_words``, a snake_case identifier must occur in the code,
-    recipes or configs."""
+    ``threat.X``: X a threat key), and, with ``check_words``, a snake_case identifier (or a span of one lowercase
+    word) must occur in the code, recipes or configs."""
     spans = [("", text)] if spans is None else spans
     tests, words = _defined_tests(), _code_words() if check_words else set()
     config_keys, threat = {**top_keys(), **FILE_KEYS}, threat_keys()
@@ -395,7 +396,7 @@ def reference_problems(text, spans=None, check_words=True):
                 key = first in config_keys and (first != "threat" or second in threat)
                 why = (None if key or _resolve(token) is not False
                        else "neither a config key nor an object of the library")
-            elif check_words and IDENT.fullmatch(token):
+            elif check_words and (IDENT.fullmatch(token) or WORD.fullmatch(token) and token == span):
                 why = None if token in words else "no code, recipe or config names it"
             else:
                 why = None
