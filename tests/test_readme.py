@@ -4,6 +4,7 @@ objects and identifiers it (and the recipes' notes) name against the checkout. A
 these checks keep the two from drifting apart."""
 import fnmatch
 import functools
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -354,7 +355,6 @@ def _resolve(dotted):
     """Whether ``family.audit_logits``, ``prep.inference.FixedBatch`` or ``blackboxbench.oracle.Oracle`` names an
     object of the library: the longest importable module prefix, then attributes. None: the first part is not a
     module of the package (``ctx.pool``, ``torch.fx``)."""
-    import importlib
     parts = dotted.split(".")
     if parts[0] == "blackboxbench":
         parts = parts[1:]
