@@ -1,5 +1,7 @@
 """Preparation module: datasets, model zoo, target labels."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -383,3 +385,43 @@ def test_first_use_training_is_noted_on_a_terminal_only(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stderr", plain)
     cached("kind", "k2", lambda: {"a": torch.ones(1)})
     assert plain.getvalue() == ""
+
+
+LOCK_SCRIPT = """
+import sys, time
+from pathlib import Path
+import torch
+from blackboxbench.prep.trained import cached
+log, role = Path(sys.argv[1]), sys.argv[2]
+started = log.with_name("started")
+if role == "second":  # ask once the first process is training (and holds the file's lock)
+    while not started.exists():
+        time.sleep(0.05)
+
+def train():
+    started.touch()
+    with log.open("a") as f:
+        f.write(role + "\\n")
+    time.sleep(2)
+    return {"w": torch.full((2,), 7.0)}
+
+print(cached("locktest", "k", train)["w"].tolist())
+"""
+
+
+def test_two_processes_train_a_cache_file_once(tmp_path, monkeypatch):
+    """Two processes (a sweep's workers, xdist's) ask for one uncached artifact: the second asks while the first
+    trains it, waits for the first's lock (``models.training_lock``), then loads the file instead of training it
+    again (without the lock it trained a second time)."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path / "cache"))
+    log = tmp_path / "trained.log"
+    procs = [subprocess.Popen([sys.executable, "-c", LOCK_SCRIPT, str(log), role], cwd=Path(M.__file__).parents[2],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for role in ("first", "second")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-1000:] for _, err in outs]
+    assert log.read_text().split() == ["first"]
+    assert [out.strip() for out, _ in outs] == ["[7.0, 7.0]"] * 2
+    assert sorted(p.name for p in (tmp_path / "cache" / "locktest").iterdir()) == ["k.pt"]

@@ -4,6 +4,8 @@ An entry is ``fn(data_root, *, ...) -> nn.Module``; :func:`build_model` parses a
 "timm:resnet18", or {"name": ..., **params}), builds the model, freezes it and moves it to the device.
 Nothing is ever downloaded: pretrained weights come from the data root, a local file, or a local cache.
 """
+import contextlib
+import hashlib
 import os
 import sys
 import tempfile
@@ -297,17 +299,54 @@ def cached_or_trained(net, file, train):
     """``net`` with the weights cached as ``file`` in :func:`cache_dir`; on first use ``train()`` returns the trained
     net, whose weights are saved (atomically: a concurrent reader never sees a partial file)."""
     path = cache_dir() / file
-    if path.is_file():
-        try:
-            net.load_state_dict(load_cached(path))
-        except RuntimeError as e:
-            raise BenchError(f"cached file {path} does not fit the model ({first_line(e, 120)}); delete it and it "
-                             "is made again") from None
-        return net
-    cache_folder(path)
-    net = train_noted(train, path)
-    save_atomic(net.state_dict(), path)
+    trained = train_once(path, train, lambda out: out.state_dict())
+    if trained is not None:
+        return trained
+    try:
+        net.load_state_dict(load_cached(path))
+    except RuntimeError as e:
+        raise BenchError(f"cached file {path} does not fit the model ({first_line(e, 120)}); delete it and it "
+                         "is made again") from None
     return net
+
+
+def train_once(path, train, saved=lambda out: out):
+    """``train()``'s result, ``saved(result)`` written to the cache file ``path`` (atomically), when the cache does
+    not hold ``path``; None when it does, made before or by another process while this one waited for it: one
+    process at a time trains a given file (:func:`training_lock`), so the workers of a sweep or of pytest-xdist that
+    need the same artifact train it once, not once each (on one GPU, each at a fraction of its speed)."""
+    if path.is_file():
+        return None
+    cache_folder(path)
+    with training_lock(path):
+        if path.is_file():
+            return None
+        out = train_noted(train, path)
+        save_atomic(saved(out), path)
+        return out
+
+
+@contextlib.contextmanager
+def training_lock(path):
+    """An exclusive advisory lock (``flock``) for training the cache file ``path``, held by one process of this
+    machine at a time, in a per-user folder of the temporary directory (not in the cache, whose listing stays the
+    cached files). Released by the system if its holder dies. Without ``fcntl`` (Windows) or a usable lock
+    folder, no lock: concurrent first uses then each train, and :func:`save_atomic` keeps the file whole."""
+    try:
+        import fcntl
+        folder = Path(tempfile.gettempdir()) / f"blackboxbench-locks-{os.getuid()}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        name = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:24]
+        handle = open(folder / f"{name}.lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def train_noted(train, path):

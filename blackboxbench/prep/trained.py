@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import BenchError
 from .inference import bare_model
-from .models import cache_dir, cache_folder, load_cached, save_atomic, train_noted
+from .models import cache_dir, load_cached, train_once
 
 CACHE_VERSION = 1
 
@@ -55,12 +55,8 @@ def cache_key(block, params, models, data, seed, device):
 def cached(kind, key, train):
     """The object ``train()`` returns (tensors, lists and dicts of them), cached as ``<kind>/<key>.pt``."""
     path = cache_dir() / kind / f"{key}.pt"
-    if path.is_file():
-        return load_cached(path)
-    cache_folder(path)
-    out = train_noted(train, path)
-    save_atomic(out, path)
-    return out
+    out = train_once(path, train)
+    return load_cached(path) if out is None else out
 
 
 _RUN = {}  # key -> (the objects whose ids the key holds, value): kept so that those ids stay theirs
