@@ -170,7 +170,7 @@ def _target_average_interval(per_target, attacked):
 
 
 def _audit_disagreements(records, target):
-    """How many attacked samples' verdict of ``target`` its audit (the returned image forwarded alone) contradicts;
+    """How many attacked samples' verdict of ``target`` its audit (``family.audit_logits``) contradicts;
     records written before the audit, and defended targets, have none (``audit_adv`` absent or None)."""
     return sum(r["targets"][target].get("audit_adv") not in (None, r["targets"][target]["success"])
                for r in records if r["attacked"])
