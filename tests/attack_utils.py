@@ -1,6 +1,7 @@
 """Helpers shared by the attack test files: build a recipe with the real builder, run a query attack through the
 real worker (oracle, continuous batching, verification), and check the threat model on what it returns."""
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -133,6 +134,20 @@ def refine_ctx(seed=0):
     from blackboxbench.rng import run_stream
 
     return BlockContext(problem=None, rng=run_stream(seed, "cpu", 1))
+
+
+def returned_images(run_dir, records, x):
+    """A run's returned uint8 images (``adv/<index>.png``, ``save_adv: true``) as floats; the clean image where a
+    record was not attacked."""
+    import numpy as np
+    from PIL import Image
+
+    out = x.clone()
+    for r in records:
+        if r["attacked"]:
+            img = np.array(Image.open(Path(run_dir) / "adv" / f"{r['index']:06d}.png"))
+            out[r["index"]] = torch.from_numpy(img).float().div(255).reshape(out.shape[1:])
+    return out
 
 
 class Jitter(nn.Module):

@@ -17,7 +17,6 @@ search returning its non-adversarial end (its claims never confirmed) does not."
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -28,7 +27,7 @@ from blackboxbench.registry import MODEL
 from blackboxbench.runner import run_experiment
 
 import test_contract as contract
-from attack_utils import Jitter, check_output
+from attack_utils import Jitter, check_output, returned_images
 
 
 @MODEL.register("test_digits_mlp_jitter", dataset="digits")
@@ -61,24 +60,12 @@ def _run(tmp_path, name, norm, model):
     return Path(run_dir), summary, records, exp
 
 
-def _returned(run_dir, records, x):
-    """The returned uint8 images (``adv/<index>.png``) as floats; the clean image where not attacked."""
-    from PIL import Image
-
-    out = x.clone()
-    for r in records:
-        if r["attacked"]:
-            img = np.array(Image.open(run_dir / "adv" / f"{r['index']:06d}.png"))
-            out[r["index"]] = torch.from_numpy(img).float().div(255).reshape(out.shape[1:])
-    return out
-
-
 @pytest.mark.parametrize("name,norm", CASES, ids=[n for n, _ in CASES])
 def test_successes_survive_batch_dependent_logits(tmp_path, name, norm):
     run_dir, summary, records, exp = _run(tmp_path, name, norm, "test_digits_mlp_jitter")
     data = digits(n=N)
     x, y = data.x, data.y
-    x_adv = _returned(run_dir, records, x)
+    x_adv = returned_images(run_dir, records, x)
     attacked = torch.tensor([r["attacked"] for r in records])
     success = torch.tensor([r["success"] for r in records])
     assert attacked.sum() >= N - 1 and not (success & ~attacked).any()

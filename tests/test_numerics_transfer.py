@@ -19,7 +19,6 @@ clean image's verdict alone, and the audit must be exactly the forward alone."""
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -30,7 +29,7 @@ from blackboxbench.registry import MODEL
 from blackboxbench.runner import Session, run_experiment
 
 import test_contract as contract
-from attack_utils import Jitter, check_output
+from attack_utils import Jitter, check_output, returned_images
 
 
 @MODEL.register("test_digits_jitter", dataset="digits")
@@ -73,18 +72,6 @@ def _run(tmp_path, name, norm, rel=1e-3, batch_size=N, n=N, eps=None, **extra):
     return Path(run_dir), summary, records
 
 
-def _returned(run_dir, records, x):
-    """The returned uint8 images (``adv/<index>.png``) as floats; the clean image where not attacked."""
-    from PIL import Image
-
-    out = x.clone()
-    for r in records:
-        if r["attacked"]:
-            img = np.array(Image.open(run_dir / "adv" / f"{r['index']:06d}.png"))
-            out[r["index"]] = torch.from_numpy(img).float().div(255).reshape(out.shape[1:])
-    return out
-
-
 def _verdicts(model, x_adv, x, y, n):
     """(alone, among): whether each of the ``n`` returned images is misclassified forwarded alone and inside a
     batch of ``OTHER_BATCH`` images."""
@@ -99,7 +86,7 @@ def test_transfer_successes_survive_batch_dependent_logits(tmp_path, name, norm)
     run_dir, summary, records = _run(tmp_path, name, norm)
     data = digits(n=N)
     x, y = data.x, data.y
-    x_adv = _returned(run_dir, records, x)
+    x_adv = returned_images(run_dir, records, x)
     attacked = torch.tensor([r["attacked"] for r in records])
     assert attacked.all()
     check_output(x_adv, x, contract.EPS[False][norm], norm)
@@ -146,7 +133,7 @@ def test_transfer_audit_flags_verdicts_that_move_with_the_batch(tmp_path):
     n, rel = 32, 0.02
     run_dir, summary, records = _run(tmp_path, "i_fgsm", "linf", rel=rel, batch_size=n, n=n, eps=0.08)
     data = digits(n=n)
-    x_adv = _returned(run_dir, records, data.x)
+    x_adv = returned_images(run_dir, records, data.x)
     alone, _ = _verdicts(digits_jitter(rel=rel), x_adv, data.x, data.y, n)
     verdict = [r["targets"][TARGET] for r in records]
     success = torch.tensor([v["success"] for v in verdict])
