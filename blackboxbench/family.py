@@ -254,8 +254,11 @@ def audit_logits(model, x, name, size):
     """``model``'s logits on ``x`` in calls of exactly ``size`` images, the last padded with copies of its last
     image (``prep.inference.FixedBatch``): the rows of calls of one shape are computed independently of each
     other, so an image's answer depends on that image only, not on the images audited with it, which on a GPU
-    move its logits slightly (kernels chosen per shape)."""
+    move its logits slightly (kernels chosen per shape). A run of a ``share_forwards`` group audits on the shared
+    model itself, not through the group, whose rounds merge its calls with the other runs' (:mod:`.shared`)."""
     from .prep.inference import FixedBatch
+    from .shared import Member
+    model = model.shared.model if isinstance(model, Member) else model
     return forward_logits(model if size == 1 else FixedBatch(model, size), x, name, chunk=size)
 
 

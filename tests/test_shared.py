@@ -228,3 +228,17 @@ runs:
 """)
     assert main(["run", str(cfg), "--quiet"]) == 0
     assert not groups and len(list((tmp_path / "o").glob("*/summary.json"))) == 2
+
+
+def test_the_audit_forwards_on_the_shared_model_itself():
+    """A run's audit (``family.audit_logits``) calls the shared model directly: through the group its calls of one
+    image would each wait for a round and be merged with the other runs' inputs, which on a GPU move its answers.
+    Called outside a group's job, a member would have no group to hand its input to."""
+    from blackboxbench.family import audit_logits
+
+    model = nn.Linear(4, 3)
+    shared = SharedForward(model, 2, 256)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        assert torch.equal(audit_logits(shared.member(1), x, "m", 1), torch.cat([model(v[None]) for v in x]))
+    assert shared.asks == [0, 0] and shared.rounds == 0
