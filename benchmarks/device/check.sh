@@ -2,11 +2,11 @@
 # Run ON THE DEVICE MACHINE, as one call of the device tool (after benchmarks/device/prepare.sh here):
 #   command: bash benchmarks/device/check.sh     carry: [".whl", ".gpudata"]     timeout_s: 420
 # Prints every row as it finishes. Bar: the whole script within 6 minutes (360 s). Each section runs under a time
-# budget (BUDGET_*_S; defaults 115 + 70 + 18 + 20 + 62 + 20 + 2 x 12 + 2 x 10 = 349 s, plus about 15 s of installs and
-# start).
+# budget (BUDGET_*_S; defaults 115 + 70 + 18 + 20 + 62 + 20 + 2 x 12 + 2 x 10 + 8 = 357 s, plus about 15 s of installs
+# and start).
 # Expected on the H200 machine (16 cores), estimated from the run of 2026-12-04 (benchmarks/RESULTS.md, "GPU run of
 # 2026-12-04": 431 s, sections 1 and 2 cut by their budgets) and the CPU times in README's query table: about
-# 260 s in all (15 + 95 + 60 + 10 + 13 + 50 + 15).
+# 260 s in all (15 + 95 + 60 + 10 + 13 + 50 + 15 + 3).
 # 1. (budget 115 s, expected 80-110 s) Every query and transfer recipe of the CIFAR-10 configs (29 + 7 runs) on
 #    the same N images with device cpu and cuda: ASR on each and the difference (bar: 3 points); the runner checks
 #    every output and budget on both. Run one after the other (cpu then cuda) only 9 runs had finished at 190 s.
@@ -40,6 +40,8 @@
 #    without fixed_batch (a control: how many records move with the batch size) and with fixed_batch 8 (bar:
 #    identical records); then (budget 2 x 10 s, expected 2 x 7 s) the same for mi_fgsm crafted on ResNet-20 and
 #    judged on ResNet-32/56 (fixed_batch covers the surrogate's gradients).
+# 8. (budget 8 s, expected 3 s) The audit's forwards (family.audit_logits) on ResNet-20 and ResNet-56, 256 images:
+#    ms an image batched, alone, and in calls of 32 padded images (the audit on CUDA); audit_cost.py.
 # DEVICE=cpu and N/N_TP/N_HSJA/N_COPIES/N_SHARED/N_REPEAT (and DET_MODEL=shapes_fcos DET_EXTRA=shapes_fcos_b
 # DET_SIZE=64) let the script itself be tried on a CPU machine (section 1 then runs the cpu side only, in min(12, nproc)
 # workers; CPU_WORKERS sets it; the budgets are then BUDGET_SCALE = 4 times the above).
@@ -103,5 +105,8 @@ timeout "$(budget "${BUDGET_FIXED_T_S:-10}")" python3 benchmarks/device/repeat_r
 timeout "$(budget "${BUDGET_FIXED_T_S:-10}")" python3 benchmarks/device/repeat_records.py --device "$device" \
     --n "${N_REPEAT:-16}" --batch-sizes 16,5 --fixed-batch 8 "${transfer[@]}" 2>&1 | tee "$out/fixed_transfer.md" \
     | grep '^|'
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout "$(budget "${BUDGET_AUDIT_S:-8}")" python3 benchmarks/device/audit_cost.py --device "$device" \
+    --n "${N_AUDIT:-256}" 2>&1 | tee "$out/audit_cost.md" | grep '^|'
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status
