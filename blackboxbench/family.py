@@ -31,7 +31,9 @@ from typing import Any, Optional
 import torch
 
 from .errors import BenchError
+from .prep.inference import FixedBatch
 from .prep.targets import choose_targets
+from .shared import Member
 
 # Fields of every per-sample record, with their JSON types (None allowed where the tuple says so).
 COMMON_FIELDS = {"index": (int,), "label": (int,), "target": (int, type(None)), "clean_correct": (bool,),
@@ -256,8 +258,6 @@ def audit_logits(model, x, name, size):
     other, so an image's answer depends on that image only, not on the images audited with it, which on a GPU
     move its logits slightly (kernels chosen per shape). A run of a ``share_forwards`` group audits on the shared
     model itself, not through the group, whose rounds merge its calls with the other runs' (:mod:`.shared`)."""
-    from .prep.inference import FixedBatch
-    from .shared import Member
     model = model.shared.model if isinstance(model, Member) else model
     return forward_logits(model if size == 1 else FixedBatch(model, size), x, name, chunk=size)
 

@@ -55,8 +55,7 @@ from ..registry import INIT, PERTURB
 from . import common
 from .common import per_sample, rows_where
 from .decision import (bisect, blend, claim_limit, decision_state, find_start, grow_lopsided, has_budget,
-                       known_dist, query_adv,
-                       stop_radius)
+                       known_dist, query_adv, stop_radius)
 from .simba import dct_matrix
 
 PAPER = ("Rahmati, Moosavi-Dezfooli, Frossard, Dai, GeoDA: a geometric framework for black-box adversarial attacks, "

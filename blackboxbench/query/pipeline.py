@@ -370,8 +370,9 @@ class QueryWorker:
 
     def _audit(self, force=False):
         """The worker's own forward of each returned image in calls of one shape (:func:`audit_logits`), an audit
-        of the oracle's confirmations that does not depend on which samples finished with it: it sets ``audit_adv`` on the waiting records and
-        releases them, once ``slots`` samples wait, a second has passed, or ``force``."""
+        of the oracle's confirmations that does not depend on which samples finished with it: it sets
+        ``audit_adv`` on the waiting records and releases them, once ``slots`` samples wait, a second has passed,
+        or ``force``."""
         waiting = sum(len(r) for r, _, _ in self.unaudited)
         if not waiting or not (force or waiting >= self.slots or time.perf_counter() - self.audited > AUDIT_EVERY_S):
             return []
