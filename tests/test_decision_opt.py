@@ -405,3 +405,20 @@ def test_sign_opt_directions_under_linf(toy, directions, unit_norm):
     assert (out["g"] <= state["g"]).all() and (out["dist"] <= state["dist"]).all()
     with pytest.raises(BenchError, match="same directions"):
         sign_opt(ctx, state, directions={"l2": "threat", "threat": "l2"}[directions])
+
+
+def test_beta_grows_after_lopsided_signs_at_the_probe_balance():
+    """``decision.grow_lopsided`` at ``balance`` 0.7 (Sign-OPT's ``probe_balance``): 200 signs 95 % on one side are
+    lopsided (3 standard errors outside 0.15-0.85) and beta grows tenfold, up to the cap; 90 % and 60 % are not; at
+    ``balance`` 1 (the unanimous rule, OPT's) only all-agreeing signs are. On a jittered ResNet-20 Sign-OPT's signs
+    were 90-99 % on one side (the boundary's shift between batch sizes) and the unanimous rule missed them."""
+    from blackboxbench.query.decision import grow_lopsided
+
+    count = torch.full((5,), 200.0)
+    f_sum = torch.tensor([180.0, 160.0, 40.0, -200.0, 180.0])  # 95 %, 90 %, 60 %, all, 95 % (already at the cap)
+    scale = torch.tensor([1.0, 1.0, 1.0, 1.0, 100.0])
+    go = torch.ones(5, dtype=torch.bool)
+    assert grow_lopsided(scale, go, f_sum, count, 100.0, balance=0.7).tolist() == [10.0, 1.0, 1.0, 10.0, 100.0]
+    assert grow_lopsided(scale, go, f_sum, count, 100.0).tolist() == [1.0, 1.0, 1.0, 10.0, 100.0]
+    assert grow_lopsided(scale, ~go, f_sum, count, 100.0, balance=0.7).tolist() == scale.tolist()
+    assert sign_opt.__kwdefaults__["probe_balance"] == 0.7
