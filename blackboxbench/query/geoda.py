@@ -250,8 +250,9 @@ def geoda(ctx, state, *, sub_dim=10, tol=1e-4, alpha=2e-4, mu=0.6, search_space=
     ``query_schedule(budget, mu)[t]`` probes of size ``alpha`` in the ``sub_dim`` low-frequency DCT subspace at
     the boundary point, adds the estimate to the accumulated normal, walks from ``x`` along it (Linf: its sign
     over its L2 norm) and bisects back (``tol``). A sample whose probes' answers were lopsided (``probe_balance``,
-    :func:`~.decision.lopsided`; 1: only when all agreed) probes with a tenfold alpha from then on (up to
-    ``ALPHA_CAP``). Returns the updated search state for ``within_eps``."""
+    :func:`~.decision.lopsided`; 1: only when all agreed) leaves that estimate out of the normal, does not walk,
+    and probes with a tenfold alpha from then on (up to ``ALPHA_CAP``). Returns the updated search state for
+    ``within_eps``."""
     if search_space != "sub":
         raise BenchError(f"geoda: search_space '{search_space}' is not supported (sub)")
     problem = ctx.problem
