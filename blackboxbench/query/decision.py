@@ -56,11 +56,17 @@ def lopsided(f_sum, count, balance=1.0, z=3.0):
     return (mean.abs() - balance >= spread) & (count > 0)
 
 
+def grow(scale, mask, cap, growth=10.0):
+    """(n,) probe-size ``scale`` grown ``growth``-fold, up to ``cap``, where ``mask``: GeoDA's alpha after a lopsided
+    estimate, and :func:`grow_lopsided`."""
+    return torch.where(mask, (scale * growth).clamp(max=cap), scale)
+
+
 def grow_lopsided(scale, go, f_sum, count, cap, growth=10.0, balance=1.0):
-    """(n,) probe-size ``scale`` grown ``growth``-fold, up to ``cap``, for the samples ``go`` whose probes' answers
-    were lopsided (:func:`lopsided` of their sum ``f_sum`` over ``count`` at ``balance``; 1: all got one answer):
-    OPT's and Sign-OPT's beta (a deviation, as HSJA's probe growth)."""
-    return torch.where(go & lopsided(f_sum, count, balance), (scale * growth).clamp(max=cap), scale)
+    """:func:`grow` for the samples ``go`` whose probes' answers were lopsided (:func:`lopsided` of their sum
+    ``f_sum`` over ``count`` at ``balance``; 1: all got one answer): OPT's and Sign-OPT's beta (a deviation, as
+    HSJA's probe growth)."""
+    return grow(scale, go & lopsided(f_sum, count, balance), cap, growth)
 
 
 def has_budget(ctx):

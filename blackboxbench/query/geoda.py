@@ -54,8 +54,8 @@ from ..errors import BenchError
 from ..registry import INIT, PERTURB
 from . import common
 from .common import per_sample, rows_where
-from .decision import (bisect, blend, claim_limit, decision_state, find_start, has_budget, known_dist, lopsided,
-                       query_adv, stop_radius)
+from .decision import (bisect, blend, claim_limit, decision_state, find_start, grow, has_budget, known_dist,
+                       lopsided, query_adv, stop_radius)
 from .simba import dct_matrix
 
 PAPER = ("Rahmati, Moosavi-Dezfooli, Frossard, Dai, GeoDA: a geometric framework for black-box adversarial attacks, "
@@ -74,7 +74,6 @@ START_STEP = 0.02   # the start's k-th try adds Gaussian noise of std k * START_
 # unanimous answers alone (twentieth session); on 32 images geoda_l2 16 and geoda_linf (0.05) 22 with the growth,
 # 20 and 26 with the drop, against 21 and 26 on the model as it is (twenty-second session, benchmarks/RESULTS.md).
 ALPHA_CAP = 0.1
-ALPHA_GROWTH = 10.0
 
 
 # --------------------------------------------------------------------------- query allocation
@@ -267,7 +266,7 @@ def geoda(ctx, state, *, sub_dim=10, tol=1e-4, alpha=2e-4, mu=0.6, search_space=
     est, answered, f_sum = estimate_normal(ctx, x_bd, num, alpha * scale, sub_dim, grad_estimator_batch_size)
     # lopsided answers carry no information: the estimate is dropped (no walk) and alpha grows
     lop = go & lopsided(f_sum, answered, probe_balance)
-    scale = torch.where(lop, (scale * ALPHA_GROWTH).clamp(max=ALPHA_CAP / alpha), scale)
+    scale = grow(scale, lop, ALPHA_CAP / alpha)
     use = go & (answered > 0) & ~lop
     grad = rows_where(use, state["grad"] + est, state["grad"])
     has = use & (grad.flatten(1).abs().amax(1) > 0)
