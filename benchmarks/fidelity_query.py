@@ -42,7 +42,7 @@ from blackboxbench.builder import build_attack, load_recipe, recipe_family  # no
 from blackboxbench.config import finish_threat, load_yaml  # noqa: E402
 from blackboxbench.prep.data import resolve_data_root  # noqa: E402
 from blackboxbench.prep.models import build_model  # noqa: E402
-from blackboxbench.registry import DATASET  # noqa: E402
+from blackboxbench.registry import ASSET, DATASET  # noqa: E402
 from blackboxbench.runner import resolve_device, run_tensors  # noqa: E402
 from attack_utils import Jitter  # noqa: E402
 from compare_peers import Timed, bare_rate, fmt, machine, write  # noqa: E402
@@ -80,15 +80,17 @@ def build(name, norm, eps):
     return build_attack(recipe, t, source), t
 
 
-def run(name, norm, eps, target, surrogates, x, y, device, slots, seed):
-    """One run through the runner's worker; returns a result row."""
+def run(name, norm, eps, target, surrogates, x, y, device, slots, seed, root):
+    """One run through the runner's worker; returns a result row. The assets the attack reads (the
+    ``train_images`` of NonLinear-BA, PSBA and the generative priors) are their defaults under ``root``."""
     attack, t = build(name, norm, eps)
     timed = Timed(target)
     models = {"model": [timed]}
     if "surrogates" in attack.meta["needs"]:
         models["surrogates"] = surrogates
+    assets = {k: ASSET.get(kind)(root, device) for k, (_, kind) in attack.meta["assets"].items()}
     t0 = time.perf_counter()
-    records = run_tensors(attack, t, x, y, models, seed=seed, slots=slots, device=device)
+    records = run_tensors(attack, t, x, y, models, seed=seed, slots=slots, device=device, assets=assets)
     wall = time.perf_counter() - t0
     rec = [r for r in records if r["attacked"]]
     wins = sorted(r["queries"] for r in rec if r["success"])
@@ -206,7 +208,7 @@ def main(argv=None):
             for norm, eps in [(nm, e) for nm in norms for e in ((0.05, 0.03) if nm == "linf" else (1.0,))
                               if wanted is None or (nm, e) in wanted]:
                 r = run(name, norm, eps, t20, surrogates_for("cifar_resnet20", zoo), x, y, device, args.slots,
-                        args.seed)
+                        args.seed, root)
                 rows.append(r)
                 lines.append(line(r, bare))
                 print(lines[-1], flush=True)
@@ -224,7 +226,7 @@ def main(argv=None):
         for name, (norms, _) in recipes.items():
             if "linf" in norms:
                 r = run(name, "linf", 2 / 255, t56, surrogates_for("cifar_resnet56", zoo), x, y, device,
-                        args.slots, args.seed)
+                        args.slots, args.seed, root)
                 rows.append(r)
                 lines.append(line(r, bare))
                 print(lines[-1], flush=True)

@@ -69,15 +69,18 @@ class LinearScores(nn.Module):
         return torch.stack([torch.zeros_like(s), s], 1)
 
 
+def _linear_gradients():
+    """A smooth direction ``w`` (1, 3, 16, 16) and the input gradients of :class:`LinearScores` at 256 points."""
+    g = torch.Generator().manual_seed(0)
+    w = nn.functional.interpolate(torch.randn(1, 3, 4, 4, generator=g), size=(16, 16), mode="bilinear")
+    return w, reference_gradients([LinearScores(w)], torch.rand(256, 3, 16, 16, generator=g), 1, None)
+
+
 def test_a_prior_trained_on_a_models_gradients_steers_the_probes():
     """Trained on the gradients of a linear model (all +-w), the decodes lie along w: 20 probes estimate the
     normal of that model's boundary to cosine > 0.6, where 20 Gaussian probes in 3 x 16 x 16 reach about
     sqrt(20 / 768) ~ 0.16."""
-    g = torch.Generator().manual_seed(0)
-    w = nn.functional.interpolate(torch.randn(1, 3, 4, 4, generator=g), size=(16, 16), mode="bilinear")
-    ref = LinearScores(w)
-    x = torch.rand(256, 3, 16, 16, generator=g)
-    grads = reference_gradients([ref], x, 1, None)
+    w, grads = _linear_gradients()
     out = train_ae(grads, 16, epochs=30, lr=1e-3, batch=32, seed=0)
     assert out["cos"].item() > 0.95
     net = GradientAE(3, 16)
@@ -91,6 +94,39 @@ def test_a_prior_trained_on_a_models_gradients_steers_the_probes():
     unit = flat / flat.norm()
     assert (learned.flatten(1) @ unit).min() > 0.6
     assert (gauss.flatten(1) @ unit).max() < 0.4
+
+
+def _dead_first(monkeypatch, dead):
+    """Auto-encoders whose first ``dead`` ones start with the code's last bias at -1000: their code stays zero."""
+    made = []
+
+    class DeadFirst(priors.GradientAE):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+            if len(made) <= dead:
+                nn.init.constant_(self.encoder[-2].bias, -1e3)
+
+    monkeypatch.setattr(priors, "GradientAE", DeadFirst)
+    return made
+
+
+def test_a_training_that_ends_with_a_dead_code_starts_again(monkeypatch):
+    """A dead code (every code unit zero on every training gradient) makes every decode one fixed direction: the
+    training starts again from the next initialisation of the seeded stream and counts the restart."""
+    made = _dead_first(monkeypatch, 1)
+    out = train_ae(_linear_gradients()[1], 16, epochs=30, lr=1e-3, batch=32, seed=0)
+    assert len(made) == 2 and int(out["restarts"]) == 1
+    assert out["cos"].item() > 0.9
+    assert not torch.equal(made[1].encoder[-2].bias, torch.full_like(made[1].encoder[-2].bias, -1e3))
+
+
+def test_a_code_dead_after_every_training_is_a_one_line_error(monkeypatch):
+    made = _dead_first(monkeypatch, priors.TRAININGS)
+    with pytest.raises(BenchError, match=f"every code unit was zero on every training gradient after each of "
+                                         f"{priors.TRAININGS} trainings"):
+        train_ae(_linear_gradients()[1], 16, epochs=2, lr=1e-3, batch=32, seed=0)
+    assert len(made) == priors.TRAININGS
 
 
 class Fixed(nn.Module):

@@ -387,6 +387,17 @@ def test_first_use_training_is_noted_on_a_terminal_only(tmp_path, monkeypatch):
     assert plain.getvalue() == ""
 
 
+def test_a_training_that_diverged_is_an_error_and_is_not_cached(tmp_path, monkeypatch):
+    from blackboxbench.prep.trained import cached
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path))
+    diverged = {"state": {"w": torch.tensor([1.0, float("nan")]), "steps": torch.tensor([3])}, "cos": torch.ones(1)}
+    with pytest.raises(BenchError, match=r"training k\.pt ended with non-finite values in state\.w; nothing was "
+                                         r"cached"):
+        cached("kind", "k", lambda: diverged)
+    assert not (tmp_path / "kind" / "k.pt").exists()
+    assert cached("kind", "k", lambda: {"w": torch.tensor([1.0, 2.0])})["w"].sum() == 3
+
+
 LOCK_SCRIPT = """
 import sys, time
 from pathlib import Path

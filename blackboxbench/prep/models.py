@@ -322,8 +322,26 @@ def train_once(path, train, saved=lambda out: out):
         if path.is_file():
             return None
         out = train_noted(train, path)
-        save_atomic(saved(out), path)
+        kept = saved(out)
+        bad = nonfinite(kept)
+        if bad is not None:
+            raise BenchError(f"training {path.name} ended with non-finite values in {bad or 'its result'}; nothing "
+                             "was cached (try another seed or a smaller learning rate)")
+        save_atomic(kept, path)
         return out
+
+
+def nonfinite(obj, where=""):
+    """The key path (``"state.conv.weight"``) of the first floating tensor of ``obj`` (tensors, dicts and lists of
+    them) that holds a NaN or an infinity, or None: a training that diverged is not cached as if it had worked."""
+    if isinstance(obj, torch.Tensor):
+        return where if obj.is_floating_point() and not torch.isfinite(obj).all() else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        bad = nonfinite(v, f"{where}.{k}" if where else str(k))
+        if bad is not None:
+            return bad
+    return None
 
 
 @contextlib.contextmanager
