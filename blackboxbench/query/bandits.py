@@ -31,14 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import INIT, PERTURB
-from .common import per_sample, query_margin, start_state
+from .common import l2_normalize, per_sample, query_margin, start_state
 
 PAPER = "Ilyas, Engstrom and Madry, Prior Convictions: Black-Box Adversarial Attacks with Bandits and Priors, ICLR 2019"
-
-
-def l2_normalize(v):
-    """``v / ||v||_2`` per sample (a zero row stays zero)."""
-    return v / per_sample(v.flatten(1).norm(dim=1).clamp_min(1e-12), v)
 
 
 def eg_step(v, g, lr):

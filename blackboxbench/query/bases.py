@@ -44,8 +44,8 @@ import torch
 
 from ..registry import ACCEPT, INIT, PERTURB
 from ..threat import rows_where
-from .common import query_margin, start_state
-from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
+from .common import l2_normalize, query_margin, start_state
+from .prgf import surrogate_gradient, surrogate_loss
 
 PAPER = "Cai, Song, Krishnamurthy, Roy-Chowdhury, Asif, Blackbox Attacks via Surrogate Ensemble Search, NeurIPS 2022"
 PM_RANGES = {"iters": "int [1, inf)", "step": "(0, inf)"}

@@ -67,8 +67,8 @@ from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import ACCEPT, INIT, PERTURB
 from ..rng import seeded
 from ..threat import margin_loss, project
-from .common import bounded_calls, keep_better, merge_proposal, query_margin, start_state
-from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
+from .common import bounded_calls, keep_better, l2_normalize, merge_proposal, query_margin, start_state
+from .prgf import surrogate_gradient, surrogate_loss
 
 PAPER = ("Feng, Wu, Fan, Liu, Li, Xia, Boosting Black-box Attack with Partially Transferred Conditional Adversarial "
          "Distribution, CVPR 2022")

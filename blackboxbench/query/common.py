@@ -116,6 +116,11 @@ def _window_offsets(side, c, h, w, device):
 
 
 # --------------------------------------------------------------------------- margin queries
+def l2_normalize(v):
+    """``v / ||v||_2`` per sample (a zero row stays zero)."""
+    return v / per_sample(v.flatten(1).norm(dim=1).clamp_min(1e-12), v)
+
+
 def query_margin(ctx, images, idx=None):
     """Query ``images`` for local samples ``idx`` (default one image per sample) -> ``(margin, adv, ok)``.
 

@@ -52,7 +52,7 @@ from torch import nn
 from ..prep.inference import FixedBatch, fixed_rows
 from ..registry import INIT, PERTURB
 from ..threat import margin_loss
-from .common import bounded_calls, per_sample, query_margin, start_state
+from .common import bounded_calls, l2_normalize, per_sample, query_margin, start_state
 
 PAPER = "Cheng et al., Improving Black-box Adversarial Attacks with a Transfer-based Prior, NeurIPS 2019"
 MAX_RETRIES = 10  # rounds of sigma growth within one iteration (the authors loop until the difference is non-zero)
@@ -182,10 +182,6 @@ def rms_normalize(v):
     """Each sample (dim 0) scaled to root-mean-square 1 (norm sqrt(D)), as the authors normalise directions."""
     rms = v.flatten(1).pow(2).mean(1).sqrt().clamp_min(1e-12)
     return v / per_sample(rms, v)
-
-
-def l2_normalize(v):
-    return v / per_sample(v.flatten(1).norm(dim=1).clamp_min(1e-12), v)
 
 
 # --------------------------------------------------------------------------- PRGF math

@@ -35,9 +35,9 @@ from ..prep.trained import augment, cache_key, cached, once_per_run, train_data
 from ..registry import INIT, PERTURB
 from ..rng import seeded
 from ..threat import per_sample
-from .common import add_rows_, bounded_calls
+from .common import add_rows_, bounded_calls, l2_normalize
 from .hsja import hsja_init, hsja_step
-from .prgf import l2_normalize, surrogate_gradient, surrogate_loss
+from .prgf import surrogate_gradient, surrogate_loss
 
 NLBA = ("Li, Li, Xu, Zhang, Yang, Li, Nonlinear Projection Based Gradient Estimation for Query Efficient Blackbox "
         "Attacks, AISTATS 2021")

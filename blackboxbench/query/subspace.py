@@ -43,8 +43,8 @@ targeted pair is the target and its best other class, as the authors' targeted C
 import torch
 
 from ..registry import ACCEPT, INIT, PERTURB
-from .common import merge_proposal, per_sample
-from .prgf import conv_dropout, l2_normalize, surrogate_gradient, surrogate_loss
+from .common import l2_normalize, merge_proposal, per_sample
+from .prgf import conv_dropout, surrogate_gradient, surrogate_loss
 
 PAPER = "Guo, Yan, Zhang, Subspace Attack: Exploiting Promising Subspaces for Query-Efficient Black-box Attacks, " \
         "NeurIPS 2019"
