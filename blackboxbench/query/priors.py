@@ -22,7 +22,8 @@ to 100 epochs; here ``views`` passes over the declared images (the first as is, 
 flipped as CIFAR's loaders) times the surrogates, for ``epochs`` epochs (spec sheet section 3: a small prior on
 split A, flagged by the leaderboard's ``trained_on`` column). The trained weights are cached in
 ``BLACKBOXBENCH_CACHE``/priors under a hash of its side, ``AE_VERSION`` and training parameters, the surrogates'
-weights, the images, ``seed`` and the device type; within a run, a block trains or loads them once (:func:`trained_decoders`).
+weights, the images, ``seed`` and the device type; within a run, a block trains or loads them once
+(:func:`trained_decoders`).
 """
 import math
 
