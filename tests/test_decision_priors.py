@@ -153,12 +153,13 @@ def _pick(mixes):
     return pick_scale(ctx, [Fixed(w, m) for m in mixes], x, 50)
 
 
-def test_psba_scale_search_is_progressive():
-    """The search moves to a finer scale while the simulated estimate improves and stops at the first that does
-    not: [noise, aligned, noise] stops at the aligned one; [aligned, noise, aligned] stays at the coarsest, though
-    the finest is as good (progressive, not an arg-max over all scales)."""
+def test_psba_picks_the_scale_of_the_best_simulated_estimate():
+    """Each sample takes the scale whose simulated estimate best matches the surrogates' gradient, wherever it
+    lies: [aligned 0.6, noise, aligned 0.9] takes the finest (the progressive rule, which stopped at the first
+    scale whose estimate did not improve, kept the coarsest)."""
     assert _pick([0.0, 0.9, 0.0]).tolist() == [1, 1, 1]
-    assert _pick([0.9, 0.0, 0.9]).tolist() == [0, 0, 0]
+    assert _pick([0.6, 0.0, 0.9]).tolist() == [2, 2, 2]
+    assert _pick([0.9, 0.3, 0.0]).tolist() == [0, 0, 0]
     assert _pick([0.0, 0.3, 0.9]).tolist() == [2, 2, 2]
     assert _pick([0.5]).tolist() == [0, 0, 0]  # one scale: nothing to search
 
