@@ -225,10 +225,9 @@ def pick_scale(ctx, nets, x, probes):
     largest cosine with ``g`` (the first on a tie). Stopping at the first scale whose cosine does not grow, as
     before, assumed a cosine that rises then falls with the scale; the trained auto-encoders do not give one
     (CIFAR-10, ResNet-32/44/56: 0.08 / 0.07 / 0.24 at sides 8 / 16 / 32), and that rule kept most samples at
-    side 8. The probes come in pieces
-    of whole samples of about ``PROBE_VALUES`` values (one on CIFAR-10; at 299 x 299 a sample's 100 decodes are
-    107 MB and their temporaries several times that), every scale of a piece before the next piece, so a sample's
-    draws do not depend on its batch.
+    side 8. The probes come in pieces of whole samples of about ``PROBE_VALUES`` values (one on CIFAR-10; at
+    299 x 299 a sample's 100 decodes are 107 MB and their temporaries several times that), every scale of a piece
+    before the next piece, so a sample's draws do not depend on its batch.
     """
     problem = ctx.problem
     n = problem.n
