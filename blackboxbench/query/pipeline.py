@@ -52,7 +52,7 @@ from ..defense import EVAL_SALT, REEVAL_DRAWS, DefendedTarget, defense_streams, 
 from ..errors import BenchError, ConfigError, QueryError
 from ..evaluation import sample_metrics, summarize_query
 from ..family import (BlockKind, Family, ModelKey, audit_call_size, audit_logits, base_records, check_outputs,
-                      forward_logits, pick_targets, to_uint8)
+                      pick_targets, to_uint8)
 from ..oracle import Oracle
 from ..registry import ACCEPT, FAMILY, INIT, PERTURB, block_label
 from ..threat import Problem
@@ -211,11 +211,12 @@ class QueryWorker:
 
     def _screen(self, index):
         """Clean check and target labels of new samples (model forwards not counted as attacker queries); the
-        samples not to attack are finished at once."""
+        samples not to attack are finished at once. The clean forward has the audit's calls of one shape
+        (:func:`audit_logits`), so which samples are attacked does not depend on the ones checked with them."""
         data, t = self.run.data, self.threat
         idx = torch.tensor(index, dtype=torch.long)
         x, y = data.x[idx].to(self.device), data.y[idx].to(self.device)
-        logits = forward_logits(self.model, x, self.model_name)
+        logits = audit_logits(self.model, x, self.model_name, self.audit_size)
         correct = logits.argmax(1) == y
         defended_ok = [None] * len(index) if self.evaluator is None else \
             (self.evaluator(x, idx.to(self.device)).argmax(1) == y).tolist()

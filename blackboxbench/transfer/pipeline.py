@@ -37,12 +37,14 @@ iterations, so a unit of work is one whole batch of ``batch_size`` samples; thei
 own streams, so a sample's result does not depend on the batch.
 
 **A target's verdict and its audit.** A record's ``targets[name]`` holds the target's verdicts on the clean image
-(``clean_correct``) and on the returned uint8 image (``success``), each from the target's forward of the whole
-batch's images, so both see one batch composition. On a GPU a model's answer moves slightly with the batch it is
-forwarded in (kernels chosen per shape), so the worker also forwards each returned image in calls of one shape
-(:func:`~blackboxbench.family.audit_logits`; alone on a CPU), whose rows are computed independently: an audit
-(``audit_adv``; None behind a defense, whose answers are draws), as the query family's. A disagreement is flagged
-on the record and counted in the summary (``n_audit_disagree``), never turned into a success or a failure.
+(``clean_correct``) and on the returned uint8 image (``success``, from the target's forward of the whole batch's
+images). On a GPU a model's answer moves slightly with the batch it is forwarded in (kernels chosen per shape), so
+the clean verdict, which decides whether a sample counts for that target, comes from calls of one shape
+(:func:`~blackboxbench.family.audit_logits`; alone on a CPU), whose rows are computed independently: it does not
+depend on ``batch_size``, as the query family's clean check. The worker also forwards each returned image so: an
+audit (``audit_adv``; None behind a defense, whose answers are draws, and whose clean verdict is the batch's), as
+the query family's. A disagreement is flagged on the record and counted in the summary (``n_audit_disagree``),
+never turned into a success or a failure.
 """
 import time
 from dataclasses import dataclass, field
@@ -298,9 +300,11 @@ class TransferWorker(WholeBatchWorker):
         for (name, m), defended in zip(self.targets, self.defended):
             logits = partial(forward_logits, m, name=name) if defended is None else \
                 (lambda z, d=defended, n=name: forward_logits(lambda v: d(v, who), z, n, chunk=z.shape[0] or 1))
-            clean_ok = logits(x).argmax(1) == y
             adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
-            # the audit: calls of one shape, an image's answer its own (None behind a defense: answers are draws)
+            # the clean verdict and the audit: calls of one shape, an image's answer its own (behind a defense the
+            # answers are draws: the batch's clean verdict, no audit)
+            clean = logits(x) if defended is not None else audit_logits(m, x, name, self.audit_size)
+            clean_ok = clean.argmax(1) == y
             alone = None if defended is not None else audit_logits(m, x_adv, name, self.audit_size)
             audit = [None] * n if alone is None else (problem.is_adv_label(alone.argmax(1)) & valid).tolist()
             results[name] = (clean_ok.tolist(), adv.tolist(), audit)

@@ -1,0 +1,62 @@
+"""A sample's clean verdict (is it classified correctly? then it is attacked and counted) depends on the image only,
+not on the batch it was checked in: on a GPU an image's logits move slightly with the batch size, and near a tie
+the class can flip. The clean checks forward in calls of one shape (``family.audit_logits``: alone on a CPU), so
+which samples a run attacks and counts, and its clean accuracy, do not depend on ``batch_size``."""
+import torch
+from torch import nn
+
+from attack_utils import build, run_query
+from blackboxbench.runner import run_tensors
+
+EPS = 2 / 255
+
+
+class NearTie(nn.Module):
+    """Two classes: class 1 iff the image's mean is below 0.5, and in a call of more than one image class 0's logit
+    is 2e-4 higher (a batch-dependent kernel, exaggerated): an image whose mean is within 2e-4 below 0.5 is
+    correct alone and wrong in a batch."""
+
+    def forward(self, x):
+        s = x.flatten(1).mean(1)
+        return torch.stack([s + (2e-4 if x.shape[0] > 1 else 0.0), 1 - s], 1)
+
+
+def near_tie_images(n=6):
+    """``n`` 3x4x4 images on the uint8 grid, label 1: image 0's mean sits 8e-5 below 0.5 (a near tie), the others are
+    dark (far from the boundary)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(20, 60, (n, 3, 4, 4), generator=g).float()
+    flat = torch.full((48,), 127.0)
+    flat[:24] = 128.0
+    flat[0] = 127.0  # sum 6119 of 6120 = 0.5 * 255 * 48
+    x[0] = flat.view(3, 4, 4)
+    return x / 255, torch.ones(n, dtype=torch.long)
+
+
+def test_the_near_tie_model_flips_with_the_batch():
+    x, y = near_tie_images()
+    m = NearTie()
+    with torch.no_grad():
+        assert int(m(x[:1]).argmax(1)) == 1 and int(m(x).argmax(1)[0]) == 0
+        assert (torch.cat([m(x[i:i + 1]) for i in range(len(x))]).argmax(1) == y).all()
+
+
+def test_a_query_runs_clean_checks_do_not_depend_on_the_batch_size():
+    x, y = near_tie_images()
+    seen = {}
+    for slots in (1, 3, 6):
+        _, res = run_query("square_linf", NearTie(), x, y, EPS, "linf", budget=20, num_classes=2, slots=slots)
+        seen[slots] = [(r["clean_correct"], r["attacked"]) for r in res.records]
+    assert seen[1] == seen[3] == seen[6], seen
+    assert seen[6][0] == (True, True)  # image 0 is correct alone: attacked at every batch size
+
+
+def test_a_transfer_targets_clean_verdicts_do_not_depend_on_the_batch_size():
+    x, y = near_tie_images()
+    attack, t = build("i_fgsm", "linf", eps=EPS, iterations=2)
+    seen = {}
+    for slots in (1, 3, 6):
+        records = run_tensors(attack, t, x, y, {"surrogates": [NearTie()], "targets": [NearTie()]}, slots=slots,
+                              num_classes=2)
+        seen[slots] = [r["targets"]["targets[0]"]["clean_correct"] for r in records]
+    assert seen[1] == seen[3] == seen[6] and seen[6][0], seen
