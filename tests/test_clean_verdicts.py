@@ -60,3 +60,27 @@ def test_a_transfer_targets_clean_verdicts_do_not_depend_on_the_batch_size():
                               num_classes=2)
         seen[slots] = [r["targets"]["targets[0]"]["clean_correct"] for r in records]
     assert seen[1] == seen[3] == seen[6] and seen[6][0], seen
+
+
+def test_a_randomized_transfer_target_draws_its_clean_verdict_first():
+    """Behind a randomized defense a transfer target's verdicts are draws from its own evaluation streams, the clean
+    image's first, then the returned image's: the records equal a defended copy answering in that order (they
+    would not with the two forwards swapped, which changes every sample's draws)."""
+    from blackboxbench.defense import DefendedTarget, build_defenses, defense_streams, label, target_salt
+    from blackboxbench.prep.models import build_model
+    from blackboxbench.registry import DATASET
+
+    data = DATASET.get("digits")(None, n=12)
+    surrogate, target = build_model("digits_cnn"), build_model("digits_mlp")
+    defenses = build_defenses([{"name": "rnd", "sigma": 0.4}])
+    attack, t = build("i_fgsm", "linf", eps=0.1, iterations=2)
+    records = run_tensors(attack, t, data.x, data.y, {"surrogates": [surrogate], "targets": [target]},
+                          names={"surrogates": ["s"], "targets": ["t"]}, defenses={"targets": [defenses]})
+    streams = defense_streams(0, len(data.y), torch.device("cpu"), target_salt(f"t={label(defenses, 't')}"))
+    copy, who = DefendedTarget(target, defenses, streams), torch.arange(len(data.y))
+    clean = (copy(data.x, who).argmax(1) == data.y).tolist()
+    x_adv = torch.stack([r["x_adv"] for r in records])
+    adv = (copy(x_adv, who).argmax(1) != data.y).tolist()
+    assert [r["targets"]["t"]["clean_correct"] for r in records] == clean
+    assert [r["targets"]["t"]["success"] for r in records] == adv
+    assert all(r["targets"]["t"]["audit_adv"] is None for r in records)
