@@ -43,9 +43,10 @@ def test_keep_freed_memory_stops_the_page_faults_of_repeated_large_allocations()
     applied, kept, big_kept = _child("keep")
     _, default, _ = _child("default")
     assert applied == "True"
-    # default glibc hands much of each step's activations back and faults them in again (about 48 K faults in 5
-    # steps here); kept: 0.5-2.5 K after warm-up
-    assert default > 20_000 and kept < default / 5
+    # default glibc hands much of each step's activations back and faults them in again (14-49 K faults in 5 steps
+    # on the machines measured: the CI replica of 2026-12-05 saw 14 K, failing an earlier floor of 20 K); kept:
+    # 0.5-2.5 K after warm-up
+    assert default > 8_000 and kept < default / 3, (kept, default)
     # a 64 MiB block (above the 32 MiB threshold) is mapped and given back when freed, not kept in the heap
     assert big_kept < 16
 
