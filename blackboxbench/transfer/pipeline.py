@@ -300,13 +300,12 @@ class TransferWorker(WholeBatchWorker):
         for (name, m), defended in zip(self.targets, self.defended):
             logits = partial(forward_logits, m, name=name) if defended is None else \
                 (lambda z, d=defended, n=name: forward_logits(lambda v: d(v, who), z, n, chunk=z.shape[0] or 1))
-            # the clean verdict and the audit: calls of one shape, an image's answer its own (behind a defense the
-            # answers are draws, clean first: the batch's clean verdict, no audit)
-            clean = logits(x) if defended is not None else audit_logits(m, x, name, self.audit_size)
-            clean_ok = clean.argmax(1) == y
+            if defended is None:  # the clean verdict and the audit: calls of one shape, an image's answer its own
+                alone = audit_logits(m, torch.cat([x, x_adv]), name, self.audit_size).argmax(1)
+                clean_ok, audit = alone[:n] == y, (problem.is_adv_label(alone[n:]) & valid).tolist()
+            else:  # draws from the target's evaluation streams, the clean images first; no audit
+                clean_ok, audit = logits(x).argmax(1) == y, [None] * n
             adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
-            alone = None if defended is not None else audit_logits(m, x_adv, name, self.audit_size)
-            audit = [None] * n if alone is None else (problem.is_adv_label(alone.argmax(1)) & valid).tolist()
             results[name] = (clean_ok.tolist(), adv.tolist(), audit)
         per = (time.perf_counter() - t0) / len(index)
         images = to_uint8(x_adv) if run.save_adv else None
