@@ -34,6 +34,7 @@ import torch
 
 from .config import check_spec, spec_to_dict
 from .errors import BenchError
+from .family import audit_logits
 from .registry import DEFENSE, MODEL
 from .rng import MASK, Streams, mix64_int
 
@@ -278,24 +279,32 @@ def label(defenses, model_spec=None):
 
 class DefendedTarget:
     """A model behind a list of defenses, answering queries per sample: ``target(x, who)`` with ``who`` (m,) the
-    sample of each row (its randomness comes from ``streams``, the defender's or the evaluation's). The model
-    is forwarded in chunks of ``chunk`` images; the defenses see the whole call."""
+    sample of each row (its randomness comes from ``streams``, the defender's or the evaluation's). The defenses
+    see the whole call (each answers every row on its own: a row's draws come from its sample's stream). The model
+    is forwarded in chunks of ``chunk`` images (the attacker's queries, like an undefended target's), or, given
+    ``size``, in calls of exactly ``size`` images (:func:`~blackboxbench.family.audit_logits`; ``name`` names the
+    model in its error): an evaluation's answer for an image then depends on the image and its draw only, not on
+    the images evaluated with it, whose number moves logits slightly on a GPU."""
 
-    def __init__(self, model, defenses, streams, chunk=128):
+    def __init__(self, model, defenses, streams, chunk=128, size=None, name="the defended model"):
         self.model, self.defenses, self.streams, self.chunk = model, list(defenses), streams, chunk
+        self.size, self.name = size, name
         self.randomized = any(d.randomized for d in self.defenses)
 
     def __str__(self):
         return "+".join(str(d) for d in self.defenses)
 
     def _forward(self, x):
+        if self.size:
+            return audit_logits(self.model, x, self.name, self.size)
         if x.shape[0] <= self.chunk:
             return self.model(x).float()
         return torch.cat([self.model(x[i:i + self.chunk]).float() for i in range(0, x.shape[0], self.chunk)])
 
-    def with_streams(self, streams):
-        """The same defended model drawing from other streams (e.g. the evaluation streams)."""
-        return DefendedTarget(self.model, self.defenses, streams, self.chunk)
+    def with_streams(self, streams, size=None, name=None):
+        """The same defended model drawing from other streams (e.g. the evaluation streams); ``size``: its
+        forwards in calls of that many images (an evaluation's, see the class)."""
+        return DefendedTarget(self.model, self.defenses, streams, self.chunk, size, name or self.name)
 
     def __call__(self, x, who):
         rng = RowStreams(self.streams, who)

@@ -2,6 +2,7 @@
 not on the batch it was checked in: on a GPU an image's logits move slightly with the batch size, and near a tie
 the class can flip. The clean checks forward in calls of one shape (``family.audit_logits``: alone on a CPU), so
 which samples a run attacks and counts, and its clean accuracy, do not depend on ``batch_size``."""
+import pytest
 import torch
 from torch import nn
 
@@ -77,10 +78,69 @@ def test_a_randomized_transfer_target_draws_its_clean_verdict_first():
     records = run_tensors(attack, t, data.x, data.y, {"surrogates": [surrogate], "targets": [target]},
                           names={"surrogates": ["s"], "targets": ["t"]}, defenses={"targets": [defenses]})
     streams = defense_streams(0, len(data.y), torch.device("cpu"), target_salt(f"t={label(defenses, 't')}"))
-    copy, who = DefendedTarget(target, defenses, streams), torch.arange(len(data.y))
+    copy, who = DefendedTarget(target, defenses, streams, size=1), torch.arange(len(data.y))
     clean = (copy(data.x, who).argmax(1) == data.y).tolist()
     x_adv = torch.stack([r["x_adv"] for r in records])
     adv = (copy(x_adv, who).argmax(1) != data.y).tolist()
     assert [r["targets"]["t"]["clean_correct"] for r in records] == clean
     assert [r["targets"]["t"]["success"] for r in records] == adv
     assert all(r["targets"]["t"]["audit_adv"] is None for r in records)
+
+
+# Behind a defense the verdicts not made by the attack (a query run's clean accuracy under the defense and its
+# re-evaluation of the returned image, a transfer target's clean and adversarial verdicts) are draws from
+# evaluation streams; the defended model answers them in the audit's calls of one shape too. `rnd` at sigma 0 (a
+# randomized defense: majority draws) and `aaa_linear` with no steps (a deterministic one) leave the near-tie
+# model's logits as they are: what moves its class is the batch.
+DEFENSES = [[{"name": "rnd", "sigma": 0.0}], [{"name": "aaa_linear", "iterations": 0}]]
+
+
+def _defended(specs, n, size):
+    from blackboxbench.defense import EVAL_SALT, DefendedTarget, build_defenses, defense_streams
+
+    streams = defense_streams(0, n, torch.device("cpu"), EVAL_SALT)
+    return DefendedTarget(NearTie(), build_defenses(specs), streams, size=size)
+
+
+@pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
+def test_a_defended_evaluation_answers_each_image_as_alone(specs):
+    from blackboxbench.defense import majority_adv
+
+    x, y = near_tie_images()
+    who = torch.arange(len(y))
+    batched, alone = _defended(specs, len(y), None), _defended(specs, len(y), 1)
+    assert int(batched(x, who).argmax(1)[0]) == 0  # the fixture: in a batch the near tie flips
+    assert (alone(x, who).argmax(1) == y).all() and int(alone(x[:1], who[:1]).argmax(1)) == 1
+    is_adv = lambda labels: labels != y[:len(labels)]  # noqa: E731
+    adv, votes = majority_adv(alone, x, who, is_adv, 5)
+    assert not adv.any() and votes.tolist() == [0] * len(y)
+
+
+@pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
+def test_a_defended_query_runs_clean_verdicts_do_not_depend_on_the_batch_size(specs):
+    from blackboxbench.defense import build_defenses
+
+    x, y = near_tie_images()
+    attack, t = build("square_linf", "linf", eps=EPS, max_queries=20)
+    seen = {}
+    for slots in (1, 3, 6):
+        records = run_tensors(attack, t, x, y, {"model": [NearTie()]}, slots=slots, num_classes=2,
+                              defenses={"model": [build_defenses(specs)]})
+        seen[slots] = [r["clean_correct_defended"] for r in records]
+    assert seen[1] == seen[3] == seen[6] == [True] * len(y), seen
+
+
+@pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
+def test_a_defended_transfer_targets_verdicts_do_not_depend_on_the_batch_size(specs):
+    from blackboxbench.defense import build_defenses
+
+    x, y = near_tie_images()
+    attack, t = build("i_fgsm", "linf", eps=EPS, iterations=2)
+    seen = {}
+    for slots in (1, 3, 6):
+        records = run_tensors(attack, t, x, y, {"surrogates": [NearTie()], "targets": [NearTie()]}, slots=slots,
+                              num_classes=2, defenses={"targets": [build_defenses(specs)]})
+        seen[slots] = [(r["targets"]["targets[0]"]["clean_correct"], r["targets"]["targets[0]"]["success"])
+                       for r in records]
+    assert seen[1] == seen[3] == seen[6], seen
+    assert seen[6][0][0], seen

@@ -37,7 +37,8 @@ picks the samples to attack stays on the undefended model, so every defense of a
 a record also holds ``clean_correct_defended`` (one answer of the defended model, drawn from the evaluation
 streams). The audit is the *undefended* re-evaluation of the returned image; ``reeval_adv`` is the *defended* one:
 the majority of :data:`~blackboxbench.defense.REEVAL_DRAWS` independent answers of a randomized defense (one of a
-deterministic one), from the evaluation streams, never counted as queries. **EOT** (``attack: {hyper: {eot: k}}``)
+deterministic one), from the evaluation streams, never counted as queries; both forward the defended model in the
+audit's calls of one shape. **EOT** (``attack: {hyper: {eot: k}}``)
 sends k queries per logical evaluation and aggregates them (:class:`~blackboxbench.oracle.Oracle`).
 """
 import time
@@ -165,7 +166,8 @@ class QueryWorker:
         self.defended = DefendedTarget(self.model, defenses, defense_streams(seed, n, self.device)) \
             if defenses else None
         self.evaluator = None if self.defended is None else \
-            self.defended.with_streams(defense_streams(seed, n, self.device, EVAL_SALT))
+            self.defended.with_streams(defense_streams(seed, n, self.device, EVAL_SALT), self.audit_size,
+                                       self.model_name)
         self.oracle = Oracle(self.model, n, t["max_queries"], data.num_classes, t["feedback"],
                              data.x.shape[1:], name=self.model_name, defense=self.defended, eot=self.attack.eot,
                              device=self.device, randomized=self.model_name in run.randomized)

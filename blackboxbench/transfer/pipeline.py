@@ -225,18 +225,20 @@ class TransferWorker(WholeBatchWorker):
         self.run, self.attack, self.threat = run, run.attack, run.threat
         self.surrogates = run.models["surrogates"]
         self.targets = list(zip(run.model_names["targets"], run.models["targets"]))
+        self.audit_size = audit_call_size(run.fixed_batch, run.device)
         # A target's defenses (its spec's ``defense``) wrap it, drawing per sample from evaluation streams of that
-        # target's own (keyed by its name and defenses), whatever targets come before it.
+        # target's own (keyed by its name and defenses), whatever targets come before it; its model answers in
+        # the audit's calls of one shape, so that a verdict does not depend on the images evaluated with it.
         per = run.defenses.get("targets") or [[] for _ in self.targets]
         self.labels = [label(ds, name.split("+")[0]) for (name, _), ds in zip(self.targets, per)]
         n, seed = len(run.data.y), run.streams.seed
-        self.defended = [DefendedTarget(m, ds, defense_streams(seed, n, run.device, target_salt(f"{name}={lab}")))
+        self.defended = [DefendedTarget(m, ds, defense_streams(seed, n, run.device, target_salt(f"{name}={lab}")),
+                                        size=self.audit_size, name=name)
                          if ds else None for (name, m), ds, lab in zip(self.targets, per, self.labels)]
         self.pool = Pool(run.data.x.clone(), run.data.y.clone())  # the blocks' copy: writing to it changes no sample
         base = BlockContext(problem=None, rng=run_stream(run.streams.seed, run.device, REFINE_SALT),
                             surrogates=tuple(self.surrogates), assets=run.assets, pool=self.pool)
         self.model = self.attack.refine(base, list(self.surrogates))
-        self.audit_size = audit_call_size(run.fixed_batch, run.device)
         super().__init__()
 
     def _parts(self, n):
@@ -303,7 +305,7 @@ class TransferWorker(WholeBatchWorker):
             if defended is None:  # the clean verdict and the audit: calls of one shape, an image's answer its own
                 alone = audit_logits(m, torch.cat([x, x_adv]), name, self.audit_size).argmax(1)
                 clean_ok, audit = alone[:n] == y, (problem.is_adv_label(alone[n:]) & valid).tolist()
-            else:  # draws from the target's evaluation streams, the clean images first; no audit
+            else:  # draws from the target's evaluation streams (calls of one shape), the clean images first
                 clean_ok, audit = logits(x).argmax(1) == y, [None] * n
             adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
             results[name] = (clean_ok.tolist(), adv.tolist(), audit)
