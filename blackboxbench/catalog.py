@@ -3,7 +3,7 @@ inside the installed package (``blackboxbench/_catalogs/``)."""
 from pathlib import Path
 
 from .errors import BenchError
-from .registry import close_matches
+from .registry import name_hint
 
 _PKG = Path(__file__).resolve().parent
 KINDS = ("attacks", "defenses", "analysis")
@@ -34,5 +34,5 @@ def find(name, kind="attacks"):
     found = entries(kind)
     if name not in found:
         raise BenchError(f"unknown {SINGULAR.get(kind, kind)} recipe '{name}'"
-                         f"{close_matches(name, found)}")
+                         f"{name_hint(name, found, f'blackboxbench list {kind}')}")
     return found[name]

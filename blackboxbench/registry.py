@@ -46,6 +46,16 @@ def close_matches(name, choices):
     return f" (did you mean: {', '.join(hits)}?)" if hits else ""
 
 
+def name_hint(name, choices, listing):
+    """What an error for an unknown ``name`` adds: close matches, else the names themselves where they are few,
+    else the command ``listing`` that lists them."""
+    choices = sorted(str(c) for c in choices)
+    hint = close_matches(name, choices)
+    if hint:
+        return hint
+    return f" (known: {', '.join(choices)})" if len(choices) <= 12 else f" (`{listing}` lists them)"
+
+
 # ---------------------------------------------------------------- parameter ranges
 
 _INTERVAL = re.compile(r"(?:(int|odd|list|arch)\s+)?([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])")
@@ -176,7 +186,8 @@ class Registry:
 
     def get(self, name):
         if not isinstance(name, str) or name not in self._entries:
-            raise BenchError(f"unknown {self.kind} '{name}'{close_matches(name, self._entries)}")
+            raise BenchError(f"unknown {self.kind} '{name}'"
+                             f"{name_hint(name, self._entries, 'blackboxbench list blocks')}")
         return self._entries[name]
 
     def names(self):

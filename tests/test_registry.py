@@ -39,6 +39,24 @@ def test_unknown_lists_close_matches():
         reg.get("square_lnf")
 
 
+def test_unknown_without_close_matches_names_the_known_ones_or_the_listing():
+    from blackboxbench.catalog import find
+
+    few, many = Registry("thing"), Registry("thing")
+    for name in ("rnd", "jpeg"):
+        few.register(name)(lambda: None)
+    for i in range(20):
+        many.register(f"block{i}")(lambda: None)
+    with pytest.raises(BenchError, match=r"unknown thing 'zzz' \(known: jpeg, rnd\)$"):
+        few.get("zzz")
+    with pytest.raises(BenchError, match=r"unknown thing 'zzz' \(`blackboxbench list blocks` lists them\)$"):
+        many.get("zzz")
+    with pytest.raises(BenchError, match=r"unknown attack recipe 'zzz' \(`blackboxbench list attacks` lists them\)$"):
+        find("zzz")
+    with pytest.raises(BenchError, match=r"unknown analysis recipe 'zzz' \(known: adm, aev_bar, .*, path_tsne\)$"):
+        find("zzz", "analysis")
+
+
 def test_params_are_keyword_only_and_checked():
     def block(problem, state, *, p_init=0.05, size):
         pass
