@@ -242,3 +242,19 @@ def test_the_audit_forwards_on_the_shared_model_itself():
     with torch.no_grad():
         assert torch.equal(audit_logits(shared.member(1), x, "m", 1), torch.cat([model(v[None]) for v in x]))
     assert shared.asks == [0, 0] and shared.rounds == 0
+
+
+def test_a_defended_evaluation_forwards_on_the_shared_model_itself():
+    """A defended run's evaluations (its clean accuracy under the defense, its re-evaluation of the returned image)
+    go through ``audit_logits`` too: on the shared model itself, never through the group's rounds."""
+    from blackboxbench.defense import EVAL_SALT, DefendedTarget, build_defenses, defense_streams
+
+    model = nn.Linear(4, 3)
+    shared = SharedForward(model, 2, 256)
+    x = torch.randint(0, 256, (5, 4)) / 255  # on the uint8 grid: AAA's input quantization keeps it
+    streams = defense_streams(0, 5, torch.device("cpu"), EVAL_SALT)
+    evaluator = DefendedTarget(shared.member(1), build_defenses([{"name": "aaa_linear", "iterations": 0}]), streams,
+                               size=1)
+    with torch.no_grad():
+        assert torch.equal(evaluator(x, torch.arange(5)), torch.cat([model(v[None]) for v in x]))
+    assert shared.asks == [0, 0] and shared.rounds == 0
