@@ -116,31 +116,29 @@ def test_a_defended_evaluation_answers_each_image_as_alone(specs):
     assert not adv.any() and votes.tolist() == [0] * len(y)
 
 
-@pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
-def test_a_defended_query_runs_clean_verdicts_do_not_depend_on_the_batch_size(specs):
+def _verdicts_at_batch_sizes(specs, recipe, models, key, read, **kw):
+    """``read(record)`` for every record of ``recipe`` on the near-tie images, the ``key`` models behind ``specs``,
+    at ``batch_size`` 1, 3 and 6."""
     from blackboxbench.defense import build_defenses
 
     x, y = near_tie_images()
-    attack, t = build("square_linf", "linf", eps=EPS, max_queries=20)
-    seen = {}
-    for slots in (1, 3, 6):
-        records = run_tensors(attack, t, x, y, {"model": [NearTie()]}, slots=slots, num_classes=2,
-                              defenses={"model": [build_defenses(specs)]})
-        seen[slots] = [r["clean_correct_defended"] for r in records]
-    assert seen[1] == seen[3] == seen[6] == [True] * len(y), seen
+    attack, t = build(recipe, "linf", eps=EPS, **kw)
+    return {slots: [read(r) for r in run_tensors(attack, t, x, y, models, slots=slots, num_classes=2,
+                                                 defenses={key: [build_defenses(specs)]})]
+            for slots in (1, 3, 6)}
+
+
+@pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
+def test_a_defended_query_runs_clean_verdicts_do_not_depend_on_the_batch_size(specs):
+    seen = _verdicts_at_batch_sizes(specs, "square_linf", {"model": [NearTie()]}, "model",
+                                    lambda r: r["clean_correct_defended"], max_queries=20)
+    assert seen[1] == seen[3] == seen[6] == [True] * 6, seen
 
 
 @pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
 def test_a_defended_transfer_targets_verdicts_do_not_depend_on_the_batch_size(specs):
-    from blackboxbench.defense import build_defenses
-
-    x, y = near_tie_images()
-    attack, t = build("i_fgsm", "linf", eps=EPS, iterations=2)
-    seen = {}
-    for slots in (1, 3, 6):
-        records = run_tensors(attack, t, x, y, {"surrogates": [NearTie()], "targets": [NearTie()]}, slots=slots,
-                              num_classes=2, defenses={"targets": [build_defenses(specs)]})
-        seen[slots] = [(r["targets"]["targets[0]"]["clean_correct"], r["targets"]["targets[0]"]["success"])
-                       for r in records]
+    seen = _verdicts_at_batch_sizes(specs, "i_fgsm", {"surrogates": [NearTie()], "targets": [NearTie()]}, "targets",
+                                    lambda r: (r["targets"]["targets[0]"]["clean_correct"],
+                                               r["targets"]["targets[0]"]["success"]), iterations=2)
     assert seen[1] == seen[3] == seen[6], seen
     assert seen[6][0][0], seen
