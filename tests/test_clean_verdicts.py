@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from attack_utils import build, run_query
+from attack_utils import build
+from blackboxbench.defense import build_defenses
 from blackboxbench.runner import run_tensors
 
 EPS = 2 / 255
@@ -42,24 +43,26 @@ def test_the_near_tie_model_flips_with_the_batch():
         assert (torch.cat([m(x[i:i + 1]) for i in range(len(x))]).argmax(1) == y).all()
 
 
-def test_a_query_runs_clean_checks_do_not_depend_on_the_batch_size():
+def _verdicts_at_batch_sizes(recipe, models, read, defenses=None, **kw):
+    """``read(record)`` for every record of ``recipe`` on the near-tie images (``defenses``: run_tensors' argument),
+    at ``batch_size`` 1, 3 and 6."""
     x, y = near_tie_images()
-    seen = {}
-    for slots in (1, 3, 6):
-        _, res = run_query("square_linf", NearTie(), x, y, EPS, "linf", budget=20, num_classes=2, slots=slots)
-        seen[slots] = [(r["clean_correct"], r["attacked"]) for r in res.records]
+    attack, t = build(recipe, "linf", eps=EPS, **kw)
+    return {slots: [read(r) for r in run_tensors(attack, t, x, y, models, slots=slots, num_classes=2,
+                                                 defenses=defenses)]
+            for slots in (1, 3, 6)}
+
+
+def test_a_query_runs_clean_checks_do_not_depend_on_the_batch_size():
+    seen = _verdicts_at_batch_sizes("square_linf", {"model": [NearTie()]},
+                                    lambda r: (r["clean_correct"], r["attacked"]), max_queries=20)
     assert seen[1] == seen[3] == seen[6], seen
     assert seen[6][0] == (True, True)  # image 0 is correct alone: attacked at every batch size
 
 
 def test_a_transfer_targets_clean_verdicts_do_not_depend_on_the_batch_size():
-    x, y = near_tie_images()
-    attack, t = build("i_fgsm", "linf", eps=EPS, iterations=2)
-    seen = {}
-    for slots in (1, 3, 6):
-        records = run_tensors(attack, t, x, y, {"surrogates": [NearTie()], "targets": [NearTie()]}, slots=slots,
-                              num_classes=2)
-        seen[slots] = [r["targets"]["targets[0]"]["clean_correct"] for r in records]
+    seen = _verdicts_at_batch_sizes("i_fgsm", {"surrogates": [NearTie()], "targets": [NearTie()]},
+                                    lambda r: r["targets"]["targets[0]"]["clean_correct"], iterations=2)
     assert seen[1] == seen[3] == seen[6] and seen[6][0], seen
 
 
@@ -67,7 +70,7 @@ def test_a_randomized_transfer_target_draws_its_clean_verdict_first():
     """Behind a randomized defense a transfer target's verdicts are draws from its own evaluation streams, the clean
     image's first, then the returned image's: the records equal a defended copy answering in that order (they
     would not with the two forwards swapped, which changes every sample's draws)."""
-    from blackboxbench.defense import DefendedTarget, build_defenses, defense_streams, label, target_salt
+    from blackboxbench.defense import DefendedTarget, defense_streams, label, target_salt
     from blackboxbench.prep.models import build_model
     from blackboxbench.registry import DATASET
 
@@ -96,7 +99,7 @@ DEFENSES = [[{"name": "rnd", "sigma": 0.0}], [{"name": "aaa_linear", "iterations
 
 
 def _defended(specs, n, size):
-    from blackboxbench.defense import EVAL_SALT, DefendedTarget, build_defenses, defense_streams
+    from blackboxbench.defense import EVAL_SALT, DefendedTarget, defense_streams
 
     streams = defense_streams(0, n, torch.device("cpu"), EVAL_SALT)
     return DefendedTarget(NearTie(), build_defenses(specs), streams, size=size)
@@ -116,29 +119,18 @@ def test_a_defended_evaluation_answers_each_image_as_alone(specs):
     assert not adv.any() and votes.tolist() == [0] * len(y)
 
 
-def _verdicts_at_batch_sizes(specs, recipe, models, key, read, **kw):
-    """``read(record)`` for every record of ``recipe`` on the near-tie images, the ``key`` models behind ``specs``,
-    at ``batch_size`` 1, 3 and 6."""
-    from blackboxbench.defense import build_defenses
-
-    x, y = near_tie_images()
-    attack, t = build(recipe, "linf", eps=EPS, **kw)
-    return {slots: [read(r) for r in run_tensors(attack, t, x, y, models, slots=slots, num_classes=2,
-                                                 defenses={key: [build_defenses(specs)]})]
-            for slots in (1, 3, 6)}
-
-
 @pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
 def test_a_defended_query_runs_clean_verdicts_do_not_depend_on_the_batch_size(specs):
-    seen = _verdicts_at_batch_sizes(specs, "square_linf", {"model": [NearTie()]}, "model",
-                                    lambda r: r["clean_correct_defended"], max_queries=20)
+    seen = _verdicts_at_batch_sizes("square_linf", {"model": [NearTie()]}, lambda r: r["clean_correct_defended"],
+                                    {"model": [build_defenses(specs)]}, max_queries=20)
     assert seen[1] == seen[3] == seen[6] == [True] * 6, seen
 
 
 @pytest.mark.parametrize("specs", DEFENSES, ids=lambda s: s[0]["name"])
 def test_a_defended_transfer_targets_verdicts_do_not_depend_on_the_batch_size(specs):
-    seen = _verdicts_at_batch_sizes(specs, "i_fgsm", {"surrogates": [NearTie()], "targets": [NearTie()]}, "targets",
+    seen = _verdicts_at_batch_sizes("i_fgsm", {"surrogates": [NearTie()], "targets": [NearTie()]},
                                     lambda r: (r["targets"]["targets[0]"]["clean_correct"],
-                                               r["targets"]["targets[0]"]["success"]), iterations=2)
+                                               r["targets"]["targets[0]"]["success"]),
+                                    {"targets": [build_defenses(specs)]}, iterations=2)
     assert seen[1] == seen[3] == seen[6], seen
     assert seen[6][0][0], seen
