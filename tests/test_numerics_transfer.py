@@ -3,11 +3,11 @@ GPU a model's logits for one image move slightly with the batch it is forwarded 
 shape, TF32); tests/test_numerics.py checks the query recipes, tests/test_numerics_detection.py the detection
 family.
 
-A transfer record says per target whether the returned image fools it: the target's forward of the batch's
-returned uint8 images (its clean check, ``clean_correct``, is the same forward of the clean images, so both see
-one batch composition). That verdict is one forward among others the image could get: the worker also forwards
-each returned image alone, an audit (``audit_adv`` per target), and a disagreement is flagged and counted in the
-summary (``n_audit_disagree``), as the query family's audit, never turned into a success or a failure.
+A transfer record says per target whether the returned image fools it (``success``) and whether the clean one is
+classified correctly (``clean_correct``, which decides whether the sample counts for that target). Both verdicts
+come from the target's forward in calls of one shape (alone on a CPU), so they depend on the image only, not on
+the batch it was evaluated in. Until 2026-12-05 (twenty-sixth session) ``success`` was the forward of the whole
+batch, and a second forward alone, the audit ``audit_adv``, was flagged where it disagreed.
 
 Each recipe runs at its first native norm, untargeted, on the first ``N`` test digits, through the contract's
 experiment (tests/test_contract.py: surrogate, learned assets) with ``ITERATIONS`` steps of eps / ``ITERATIONS``,
@@ -15,7 +15,7 @@ against a copy of its surrogate wrapped in :class:`attack_utils.Jitter` (logits 
 factor, relative 1e-3): 3 to 8 of the 8 digits fooled (measured 2026-12-05; the smallest relative top-2 margin of
 a returned image, 0.009, is far above the jitter). Every recorded success must still be a misclassification when
 its returned image is forwarded alone and inside a batch of another size, the target's clean check must be the
-clean image's verdict alone, and the audit must be exactly the forward alone."""
+clean image's verdict alone, and every verdict must be exactly the forward alone."""
 import json
 from pathlib import Path
 
@@ -99,9 +99,7 @@ def test_transfer_successes_survive_batch_dependent_logits(tmp_path, name, norm)
     assert among[success].all(), f"not adversarial in a batch of {OTHER_BATCH}: {(success & ~among).nonzero()}"
     with torch.no_grad():  # the target's clean check: the clean images' verdict, alone as in the batch
         assert torch.equal(clean_ok, torch.cat([model(x[i:i + 1]).argmax(1) for i in range(N)]) == y)
-    # the audit is the forward alone; its disagreements are counted, never folded into the ASR
-    assert [v["audit_adv"] for v in verdict] == alone.tolist()
-    assert summary["n_audit_disagree"] == sum(v["audit_adv"] != v["success"] for v in verdict) == 0
+    assert success.tolist() == alone.tolist() and summary["n_audit_disagree"] == 0  # the verdict: the image alone
     assert summary["per_target"][TARGET]["asr"] == (success & clean_ok).sum().item() / clean_ok.sum().item()
     assert success.sum() >= N // 4, "too few successes to check"  # 3 to 8 of 8 measured (2026-12-05)
 
@@ -124,20 +122,21 @@ def test_fixed_batch_transfer_records_do_not_depend_on_the_batch_size(tmp_path, 
     assert runs[0][1]["n_audit_disagree"] == 0  # the audit, through the wrapper too, agrees
 
 
-def test_transfer_audit_flags_verdicts_that_move_with_the_batch(tmp_path):
+def test_transfer_verdicts_do_not_move_with_the_batch(tmp_path):
     """An exaggerated jitter (relative 0.02) on a target near its boundary (I-FGSM at Linf 0.08, 32 digits,
-    white-box: 8 fooled): the verdict of the batch of 32 and that of one returned image alone disagree for one
-    image. The audit is that forward alone; its disagreements are flagged and counted, and the ASR stays the
-    batch's verdicts (measured: 8 of 32 fooled in the batch, 9 alone: image 6; at batch_size 1 the run records
-    9 and its audit agrees)."""
+    white-box): in a batch of 32 the target reads 8 returned images as misclassified, alone 9 (image 6). The
+    record's verdict is the image's alone, at batch size 32 as at 1 (before 2026-12-05, twenty-sixth session, the
+    batch's: 8 at 32, 9 at 1)."""
     n, rel = 32, 0.02
-    run_dir, summary, records = _run(tmp_path, "i_fgsm", "linf", rel=rel, batch_size=n, n=n, eps=0.08)
-    data = digits(n=n)
-    x_adv = returned_images(run_dir, records, data.x)
-    alone, _ = _verdicts(digits_jitter(rel=rel), x_adv, data.x, data.y, n)
-    verdict = [r["targets"][TARGET] for r in records]
-    success = torch.tensor([v["success"] for v in verdict])
-    assert [v["audit_adv"] for v in verdict] == alone.tolist()
-    assert summary["n_audit_disagree"] == summary["per_target"][TARGET]["n_audit_disagree"] == \
-        int((success != alone).sum()) > 0
-    assert summary["asr"] == success.sum().item() / sum(v["clean_correct"] for v in verdict)
+    seen = []
+    for batch_size in (n, 1):
+        run_dir, summary, records = _run(tmp_path, "i_fgsm", "linf", rel=rel, batch_size=batch_size, n=n, eps=0.08)
+        data = digits(n=n)
+        x_adv = returned_images(run_dir, records, data.x)
+        alone, among = _verdicts(digits_jitter(rel=rel), x_adv, data.x, data.y, n)
+        verdict = [r["targets"][TARGET] for r in records]
+        success = [v["success"] for v in verdict]
+        assert success == alone.tolist() and sum(success) == 9 and int((alone != among).sum()) > 0
+        assert summary["asr"] == sum(success) / sum(v["clean_correct"] for v in verdict)
+        seen.append(success)
+    assert seen[0] == seen[1]

@@ -36,15 +36,15 @@ to the eps ball and [0, 1] and quantized to uint8 inside it (``Problem.quantize`
 iterations, so a unit of work is one whole batch of ``batch_size`` samples; their random numbers come from their
 own streams, so a sample's result does not depend on the batch.
 
-**A target's verdict and its audit.** A record's ``targets[name]`` holds the target's verdicts on the clean image
-(``clean_correct``) and on the returned uint8 image (``success``, from the target's forward of the whole batch's
-images). On a GPU a model's answer moves slightly with the batch it is forwarded in (kernels chosen per shape), so
-the clean verdict, which decides whether a sample counts for that target, comes from calls of one shape
-(:func:`~blackboxbench.family.audit_logits`; alone on a CPU), whose rows are computed independently: it does not
-depend on ``batch_size``, as the query family's clean check. The worker also forwards each returned image so: an
-audit (``audit_adv``; None behind a defense, whose answers are draws, and whose clean verdict is the batch's), as
-the query family's. A disagreement is flagged on the record and counted in the summary (``n_audit_disagree``),
-never turned into a success or a failure.
+**A target's verdicts.** A record's ``targets[name]`` holds the target's verdicts on the clean image
+(``clean_correct``, which decides whether the sample counts for that target) and on the returned uint8 image
+(``success``). On a GPU a model's answer moves slightly with the batch it is forwarded in (kernels chosen per
+shape), so both come from calls of one shape (:func:`~blackboxbench.family.audit_logits`: alone on a CPU), whose
+rows are computed independently: a verdict depends on the image only, not on ``batch_size`` or the images
+evaluated with it. Behind a defense they are draws from the target's own evaluation streams, its model answering
+in the same calls of one shape. (Until 2026-12-06 ``success`` was the forward of the whole batch and a second
+forward, the audit ``audit_adv``, checked it alone; records written then still carry it, and the summary's
+``n_audit_disagree`` counts their disagreements.)
 """
 import time
 from dataclasses import dataclass, field
@@ -300,24 +300,21 @@ class TransferWorker(WholeBatchWorker):
         results = {}
         who = idx.to(dev)
         for (name, m), defended in zip(self.targets, self.defended):
-            logits = partial(forward_logits, m, name=name) if defended is None else \
+            # calls of one shape, an image's answer its own (behind a defense: draws from the target's evaluation
+            # streams, the clean images first)
+            logits = partial(audit_logits, m, name=name, size=self.audit_size) if defended is None else \
                 (lambda z, d=defended, n=name: forward_logits(lambda v: d(v, who), z, n, chunk=z.shape[0] or 1))
-            if defended is None:  # the clean verdict and the audit: calls of one shape, an image's answer its own
-                alone = audit_logits(m, torch.cat([x, x_adv]), name, self.audit_size).argmax(1)
-                clean_ok, audit = alone[:n] == y, (problem.is_adv_label(alone[n:]) & valid).tolist()
-            else:  # draws from the target's evaluation streams (calls of one shape), the clean images first
-                clean_ok, audit = logits(x).argmax(1) == y, [None] * n
+            clean_ok = logits(x).argmax(1) == y
             adv = problem.is_adv_label(logits(x_adv).argmax(1)) & valid
-            results[name] = (clean_ok.tolist(), adv.tolist(), audit)
+            results[name] = (clean_ok.tolist(), adv.tolist())
         per = (time.perf_counter() - t0) / len(index)
         images = to_uint8(x_adv) if run.save_adv else None
         final = to_uint8(x_adv) if every else None
         records, valid = base_records(index, y, target, correct), valid.tolist()
         for i, r in enumerate(records):
             r.update(attacked=bool(valid[i]), time=per, **{k: v[i] for k, v in metrics.items()},
-                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i]), "audit_adv": a[i],
-                                  "defense": lab}
-                              for (n, (c, s, a)), lab in zip(results.items(), self.labels)})
+                     targets={n: {"clean_correct": bool(c[i]), "success": bool(s[i]), "defense": lab}
+                              for (n, (c, s)), lab in zip(results.items(), self.labels)})
             if images is not None and valid[i]:
                 r["_image"] = images[i]
             if every and valid[i]:
