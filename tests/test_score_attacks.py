@@ -209,6 +209,48 @@ def test_side_schedule_is_the_p_schedule(n_iters):
                            square_side(p_schedule(0.05, it, n_iters), pixels, lo, hi))
 
 
+def test_square_side_rounds_to_the_nearest_integer():
+    """The window side is round(sqrt(p * pixels)) as in the authors' code (not its floor), then clamped:
+    sqrt(0.05 * 299^2) = 66.86 gives 67, sqrt(0.05 * 1024) = 7.16 gives 7, and the bounds apply."""
+    p = torch.tensor([0.05, 0.05, 0.5, 1e-4], dtype=torch.float64)
+    pixels = torch.tensor([299 * 299, 1024, 1024, 1024])
+    want = [round(math.sqrt(a * b)) for a, b in zip(p.tolist(), pixels.tolist())]
+    assert want == [67, 7, 23, 0]
+    assert square_side(p[:1], 299 * 299, 1, 298).tolist() == [67]
+    assert square_side(p[1:], 1024, 1, 20).tolist() == [7, 20, 1]
+
+
+def test_square_l2_window_side_is_odd_and_at_least_three(monkeypatch):
+    """Square L2 draws windows of odd side >= 3 (authors: s = max(round(sqrt(p * H * W)), 3), plus one if
+    even): on 32 x 32 images p 0.0625 gives sqrt(64) = 8, hence 9; p 0.05 gives 7; p 0.001 gives 1, hence 3."""
+    import blackboxbench.query.square as square
+
+    seen = []
+    step = square.l2_window_step
+    monkeypatch.setattr(square, "l2_window_step", lambda *a: seen.append(a[3].clone()) or step(*a))
+    x = 0.3 + 0.4 * torch.rand(2, 3, 32, 32)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
+    ctx = make_ctx(model, x, torch.zeros(2, dtype=torch.long), 1.0, "l2", 10_000)
+    state = INIT.get("square_init_l2")(ctx)
+    for p_init, side in [(0.0625, 9), (0.05, 7), (0.001, 3)]:
+        square.square_l2(ctx, state, p_init=p_init)
+        assert seen[-1].tolist() == [side, side], (p_init, seen[-1])
+
+
+def test_square_linf_init_is_vertical_stripes_per_channel():
+    """The Linf start is the paper's vertical stripes: every pixel at +-eps, one sign per (sample, channel,
+    column) shared by all rows, drawn independently per channel (so the channels' stripes differ)."""
+    n, c, h, w = 4, 3, 8, 8
+    x = torch.round((0.3 + 0.4 * torch.rand(n, c, h, w)) * 255) / 255
+    model = nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 10))
+    ctx = make_ctx(model, x, torch.zeros(n, dtype=torch.long), 8 / 255, "linf", 100)
+    sign = torch.sign(INIT.get("square_init_linf")(ctx)["x_adv"] - x)
+    assert (sign != 0).all()
+    assert torch.equal(sign, sign[:, :, :1].expand_as(sign))  # constant down each column
+    assert (sign[:, 0] != sign[:, 1]).any() and (sign[:, 1] != sign[:, 2]).any()  # channels drawn apart
+    assert (sign[:, :, 0] != sign[:, :, 0, :1]).any()  # columns drawn apart
+
+
 def test_simba_bases():
     c, h, w = 2, 4, 4
     coords = torch.arange(c * h * w)
