@@ -114,6 +114,37 @@ def test_bandits_prior_is_clamped_to_small_images():
     assert INIT.get("bandits_init")(ctx, prior_size=3)["prior"].shape == (2, 1, 3, 3)
 
 
+# ---------------------------------------------------------------- NES
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_nes_step_matches_a_per_sample_reference(norm):
+    """One ``nes`` step against a per-sample loop with the same draws: q antithetic pairs x +- fd_eta u (each probe
+    projected), g = sum_i [L(x + fd_eta u_i) - L(x - fd_eta u_i)] u_i / (2 q fd_eta), then a projected step
+    against g (Linf: its sign; L2: g over its own sample's L2 norm)."""
+    n, q, shape, eps = 4, 5, (2, 5, 5), {"linf": 0.015, "l2": 0.05}[norm]
+    model = linear_model(10, math.prod(shape), 7)
+    x = grid_images(n, shape, 8)
+    y = model(x).argmax(1)
+    ctx = make_ctx(model, x, y, eps, norm, 100)
+    g = torch.Generator().manual_seed(9)
+    x_cur = torch.stack([ref_project(x[i] + 0.01 * torch.randn(shape, generator=g), x[i], eps, norm)
+                         for i in range(n)])  # off-centre, so the projected probes of a pair are not symmetric
+    out = PERTURB.get("nes")(ctx, {"x_adv": x_cur}, q=q, fd_eta=0.01, lr=0.01)
+    assert ctx.oracle.counts.tolist() == [2 * q] * n
+    for i in range(n):
+        u = own_normal(0, n, i, (q, *shape))
+        pairs = [[ref_margin(model, ref_project(x_cur[i] + sgn * 0.01 * u[j], x[i], eps, norm), y[i])
+                  for sgn in (1, -1)] for j in range(q)]
+        g = sum((a - b) * u[j].double() for j, (a, b) in enumerate(pairs)) / (2 * q * 0.01)
+        if norm == "linf":
+            sure = g.abs() > 1e-4 * g.abs().max()
+            ref = ref_project(x_cur[i] - 0.01 * g.sign().float(), x[i], eps, norm)
+            assert torch.allclose(out[i][sure], ref[sure], atol=1e-6)
+        else:
+            ref = ref_project(x_cur[i] - 0.01 * (g / g.norm()).float(), x[i], eps, norm)
+            assert torch.allclose(out[i], ref, atol=1e-5)
+
+
 # ---------------------------------------------------------------- ZO-signSGD
 
 @pytest.mark.parametrize("norm", ["linf", "l2"])
