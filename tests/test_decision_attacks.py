@@ -4,6 +4,7 @@ A linear toy model (no data needed) checks convergence to a known boundary and t
 the real pretrained CIFAR-10 ResNet-20 checks success at the paper's budget (Table V), targeted runs and tiny
 budgets (skipped without the offline data).
 """
+import math
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,69 @@ def test_refused_start_is_not_found(toy):
     for name, norm in SETTINGS:
         _, res = run_query(name, model, x, y, 0.5, norm, budget=0)
         assert not res.success.any() and (res.queries == 0).all()
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_hsja_schedule_is_the_papers(toy, monkeypatch, norm):
+    """HSJA's per-iteration constants (reference code): theta = gamma / d^2 (Linf) or gamma / d^1.5 (L2); at
+    iteration t, min(init_num_evals * sqrt(t), max_num_evals) probes of size 0.1 at t = 1, else d theta dist_post
+    (Linf) or sqrt(d) theta dist_post (L2); the geometric step search starts at dist / sqrt(t)."""
+    from blackboxbench.query import hsja
+
+    model, x, y, _ = toy
+    n, d = len(x), x[0].numel()
+    ctx = make_ctx(model, x, y, 0.03, norm, 10_000, "label", num_classes=2)
+    state = hsja.hsja_init(ctx, gamma=2.0)
+    theta = 2.0 / (d ** 2 if norm == "linf" else d ** 1.5)
+    assert torch.allclose(state["theta"], torch.full((n,), theta, dtype=torch.float64))
+    seen = {}
+
+    def estimate(ctx, x_bd, num, delta, draw, balance=1.0):
+        seen.update(num=num.clone(), delta=delta.clone())
+        return torch.ones_like(x_bd) / math.sqrt(d), torch.zeros(n, dtype=torch.bool)
+
+    def step(ctx, x_bd, update, size, live):
+        seen["size"] = size.clone()
+        return x_bd, torch.zeros(n, dtype=torch.bool)
+
+    monkeypatch.setattr(hsja, "estimate_direction", estimate)
+    monkeypatch.setattr(hsja, "geometric_step", step)
+    monkeypatch.setattr(hsja, "to_boundary", lambda ctx, x_step, *a: (x_step, torch.zeros(n)))
+    dist, dist_post = torch.full((n,), 0.2), torch.full((n,), 0.3)
+    for it, num, delta in [(0, 100, 0.1), (3, 200, (d if norm == "linf" else math.sqrt(d)) * theta * 0.3),
+                           (399, 2000, None)]:
+        base = dict(state, x_bd=x.clone(), dist=dist, dist_post=dist_post, it=torch.full((n,), it),
+                    probe_scale=torch.ones(n, dtype=torch.float64))
+        hsja.hsja(ctx, base, init_num_evals=100, max_num_evals=2000)
+        t = it + 1
+        assert seen["num"].tolist() == [num] * n
+        if delta is not None:
+            assert torch.allclose(seen["delta"].double(), torch.full((n,), delta, dtype=torch.float64))
+        assert torch.allclose(seen["size"], dist / math.sqrt(t))
+
+
+def test_hsja_direction_subtracts_the_mean_decision(toy):
+    """HSJA's estimate with mixed answers is sum_i (f_i - mean f) u_i, normalised (f = +-1, u_i the unit probe
+    directions): checked by hand with fixed directions at a point a little inside class 0, where about a third of
+    the probes are adversarial."""
+    from blackboxbench.query.hsja import estimate_direction
+
+    model, x, y, _ = toy
+    n, d, k, delta = len(x), x[0].numel(), 64, 0.01
+    w, t = model.w.detach(), model.t
+    shift = t - 0.5 * delta * w.norm().item() / math.sqrt(d)  # score of x_bd: half a probe's spread below t
+    x_bd = (0.5 + w * shift / w.norm() ** 2).view(1, *x.shape[1:]).expand_as(x).contiguous()
+    dirs = torch.randn(n, k, *x.shape[1:], generator=torch.Generator().manual_seed(5))
+    ctx = make_ctx(model, x, y, 0.03, "l2", 10_000, "label", num_classes=2)
+    draw = lambda owner, shape: torch.cat([dirs[i] for i in owner.unique_consecutive()])  # noqa: E731
+    grad, _ = estimate_direction(ctx, x_bd, torch.full((n,), k), torch.full((n,), delta), draw)
+    for i in range(n):
+        u = dirs[i] / dirs[i].flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        with torch.no_grad():
+            f = 2.0 * (model(x_bd[i] + delta * u).argmax(1) == 1).float() - 1
+        assert 0.1 < (f > 0).float().mean() < 0.6  # mixed, and not balanced
+        ref = ((f - f.mean()).view(-1, 1, 1, 1) * u).sum(0)
+        assert torch.allclose(grad[i], ref / ref.norm(), atol=1e-5)
 
 
 def test_rays_rejects_l2(toy):
