@@ -396,3 +396,13 @@ def test_an_iou_of_exactly_the_threshold_matches():
     assert box_iou([half], [A])[0, 0] == 0.5
     assert eval_map([det([half], [0.9], [0])], [gt([A], [0])])["tp"] == 1
     assert _devkit([det([half], [0.9], [0])], [gt([A], [0], [False])], "area") == (1.0, 1)
+
+
+def test_a_score_of_exactly_the_threshold_counts():
+    """``score_thr`` keeps detections with score >= the threshold (module docstring): a detection scored exactly
+    0.5 is a TP at score_thr 0.5 and dropped just above it, in CSR, mAP and the detection count alike."""
+    d, g = [det([A, B], [0.5, 0.25], [0, 1])], [gt([A, B], [0, 1])]
+    assert csr(d, g, score_thr=0.5) == pytest.approx(0.5)
+    assert csr(d, g, score_thr=0.5 + 1e-9) == 0.0
+    m = detection_metrics(d, g, score_thr=0.5)
+    assert m["n_det"] == 1 and m["map"] == pytest.approx(0.5) and m["ap_loc"] == pytest.approx(6 / 11)
