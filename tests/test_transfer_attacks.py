@@ -130,6 +130,18 @@ def test_momentum_matches_hand_formula():
     assert torch.isfinite(DIRECTION.get("momentum")(None, torch.zeros(1, 3, 4, 4), {})).all()
 
 
+
+def test_momentum_default_decay_is_one():
+    """MI-FGSM's default decay is 1.0 (Table VII): with no ``decay`` given, the momentum is the plain sum of the
+    normalised gradients g_t / mean|g_t|."""
+    grads = [torch.randn(2, 3, 4, 4, generator=gen(20 + t)) for t in range(3)]
+    state, acc = {}, torch.zeros(2, 3, 4, 4, dtype=torch.float64)
+    for g in grads:
+        out = DIRECTION.get("momentum")(None, g, state)
+        acc = acc + g.double() / g.double().abs().flatten(1).mean(1).view(2, 1, 1, 1)
+        assert torch.allclose(out.double(), acc, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------- TI ----
 
 @pytest.mark.parametrize("kernel_size,nsig", [(3, 3.0), (5, 3.0), (5, 3 ** 0.5), (7, 2.0)])
@@ -192,6 +204,17 @@ def test_di_matches_per_sample_reference_and_replays():
     assert g.abs().sum() > 0
     with pytest.raises(BenchError):
         draw_di(transfer_ctx(x, y), x.shape, resize_rate=1.0)
+
+
+def test_di_is_applied_with_probability_prob():
+    """DI transforms a row with probability ``prob`` (Xie et al.'s p): at prob 0.2 about a fifth of 1000 rows are
+    transformed (binomial sd 13 rows), and with the same draws every row transformed at 0.2 is also at 0.6."""
+    x = torch.zeros(1000, 1, 8, 8)
+    y = torch.zeros(1000, dtype=torch.long)
+    low = draw_di(transfer_ctx(x, y, seed=3), x.shape, resize_rate=1.25, prob=0.2)["apply"]
+    high = draw_di(transfer_ctx(x, y, seed=3), x.shape, resize_rate=1.25, prob=0.6)["apply"]
+    assert 150 < int(low.sum()) < 250 and 540 < int(high.sum()) < 660
+    assert not (low & ~high).any()
 
 
 def test_di_draws_per_sample():
