@@ -73,6 +73,31 @@ def test_rnd_noise_per_sample_from_the_defender_streams():
     assert torch.equal(got[0], model.seen[-1][1]) and torch.equal(got[1:3], model.seen[-1][[0, 2]])
 
 
+def test_listed_defenses_compose_in_order():
+    """The first listed defense sees the query first and the last one wraps the model: behind [jpeg, rnd] the
+    model gets jpeg(x) plus the defender's noise (off the uint8 grid); behind [rnd, jpeg] it gets a JPEG
+    decoding (on the grid)."""
+    n, sigma = 2, 0.05
+    x = torch.rand(n, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    who = torch.arange(n)
+    noise = Streams(derived_seed(0, DEFENDER_SALT), n, "cpu").view(who).normal((3, 16, 16))
+    model = Recorder()
+    specs = [{"name": "jpeg"}, {"name": "rnd", "sigma": sigma}]
+    DefendedTarget(model, build_defenses(specs), defense_streams(0, n, "cpu"))(x, who)
+    assert torch.allclose(model.seen[-1], jpeg(x) + sigma * noise, atol=1e-6)
+    DefendedTarget(model, build_defenses(specs[::-1]), defense_streams(0, n, "cpu"))(x, who)
+    assert torch.equal(model.seen[-1], torch.round(model.seen[-1] * 255) / 255)
+
+
+def test_aaa_quantizes_the_query_before_the_model():
+    """AAA's defended model sees floor(255 x) / 255 (the authors' input quantization), not the query as it is."""
+    k = torch.randint(0, 255, (2, 3, 4, 4), generator=torch.Generator().manual_seed(4)).float()
+    x = (k + 0.6) / 255  # between two grid levels: floor gives k / 255
+    model = Recorder()
+    DefendedTarget(model, build_defenses([{"name": "aaa_linear"}]), defense_streams(0, 2, "cpu"))(x, torch.arange(2))
+    assert torch.allclose(model.seen[-1], k / 255, atol=1e-7)
+
+
 def _authors_aaa(z0, kind, interval=6.0, batch=128):
     """The AAA authors' post-processing (victim.py) in their calls of ``batch`` rows (square.py's default
     ``--batch_size``): autograd and torch.optim.Adam on the loss averaged over the call, with the top-1 mask."""
