@@ -140,6 +140,42 @@ def test_hsja_direction_subtracts_the_mean_decision(toy):
         assert torch.allclose(grad[i], ref / ref.norm(), atol=1e-5)
 
 
+def _rays_authors_blocks(dim, steps):
+    """The RayS reference code's block loop, transcribed: (level, index, start, end) of the block flipped at each
+    step: blocks of ceil(dim / 2^level) coordinates; the level grows after block 2^level - 1 or the block that
+    reaches coordinate dim."""
+    level = ind = 0
+    out = []
+    while len(out) < steps:
+        size = math.ceil(dim / 2 ** level)
+        start, end = ind * size, min(dim, (ind + 1) * size)
+        out.append((level, ind, start, end))
+        ind += 1
+        if ind == 2 ** level or end == dim:
+            level, ind = level + 1, 0
+    return out
+
+
+def test_rays_block_schedule_is_the_authors():
+    """RayS flips the blocks of the reference code in its order (d = 75, not a power of two: levels whose last
+    block reaches d early, and single coordinates past level 7), read from the state of ``rays`` steps against a
+    model that never answers adversarial (so the sign vector never changes)."""
+    from blackboxbench.query.rays import _block, rays, rays_init
+
+    class Never(torch.nn.Module):
+        def forward(self, x):
+            return torch.tensor([1.0, 0.0]).expand(len(x), 2)
+
+    x = torch.full((2, 3, 5, 5), 0.5)
+    ctx = make_ctx(Never(), x, torch.zeros(2, dtype=torch.long), 0.03, "linf", 1000, "label", num_classes=2)
+    state = rays_init(ctx)
+    for level, ind, start, end in _rays_authors_blocks(75, 260):
+        assert state["block_level"].tolist() == [level] * 2 and state["block_ind"].tolist() == [ind] * 2
+        lo, hi, _ = _block(state["block_level"], state["block_ind"], 75)
+        assert lo.tolist() == [start] * 2 and hi.tolist() == [end] * 2, (level, ind)
+        state = {**state, **rays(ctx, state)}
+
+
 def test_rays_rejects_l2(toy):
     model, x, y, _ = toy
     with pytest.raises(BenchError):
