@@ -209,6 +209,34 @@ def test_geoda_drops_an_estimate_whose_probes_were_lopsided():
     assert out["alpha_scale"].tolist() == [10.0, 1.0] and out["it"].tolist() == [1, 1]
 
 
+def test_geoda_iteration_t_spends_the_t_th_allocation_and_accumulates(monkeypatch):
+    """GeoDA iteration t (0-based, per sample) asks ``query_schedule(budget, mu)[t]`` probes (the last allocation
+    past the schedule's end) and adds its estimate to the accumulated normal (paper Alg. 1: the normal is the sum of
+    the iterations' estimates), whatever the other samples' iterations."""
+    from blackboxbench.query import geoda
+
+    n = 4
+    x = torch.full((n, 1, 4, 4), 0.5)
+    ctx = make_ctx(Constant(0), x, torch.zeros(n, dtype=torch.long), 0.001, "l2", 10_000, "label", num_classes=2)
+    est = torch.randn(n, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    seen = {}
+
+    def estimate(ctx, x_b, num, alpha, sub_dim, batch):
+        seen["num"] = num.clone()
+        return est, num.clone(), torch.zeros(n)  # balanced answers: the estimate is used
+
+    monkeypatch.setattr(geoda, "estimate_normal", estimate)
+    monkeypatch.setattr(geoda, "walk", lambda ctx, direction, live: (ctx.problem.x, torch.zeros_like(live)))
+    before = torch.randn(n, 1, 4, 4, generator=torch.Generator().manual_seed(2))
+    it = torch.tensor([0, 1, 5, 40])
+    state = decision_state(ctx.problem, x + 0.1, torch.full((n,), 0.4), grad=before.clone(), it=it,
+                           alpha_scale=torch.ones(n))
+    out = geoda.geoda(ctx, state)
+    q = query_schedule(10_000, 0.6)
+    assert seen["num"].tolist() == [q[0], q[1], q[5], q[-1]]
+    assert torch.allclose(out["grad"], before + est) and out["it"].tolist() == [1, 2, 6, 41]
+
+
 def test_geoda_estimate_calls_hold_whole_samples_within_the_bound(monkeypatch):
     """With room for one sample's round (40 probes) a call, each round's probes come in calls of whole samples
     whose rows start within one such window (the second round: 1 + 40) and give the one-call estimate exactly (a
