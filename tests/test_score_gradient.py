@@ -224,6 +224,24 @@ def test_signhunter_chunk_schedule_is_the_authors(d):
     assert ours == authors_schedule(d, steps)
 
 
+def test_signhunter_keeps_a_flip_that_ties():
+    """A flip is kept when the loss did not decrease (the authors' ``est_deriv >= best_est_deriv``): on a model
+    whose answer never changes, the first flip (the whole vector at depth 0) is kept, and the second (its first
+    half) too."""
+
+    class Flat(torch.nn.Module):
+        def forward(self, x):
+            return torch.tensor([2.0, 0.0, 1.0]).expand(len(x), 3)
+
+    x = grid_images(2, (1, 4, 4), 3)
+    ctx = make_ctx(Flat(), x, torch.zeros(2, dtype=torch.long), 0.05, "linf", 100, num_classes=3)
+    state = INIT.get("signhunter_init")(ctx)
+    minus = -torch.ones(2, 16)
+    for want in (minus, torch.cat([-minus[:, :8], minus[:, 8:]], 1)):
+        state = ACCEPT.get("signhunter_greedy")(ctx, state, PERTURB.get("signhunter")(ctx, state))
+        assert torch.equal(state["sgn"], want)
+
+
 def test_signhunter_pass_recovers_the_gradient_sign():
     """One full pass on a two-class linear model (eps too small to succeed): every coordinate's flip is tried
     alone at the last depth, so the sign vector ends as the sign of the loss gradient, in height-width-channel
