@@ -390,6 +390,20 @@ def test_a_randomized_transfer_target_draws_the_same_wherever_it_is_listed(tmp_p
     assert ab["digits_mlp+rnd"] != ab["digits_lenet+rnd"]
 
 
+def test_each_transfer_target_has_evaluation_streams_of_its_own():
+    """Two defended transfer targets draw different noise (salts from their keys, apart from the query run's
+    evaluation and defender salts), and a key always gives the same salt."""
+    from blackboxbench.defense import target_salt
+
+    keys = ("digits_mlp=rnd(sigma=0.4)", "digits_lenet=rnd(sigma=0.4)")
+    salts = [target_salt(k) for k in keys]
+    assert salts == [target_salt(k) for k in keys]
+    assert len({*salts, EVAL_SALT, DEFENDER_SALT}) == 4
+    one = torch.tensor([0])
+    a, b = (defense_streams(0, 1, "cpu", s).view(one).normal((5,)) for s in salts)
+    assert not torch.allclose(a, b)
+
+
 def test_a_defense_that_breaks_the_scores_fails_before_the_run(tmp_path, capsys):
     """A (plugin) defense whose defended model no longer answers one row of class scores per image is a one-line
     error naming its config key, on a query target and on a transfer target, before the run folder exists."""
