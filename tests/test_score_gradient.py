@@ -105,6 +105,30 @@ def test_bandits_step_matches_a_per_sample_reference(norm):
         assert torch.allclose(out["x_adv"][i], ref_project(x_cur[i] + kw["lr"] * step, x[i], eps, norm), atol=1e-6)
 
 
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_bandits_first_step_follows_the_updated_prior(norm):
+    """The image step takes the prior after this iteration's update (the authors' order): from the zero prior of
+    ``bandits_init`` the first step moves along up(prior_lr * Delta) (Linf: its sign; its EG update tanh(prior_lr
+    Delta) has the sign of Delta), where the prior before the update would not move the image at all."""
+    n, shape, eps = 3, (1, 8, 8), {"linf": 0.05, "l2": 0.4}[norm]
+    model = linear_model(10, math.prod(shape), 5)
+    x = grid_images(n, shape, 6)
+    y = model(x).argmax(1)
+    ctx = make_ctx(model, x, y, eps, norm, 100)
+    state = INIT.get("bandits_init")(ctx, prior_size=4)
+    kw = dict(lr=0.01, fd_eta=0.01, prior_lr=0.1 / 255, exploration=0.1)
+    out = PERTURB.get("bandits")(ctx, state, **kw)
+    up = lambda v: v.repeat_interleave(2, 1).repeat_interleave(2, 2)  # noqa: E731  (nearest, 4 -> 8)
+    for i in range(n):
+        u = own_normal(0, n, i, (1, 4, 4))
+        probe = [ref_project(x[i] + kw["fd_eta"] * up(q) / up(q).norm(), x[i], eps, norm)
+                 for q in (kw["exploration"] * u, -kw["exploration"] * u)]
+        delta = (ref_margin(model, probe[1], y[i]) - ref_margin(model, probe[0], y[i])) * u
+        step = up(delta).sign() if norm == "linf" else up(delta) / up(delta).norm()
+        assert (out["x_adv"][i] != x[i]).any()
+        assert torch.allclose(out["x_adv"][i], ref_project(x[i] + kw["lr"] * step, x[i], eps, norm), atol=1e-6)
+
+
 def test_bandits_prior_is_clamped_to_small_images():
     x = grid_images(2, (1, 8, 8), 0)
     model = linear_model(10, 64, 0)
