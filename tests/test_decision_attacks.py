@@ -140,6 +140,23 @@ def test_hsja_direction_subtracts_the_mean_decision(toy):
         assert torch.allclose(grad[i], ref / ref.norm(), atol=1e-5)
 
 
+def test_hsja_geometric_step_halves_until_adversarial(toy):
+    """HSJA's geometric step search (reference code: ``epsilon /= 2`` until adversarial): along the unit direction
+    towards the clean side of the hyperplane, from a point 0.01 / |w| (in L2) inside the adversarial side, the
+    sizes 1, 1/2, 1/4, ... are tried and the first one below 0.01 / |w| is kept, one query per size."""
+    from blackboxbench.query.hsja import geometric_step
+
+    model, x, y, _ = toy
+    w, n = model.w.detach(), len(x)
+    unit = (w / w.norm()).view(1, *x.shape[1:])
+    x_bd = (0.5 + (model.t + 0.01) * w / w.norm() ** 2).view(1, *x.shape[1:]).expand_as(x).contiguous()
+    ctx = make_ctx(model, x, y, 0.03, "l2", 1000, "label", num_classes=2)
+    out, found = geometric_step(ctx, x_bd, -unit.expand_as(x), torch.ones(n), torch.ones(n, dtype=torch.bool))
+    k = math.ceil(math.log2(w.norm().item() / 0.01))  # 2^-k is the first size below 0.01 / |w|
+    assert found.all() and ctx.oracle.counts.tolist() == [k + 1] * n
+    assert torch.allclose(out, x_bd - 2.0 ** -k * unit, atol=1e-6)
+
+
 def _rays_authors_blocks(dim, steps):
     """The RayS reference code's block loop, transcribed: (level, index, start, end) of the block flipped at each
     step: blocks of ceil(dim / 2^level) coordinates; the level grows after block 2^level - 1 or the block that
