@@ -19,7 +19,7 @@ from blackboxbench.query.common import greedy_update, random_corner, random_wind
 from blackboxbench.query.simba import basis_images, strided_band
 from blackboxbench.query.square import grid_patterns, l2_window_step as square_l2_step, p_schedule, \
     pseudo_gaussian_windows, side_schedule, square_side
-from blackboxbench.registry import INIT
+from blackboxbench.registry import ACCEPT, INIT, PERTURB
 from blackboxbench.rng import Streams
 
 from attack_utils import Linear, check_output, check_outputs, make_ctx, resnet20_images, run_query
@@ -273,6 +273,25 @@ def test_simba_dct_order_is_strided_and_per_sample():
     assert (band[:, :3 * 28 * 28] == 0).all() and (band[:, 3 * 28 * 28:] == 1).all()
     assert torch.equal(perm.sort(1).values, torch.arange(3 * 32 * 32).expand(3, -1))
     assert not torch.equal(perm[0], perm[1])
+
+
+def test_simba_asks_the_plus_candidate_only_where_minus_failed():
+    """SimBA (paper Alg. 1) queries x + delta - step q, and x + delta + step q only where the first did not lower
+    the margin: 1 or 2 queries per iteration and sample, and delta moves by the accepted one (or not at all)."""
+    model, x, y, _ = make_toy()
+    ctx = make_ctx(model, x, y, 0.5, "l2", 1000, num_classes=5)
+    state = INIT.get("simba_init_pixel")(ctx)
+    asked = []
+    for _ in range(10):
+        before, delta = ctx.oracle.counts.clone(), state["delta"].clone()
+        proposal = PERTURB.get("simba_pixel")(ctx, state)
+        state = ACCEPT.get("simba_greedy")(ctx, state, proposal)
+        moved = (state["delta"] - delta).flatten(1)
+        minus = (moved == -proposal["move"].flatten(1)).all(1) & (moved != 0).any(1)
+        assert (moved == 0).all(1).logical_or(minus).logical_or((moved == proposal["move"].flatten(1)).all(1)).all()
+        asked.append(ctx.oracle.counts - before)
+        assert torch.equal(asked[-1], torch.where(minus, 1, 2))
+    assert 1 in torch.stack(asked) and 2 in torch.stack(asked)
 
 
 def test_greedy_update_never_accepts_a_refused_query():
