@@ -95,3 +95,18 @@ def test_views_need_distinct_samples():
     oracle = Oracle(Counting(), n=4, max_queries=10, num_classes=3)
     with pytest.raises(BenchError, match="distinct"):
         oracle.view(torch.tensor([1, 1]))
+
+
+def test_confirm_does_not_reuse_an_answer_for_images_the_caller_changed_in_place():
+    """The oracle remembers a private copy of the images it answered: an attack that updates its query tensor in
+    place after the call (``x.add_(...)``) asks confirm() about new images, which must be forwarded and counted,
+    never given the answer of the images that tensor held before."""
+    model = Counting()
+    oracle = Oracle(model, n=2, max_queries=10, num_classes=3, feedback="score")
+    x = torch.rand(2, 1, 2, 2) * 0.5
+    oracle(x)
+    x[1].add_(0.25)  # the caller's tensor now holds another image for sample 1
+    answer, ok = oracle.confirm(x)
+    assert ok.all() and model.seen == 3 and oracle.counts.tolist() == [1, 2]
+    with torch.no_grad():
+        assert torch.allclose(answer[1], torch.log_softmax(model.lin(x[1].flatten()), 0))
