@@ -108,3 +108,28 @@ def test_quantize_l2_keeps_the_cheapest_outward_roundings_when_the_ball_is_full(
     assert torch.allclose((q - x) * 255, torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0]).view(1, 1, 1, 5), atol=1e-4)
     assert Problem(x, torch.zeros(1, dtype=torch.long), 10 ** 0.5 / 255, "l2").quantize(p).equal(q)
     assert Problem(x, torch.zeros(1, dtype=torch.long), 3 / 255, "linf").quantize(p).equal(quantize(p, x))
+
+
+def test_flat_norm_counts_negative_perturbations():
+    """Per-sample Linf and L2 norms against a plain reference, on perturbations whose largest entry is negative: a
+    Linf norm that forgot the absolute value would read the largest *signed* entry and under-report a record's
+    ``linf`` and the output guard's distance."""
+    from blackboxbench.threat import flat_norm
+
+    v = torch.tensor([[-0.5, 0.1, 0.0, 0.2], [0.05, -0.04, 0.0, 0.0], [-0.3, -0.1, -0.2, -0.6]]).view(3, 1, 2, 2)
+    ref_linf = [max(abs(a) for a in row) for row in v.flatten(1).tolist()]
+    ref_l2 = [sum(a * a for a in row) ** 0.5 for row in v.flatten(1).tolist()]
+    assert flat_norm(v, "linf").tolist() == pytest.approx(ref_linf, abs=1e-7)
+    assert flat_norm(v, "l2").tolist() == pytest.approx(ref_l2, abs=1e-7)
+    x = torch.full((3, 1, 2, 2), 0.7)
+    assert dist(x + v, x, "linf").tolist() == pytest.approx(ref_linf, abs=1e-6)
+
+
+def test_grid_levels_tolerates_eps_written_with_float_noise():
+    """A radius of k levels written as a rounded decimal (0.0313725490 for 8/255) or built by float arithmetic
+    (k times 1/255) is k levels, not k - 1: the tolerance in :func:`grid_levels` is what the docstring promises."""
+    for k in range(256):
+        assert grid_levels(k / 255) == k
+        assert grid_levels(float(f"{k / 255:.10f}")) == k, k
+        assert grid_levels(sum([1 / 255] * k)) == k, k
+    assert grid_levels(7.5 / 255) == 7 and grid_levels(0.03) == 7
