@@ -170,3 +170,50 @@ def test_query_summary_matches_a_brute_force_count():
     assert s["n_audit_disagree"] == sum(r["audit_adv"] != r["success"] for r in att) > 0
     assert s["n_stalled"] == sum(r["stalled"] for r in att)
     assert s["asr_reeval_undefended"] == sum(r["audit_adv"] for r in att) / len(att)
+
+
+def test_bootstrap_keeps_resamples_that_define_the_statistic_when_at_least_half_do():
+    """Resamples whose statistic is undefined (NaN) are left out, and the interval exists while at least half the
+    resamples define it. A mean over the one valid sample of ten is defined unless that sample is never drawn
+    (0.9^10 = 35 % of resamples): every defined resample gives that sample's value. Asking it drawn twice leaves
+    about 74 % undefined: no interval."""
+    from blackboxbench.stats import bootstrap_interval
+
+    v, ok = np.arange(10.0) + 5, (np.arange(10) == 0).astype(float)
+    assert bootstrap_interval(lambda w, v, ok: (w @ (v * ok)) / (w @ ok), [v, ok]) == (5.0, 5.0)
+    twice = lambda w, v, ok: np.where(w @ ok >= 2, (w @ (v * ok)) / np.maximum(w @ ok, 1), np.nan)  # noqa: E731
+    assert bootstrap_interval(twice, [v, ok]) == (None, None)
+
+
+def test_query_summary_of_defended_records_matches_a_brute_force_count():
+    """The defense columns of a query summary against a brute-force count: clean accuracy under the defense over
+    the records that carry it, the defended re-evaluation's ASR over attacked samples, the gap (recorded successes
+    minus defended confirmations), the EOT factor and the defense's name."""
+    rng = np.random.default_rng(7)
+    records = []
+    for i in range(60):
+        attacked, win = bool(rng.random() < 0.8), bool(rng.random() < 0.6)
+        r = _query_record(i, attacked and win, int(rng.integers(1, 300)) if attacked else 0)
+        r.update(attacked=attacked, clean_correct=attacked or bool(rng.random() < 0.5),
+                 clean_correct_defended=bool(rng.random() < 0.7), defense="rnd", eot=3,
+                 reeval_adv=(win and bool(rng.random() < 0.7)) if attacked else None)
+        records.append(r)
+    s = summarize_query(records)
+    att = [r for r in records if r["attacked"]]
+    wins, confirmed = sum(r["success"] for r in att), sum(r["reeval_adv"] for r in att)
+    assert s["clean_acc_defended"] == pytest.approx(np.mean([r["clean_correct_defended"] for r in records]))
+    assert s["asr_reeval_defended"] == pytest.approx(confirmed / len(att))
+    assert s["reeval_gap"] == wins - confirmed > 0
+    assert (s["eot"], s["defense"]) == (3, "rnd")
+    plain = summarize_query([_query_record(0, True, 5)])
+    assert (plain["eot"], plain["defense"], plain["reeval_gap"], plain["clean_acc_defended"]) == (1, None, None, None)
+
+
+def test_averaged_rate_leaves_out_a_target_with_no_valid_sample_in_a_resample():
+    """Target 0 is valid and fooled on every image, target 1 valid on one image only (fooled there): a resample
+    without that image averages target 0 alone (1.0), one with it averages 1.0 and 1.0; every resample gives 1.0.
+    Counting the absent target as a rate of 0 would pull a third of the resamples to 0.5."""
+    success = np.ones((10, 2), bool)
+    valid = np.ones((10, 2), bool)
+    valid[1:, 1] = False
+    assert averaged_rate_interval(success, valid) == (1.0, 1.0)
