@@ -145,3 +145,29 @@ def test_seeded_forks_the_global_streams():
     assert torch.equal(torch.rand(3), expected_next)
     torch.manual_seed(7)
     assert torch.equal(inside, torch.rand(3))
+
+
+def test_a_sub_view_draws_from_its_own_samples_streams():
+    """``StreamView.sub`` of local rows maps them to the view's dataset samples: in a view of samples (7, 2, 5),
+    local rows (2, 0) are samples 5 and 7, and draw what those samples draw alone; only their counters move (a
+    sub-view that read the local rows as dataset indices would draw samples 2 and 0's numbers)."""
+    a, b = Streams(11, 8, "cpu"), Streams(11, 8, "cpu")
+    sub = a.view(torch.tensor([7, 2, 5])).sub(torch.tensor([2, 0]))
+    got = sub.uniform((4,))
+    want = torch.cat([b.view(torch.tensor([5])).uniform((4,)), b.view(torch.tensor([7])).uniform((4,))])
+    assert torch.equal(got, want)
+    assert a.counter.tolist() == [0, 0, 0, 0, 0, 1, 0, 1]
+
+
+def test_row_draws_give_each_stacked_copy_row_its_own_samples_stream():
+    """A random module's forward of m = K n rows holds K copies of the n samples, copy-major (row r is sample
+    r % n): each row draws from its own sample's stream, copy j taking that sample's j-th row of the draw, so the
+    first copy draws what a forward of one copy draws, and a sample's rows do not depend on the other samples."""
+    from blackboxbench.rng import RowDraws
+
+    a, b = Streams(9, 6, "cpu"), Streams(9, 6, "cpu")
+    stacked = RowDraws(a.view(torch.tensor([4, 1, 3]))).uniform((5,), 6)  # 2 copies of samples 4, 1, 3
+    for r, sample in enumerate([4, 1, 3]):
+        alone = Streams(9, 6, "cpu").view(torch.tensor([sample])).uniform((5,), rows=torch.zeros(2, dtype=torch.long))
+        assert torch.equal(stacked[r], alone[0]) and torch.equal(stacked[3 + r], alone[1]), sample
+    assert torch.equal(stacked[:3], RowDraws(b.view(torch.tensor([4, 1, 3]))).uniform((5,), 3))
