@@ -475,6 +475,16 @@ def test_a_block_writing_to_its_context_changes_no_record(tmp_path, vandal_init)
     for r in (r for r in rec if r["attacked"]):
         assert r["linf"] <= 0.1 + 1e-6 and r["audit_adv"] == r["success"]
     assert summary["n_audit_disagree"] == 0
+    # the returned images against the true clean images: inside the ball, and the records' distances are theirs
+    # (the vandal moved its copy of the clean images by 0.3: a worker reading that copy would return it, linf 0)
+    from PIL import Image
+    model = build_model("digits_mlp")
+    for r in (r for r in rec if r["attacked"]):
+        img = torch.from_numpy(np.array(Image.open(Path(run_dir) / "adv" / f"{r['index']:06d}.png"))).float()
+        d = (img.div(255)[None, None] - data.x[r["index"]]).abs().max().item()
+        assert d == pytest.approx(r["linf"], abs=1e-6) and 0 < d <= 0.1 + 1e-6, r["index"]
+        with torch.no_grad():
+            assert (model(img.div(255)[None, None]).argmax(1).item() != r["label"]) == r["success"]
 
 
 @pytest.mark.parametrize("body,error", [
@@ -514,3 +524,107 @@ def test_the_oracle_view_lends_no_oracle():
     from blackboxbench.oracle import Oracle
     view = Oracle(build_model("digits_mlp"), 4, 10, 10, "score", (1, 8, 8)).view(torch.arange(2))
     assert not any(isinstance(v, Oracle) for k, v in vars(view).items() if not k.startswith("_"))
+
+
+class _Scheduled(nn.Module):
+    """A target whose answer for row r of a call is class ``plan[r]`` (plan: one row per forwarded image)."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self.plan, self.calls = plan, []
+
+    def forward(self, x):
+        self.calls.append(x.shape[0])
+        out = torch.zeros(x.shape[0], 3)
+        out[torch.arange(x.shape[0]), torch.tensor(self.plan[:x.shape[0]])] = 1.0
+        return out
+
+
+def _verify_ctx(model, n, randomized=False):
+    from types import SimpleNamespace
+
+    from blackboxbench.oracle import Oracle
+    from blackboxbench.threat import Problem
+    problem = Problem(torch.zeros(n, 1, 2, 2), torch.zeros(n, dtype=torch.long), 1.0, "linf", num_classes=3)
+    oracle = Oracle(model, n, 20, 3, "label", input_shape=(1, 2, 2), randomized=randomized)
+    return SimpleNamespace(problem=problem, oracle=oracle.view(torch.arange(n))), oracle
+
+
+def test_verify_withdraws_claims_the_oracle_does_not_confirm():
+    """A claim of success is confirmed by one counted query of the returned image; a claim the oracle answers
+    non-adversarial is withdrawn from ``state['success']`` (the sample keeps being attacked), a confirmed one stays
+    and is returned with its image; a sample that claims nothing costs nothing."""
+    from blackboxbench.query.pipeline import verify
+
+    model = _Scheduled([0, 2])  # claims of samples 0 and 2 forwarded in that order: 0 says "clean", 2 "fooled"
+    ctx, oracle = _verify_ctx(model, 3)
+    x_adv = torch.rand(3, 1, 2, 2)
+    state = {"x_adv": x_adv, "success": torch.tensor([True, False, True])}
+    now, rows, images = verify(ctx, state, draws=1)
+    assert now.tolist() == [False, False, True] and rows.tolist() == [2]
+    assert state["success"].tolist() == [False, False, True]
+    assert oracle.counts.tolist() == [1, 0, 1] and model.calls == [2]
+    two = ctx.problem.sub(torch.tensor([2]))
+    assert torch.equal(images, two.quantize(two.project(x_adv[2:])))
+
+
+def test_verify_majority_needs_a_strict_majority_of_the_draws():
+    """The ``majority`` rule asks the image ``draws`` times (each counted) and confirms on a strict majority of
+    adversarial answers: 3 of 5 confirms, 2 of 5 does not (rows of the call are draw-major: draw d of sample i is
+    row 2 d + i)."""
+    from blackboxbench.query.pipeline import verify
+
+    adv = [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]  # sample 0 fooled on 2 of 5 draws, sample 1 on 3 of 5
+    model = _Scheduled([adv[i][d] for d in range(5) for i in range(2)])
+    ctx, oracle = _verify_ctx(model, 2, randomized=True)
+    state = {"x_adv": torch.rand(2, 1, 2, 2), "success": torch.tensor([True, True])}
+    now, rows, _ = verify(ctx, state, draws=5)
+    assert now.tolist() == [False, True] and rows.tolist() == [1]
+    assert state["success"].tolist() == [False, True] and oracle.counts.tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("claiming", [False, True], ids=["no-claim", "odd-labels-claim"])
+def test_a_sample_whose_iteration_asks_nothing_leaves_stalled(tmp_path, fresh_registries, claiming):
+    """A sample leaves its slot at the first iteration that asks the oracle nothing for it (it cannot progress),
+    whether or not a sample of the batch claims success in that iteration: its record says ``stalled``, a failure,
+    with the queries it used until then, not the budget; a claim confirmed in that iteration is a success, not
+    stalled. Every sample asks once per iteration (its clean image) and nothing at its third; there (``claiming``)
+    the samples of odd label claim success on the white image (one counted confirmation each), which fools the
+    model or not."""
+    from blackboxbench.registry import ACCEPT, PERTURB
+
+    @INIT.register("stall_init_t", paper="test")
+    def stall_init_t(ctx):
+        return {"x_adv": ctx.problem.x.clone(), "success": torch.zeros(ctx.problem.n, dtype=torch.bool),
+                "t": torch.zeros(ctx.problem.n, dtype=torch.long)}
+
+    @PERTURB.register("stall_perturb_t", paper="test")
+    def stall_perturb_t(ctx, state):
+        state["t"] += 1
+        ask = (state["t"] != 3).nonzero().squeeze(1)
+        if ask.numel():
+            ctx.oracle(ctx.problem.x[ask], ask)
+        return None
+
+    @ACCEPT.register("stall_accept_t", paper="test")
+    def stall_accept_t(ctx, state, proposal):
+        claim = (state["t"] == 3) & (ctx.problem.y % 2 == 1) & claiming
+        state["x_adv"][claim] = 1.0
+        state["success"] = claim
+        return state
+
+    recipe = {"name": "stall", "family": "score", "norms": ["linf"], "targeted": False,
+              "blocks": {"init": "stall_init_t", "perturb": "stall_perturb_t", "accept": "stall_accept_t"}}
+    run_dir, summary = run_experiment(_exp(tmp_path, attack=recipe, model="digits_mlp", batch_size=4,
+                                           dataset={"name": "digits", "n": 12},
+                                           threat={"norm": "linf", "eps": 1.0, "max_queries": 10}), progress=False)
+    with torch.no_grad():
+        white = build_model("digits_mlp")(torch.ones(1, 1, 8, 8)).argmax(1).item()
+    attacked = [r for r in _records(run_dir) if r["attacked"]]
+    for r in attacked:
+        claims = claiming and r["label"] % 2 == 1
+        fooled = claims and r["label"] != white
+        assert (r["success"], r["stalled"], r["queries"]) == (fooled, not fooled, 3 if claims else 2), r
+    assert {(r["label"] % 2, r["success"]) for r in attacked} == \
+        ({(0, False), (1, False), (1, True)} if claiming else {(0, False), (1, False)})
+    assert summary["n_stalled"] == sum(r["stalled"] for r in attacked)
