@@ -182,3 +182,20 @@ def test_input_digests_cover_assets_and_lpips_and_note_the_torch_version(tmp_pat
     path.write_text(json.dumps(dict(before, torch="1.0")))
     with pytest.warns(UserWarning, match=r"computed with torch 1.0; this is torch"):
         check_input_digests(path, before, 5)
+
+
+def test_a_written_record_is_in_the_file_at_once(tmp_path, monkeypatch):
+    """RecordWriter.write hands each record line to the file at once (flushed), not when a later fsync or the close
+    comes: a run killed between two fsyncs keeps every record written before the kill. Read back from the file by
+    the resume's own reader while the writer is still open, with fsyncs far apart."""
+    import blackboxbench.runner as runner
+    from blackboxbench.runner import RecordWriter, read_records
+
+    monkeypatch.setattr(runner, "FSYNC_EVERY_S", 1e9)
+    writer = RecordWriter(tmp_path, 0.0, "salt")
+    try:
+        writer.write([{"index": 0, "v": 1}, {"index": 1, "v": 2}])
+        on_disk = read_records(tmp_path / "records.jsonl", {"index": (int,), "v": (int,)}, "salt")
+        assert {i: r["v"] for i, r in on_disk.items()} == {0: 1, 1: 2}
+    finally:
+        writer.close()
