@@ -110,3 +110,20 @@ def test_confirm_does_not_reuse_an_answer_for_images_the_caller_changed_in_place
     assert ok.all() and model.seen == 3 and oracle.counts.tolist() == [1, 2]
     with torch.no_grad():
         assert torch.allclose(answer[1], torch.log_softmax(model.lin(x[1].flatten()), 0))
+
+
+def test_non_finite_logits_are_refused_never_read_as_an_answer():
+    """A target that returns NaN or inf logits for a query (here: for images brighter than 0.5) is a one-line
+    error of the oracle's own, in both feedback modes: a NaN row would otherwise read as a refused score row, or as
+    class 0 through argmax, and the query is not answered."""
+    class Blows(nn.Module):
+        def forward(self, x):
+            out = torch.zeros(x.shape[0], 3)
+            out[x.flatten(1).mean(1) > 0.5, 1] = float("nan")
+            return out
+
+    for feedback in ("score", "label"):
+        oracle = Oracle(Blows(), n=2, max_queries=5, num_classes=3, feedback=feedback)
+        oracle(torch.zeros(2, 1, 2, 2))  # finite logits: answered
+        with pytest.raises(BenchError, match="non-finite logits"):
+            oracle(torch.stack([torch.zeros(1, 2, 2), torch.ones(1, 2, 2)]))
