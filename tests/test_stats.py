@@ -217,3 +217,15 @@ def test_averaged_rate_leaves_out_a_target_with_no_valid_sample_in_a_resample():
     valid = np.ones((10, 2), bool)
     valid[1:, 1] = False
     assert averaged_rate_interval(success, valid) == (1.0, 1.0)
+
+
+def test_transfer_summary_with_no_valid_sample_for_any_target_has_no_rate():
+    """When no target classifies any clean image correctly, no ASR is defined: the average, its interval and each
+    target's are None (not an error)."""
+    records = [{"index": i, "attacked": True, "clean_correct": True, "time": 0.1, "l2": 1.0, "linf": 0.03,
+                "ssim": 0.9, "lpips": None,
+                "targets": {t: {"clean_correct": False, "success": False, "defense": "none"} for t in ("a", "b")}}
+               for i in range(4)]
+    s = summarize_transfer(records)
+    assert (s["asr"], s["asr_low"], s["asr_high"]) == (None, None, None)
+    assert all((v["asr"], v["asr_low"], v["n"]) == (None, None, 0) for v in s["per_target"].values())
