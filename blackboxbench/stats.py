@@ -33,7 +33,9 @@ def wilson(k, n, level=LEVEL):
     z2 = _z(level) ** 2
     centre = (k + z2 / 2) / (n + z2)
     half = math.sqrt(z2) / (n + z2) * math.sqrt(k * (n - k) / n + z2 / 4)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at k = 0 (k = n) the bound is exactly 0 (1); the formula lands a rounding error either side of it, which
+    # would put a 0 % (100 %) rate outside its own interval
+    return 0.0 if k == 0 else max(0.0, centre - half), 1.0 if k == n else min(1.0, centre + half)
 
 
 def median_interval(values, level=LEVEL):

@@ -219,6 +219,16 @@ def test_averaged_rate_leaves_out_a_target_with_no_valid_sample_in_a_resample():
     assert averaged_rate_interval(success, valid) == (1.0, 1.0)
 
 
+def test_wilson_bounds_never_leave_zero_one_by_float_noise():
+    """The interval holds the observed rate and stays inside [0, 1] exactly: at k = 0 and k = n the textbook
+    formula lands a rounding error outside (-5.6e-17 at 0 / 2, 1.0000000000000002 at 32 / 32), which a summary
+    would report as a negative ASR bound or one above 100 %."""
+    for n in range(1, 200):
+        for k in (0, 1, n // 2, n - 1, n):
+            lo, hi = wilson(k, n)
+            assert 0.0 <= lo <= k / n <= hi <= 1.0, (k, n, lo, hi)
+
+
 def test_transfer_summary_with_no_valid_sample_for_any_target_has_no_rate():
     """When no target classifies any clean image correctly, no ASR is defined: the average, its interval and each
     target's are None (not an error)."""
