@@ -42,6 +42,25 @@ def test_worst_case_of_one_run_and_of_none():
 
 
 
+def test_a_transfer_sample_left_unattacked_is_not_correct_for_any_target():
+    """A transfer record with ``attacked`` false (its target label is its own label) counts as not correct for every
+    target, even where that target classified it correctly when clean, as a query run's unattacked sample does: it
+    must not become a robust sample of the worst case."""
+    from blackboxbench.worst_case import _views
+
+    summary = {"family": "transfer", "per_target": {"m": {"defense": "none"}}}
+    records = {0: {"attacked": False, "targets": {"m": {"clean_correct": True, "success": False}}},
+               1: {"attacked": True, "targets": {"m": {"clean_correct": True, "success": False}}},
+               2: {"attacked": True, "targets": {"m": {"clean_correct": False, "success": True}}},
+               3: {"attacked": True, "targets": {"m": {"clean_correct": True, "success": True}}}}
+    [(view, per)] = _views(summary, records)
+    assert view["target_model"] == "m"
+    assert per == {0: {"attacked": False, "success": False}, 1: {"attacked": True, "success": False},
+                   2: {"attacked": False, "success": False}, 3: {"attacked": True, "success": True}}
+    row = worst_case([("A", per)])
+    assert (row["clean_acc"], row["robust_acc"], row["asr_any"]) == (2 / 4, 1 / 4, 1 / 2)
+
+
 def test_worst_case_matches_a_brute_force_over_random_runs():
     """Random runs that recorded overlapping sets of samples: per sample, robust iff every run recorded and attacked
     it and none fooled it; the union, best single run, complement and only-fooled-by counts, sample by sample."""
