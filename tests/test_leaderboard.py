@@ -304,3 +304,22 @@ def test_robustness_output_is_the_csv_path(tmp_path, capsys):
     assert capsys.readouterr().err == ("error: the robustness output is the CSV's path; its chart is written next to "
                                        f"it as .png (got {tmp_path / 'r.png'})\n")
     assert not (tmp_path / "r.png").exists()
+
+
+def test_robustness_rows_put_undefended_first_and_adversarially_trained_last():
+    """Within one attack the robustness rows go: no defense, the other defenses by name, then an adversarially
+    trained target (``at``, ``at+...``) last; the chart's legend cuts every part of a stacked defense at its
+    parameters."""
+    from blackboxbench.robustness import _order, short_defense
+
+    defenses = ["rnd(sigma=0.02)", "at", "aaa_linear(x=1)", "none", "at+rnd(sigma=0.02)", None]
+    rows = [{"attack": "sq", "norm": "linf", "eps": 0.05, "targeted": False, "defense": d} for d in defenses]
+    assert [r["defense"] for r in _order(rows)][2:] == ["aaa_linear(x=1)", "rnd(sigma=0.02)", "at",
+                                                         "at+rnd(sigma=0.02)"]
+    assert {r["defense"] for r in _order(rows)[:2]} == {"none", None}  # no defense: first
+    # the attack comes before the defense
+    other = {"attack": "a_first", "norm": "linf", "eps": 0.05, "targeted": False, "defense": "at"}
+    assert _order([*rows, other])[0] is other
+    assert short_defense("at+rnd(sigma=0.02)") == "at+rnd"
+    assert short_defense("aaa_linear(x=1)+rnd(sigma=0.02)") == "aaa_linear+rnd"
+    assert short_defense("aaa_linear(x=1, y=(2, 3))") == "aaa_linear" and short_defense(None) == "none"
