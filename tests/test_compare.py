@@ -189,3 +189,46 @@ def test_compare_detection_runs_pairs_the_mAP_drop_per_target(tmp_path, capsys):
     assert main(["compare", str(dirs[1]), str(other)]) == 2
     assert capsys.readouterr().err == ("error: the runs attack different images (dataset.seed 0 / 1): their samples "
                                        "do not pair\n")
+
+
+def test_paired_queries_ties_means_and_medians():
+    """Ties are left out of the sign test (not counted for either side); means, medians and the median ratio B / A
+    on data where a mean and a median differ."""
+    q = paired_queries([1, 1, 1, 1, 1, 1, 5, 5], [2, 2, 2, 2, 2, 2, 5, 5])
+    assert (q["n"], q["a_fewer"], q["b_fewer"], q["ties"]) == (8, 6, 0, 2)
+    assert q["p"] == pytest.approx(_reference_p(6, 0)) and q["p"] == pytest.approx(2 / 2 ** 6)
+    assert (q["mean_a"], q["mean_b"], q["median_a"], q["median_b"]) == (2.0, 2.75, 1, 2)
+    assert q["median_ratio"] == 2.0  # ratios B / A: six 2s, two 1s
+
+
+def test_compare_pairs_only_the_samples_both_runs_attacked(monkeypatch):
+    """A sample pairs when both runs recorded and attacked it: one that only B attacked (A's clean check failed) or
+    only one run recorded stays out of the success counts and of the query pairs."""
+    from blackboxbench import compare
+
+    def rec(attacked, success, queries):
+        return {"attacked": attacked, "success": success, "queries": queries}
+
+    runs = {"a": ({"attack": "sa", "family": "score", "dataset": "digits", "asr": 0.5},
+                  {0: rec(True, True, 10), 1: rec(True, False, 100), 2: rec(False, False, 0), 3: rec(True, True, 30),
+                   5: rec(True, True, 3)}),
+            "b": ({"attack": "sb", "family": "decision", "dataset": "digits", "asr": 0.5},
+                  {0: rec(True, False, 100), 1: rec(True, True, 20), 2: rec(True, True, 7), 3: rec(True, True, 60),
+                   4: rec(True, True, 1)})}
+    monkeypatch.setattr(compare, "load_run", lambda d: runs[Path(d).name])
+    (row,) = compare_runs("nowhere/a", "nowhere/b")["rows"]
+    s, q = row["success"], row["queries"]
+    assert (s["n"], s["a_only"], s["b_only"], s["asr_a"], s["asr_b"]) == (3, 1, 1, 2 / 3, 2 / 3)
+    assert (q["n"], q["mean_a"], q["mean_b"]) == (1, 30, 60)  # sample 3, the one both fooled
+
+
+def test_image_and_threat_differences():
+    """Runs of different ``dataset.n`` still pair (the first images are the same), any other dataset parameter
+    names other images; the threat keys that the settings line already shows are not listed again."""
+    from blackboxbench.compare import image_difference, threat_differences
+
+    a = {"dataset": {"name": "digits", "n": 20, "seed": 0}, "threat": {"eps": 0.1, "norm": "linf", "score_thr": 0.3}}
+    b = {"dataset": {"name": "digits", "n": 30, "seed": 0}, "threat": {"eps": 0.2, "norm": "l2", "max_det": 5}}
+    assert image_difference(a, b) == ""
+    assert image_difference(a, {"dataset": {"name": "digits", "n": 20, "seed": 1}}) == "dataset.seed 0 / 1"
+    assert threat_differences(a, b) == {"threat.max_det": (None, 5), "threat.score_thr": (0.3, None)}
