@@ -27,6 +27,8 @@ CASES = [
      "the robustness output is the CSV's path; its chart is written next to it as .png"),
     ("robustness over the leaderboard", GOOD + "leaderboard: OUT/b.csv\nrobustness: OUT/b.csv\n", "robustness",
      "which leaderboard writes too"),
+    ("grid of a whole-file key", GOOD + "grid: {cascade: [true, false]}\n", "grid.cascade",
+     "applies to the whole file: the grid varies the keys of a run"),
     ("unknown threat key", GOOD.replace("max_queries: 10", "max_querys: 10"), "threat.max_querys", "max_queries"),
     ("wrong type", GOOD + "batch_size: many\n", "batch_size", "expected int"),
     ("bool is not int", GOOD + "seed: true\n", "seed", "expected int"),
@@ -90,7 +92,8 @@ def test_set_override_is_validated(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text,value", [("8/255", 8 / 255), ("0.03", 0.03), ("eps/10", 0.1), (" -(1+2)*eps ", -3),
-                                        ("+1e-3", 0.001), (1, 1), (2.5, 2.5), ("1_000", 1000)])
+                                        ("+1e-3", 0.001), (1, 1), (2.5, 2.5), ("1_000", 1000),
+                                        ("16/255 - 8/255", 8 / 255), ("2*3 - 1", 5)])
 def test_parse_number(text, value):
     assert parse_number(text, {"eps": 1.0}) == pytest.approx(value)
 
@@ -829,3 +832,17 @@ def test_a_model_that_cannot_take_the_images_is_the_error_alone(tmp_path, capsys
     assert not [str(w.message) for w in caught if "was trained on" in str(w.message)]
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"{cfg}:model: the model cannot take the images" in err, err
+
+
+def test_a_run_merges_into_the_file_mappings(tmp_path):
+    """A run's mapping merges key by key into the file's (``threat: {eps: ...}`` keeps the file's norm and budget),
+    and one run's merge leaves the next run's view of the file as it was."""
+    from blackboxbench.config import load_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(GOOD.replace("OUT", str(tmp_path / "out")) + "runs: [{threat: {eps: 4/255}}, {dataset: {n: 2}}]\n")
+    (a, b), _ = load_config(path)
+    assert a["threat"] == {"norm": "linf", "eps": "4/255", "max_queries": 10} and a["dataset"] == {"name": "digits",
+                                                                                                   "n": 4}
+    assert b["threat"] == {"norm": "linf", "eps": "8/255", "max_queries": 10} and b["dataset"] == {"name": "digits",
+                                                                                                   "n": 2}
