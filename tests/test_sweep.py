@@ -49,6 +49,15 @@ def test_grid_is_every_combination_times_the_runs():
     assert runs[6]["attack"] == "b" and expand_grid([{"x": 1}], None, "c") == [{"x": 1}]
 
 
+
+def test_grid_values_go_into_copies_of_the_run():
+    """Each combination sets its values in its own copy of the run: a run's mapping that a grid key reaches into
+    (``threat`` with its norm, ``grid: {threat.eps: ...}``) is not shared between the expanded runs, nor changed."""
+    run = {"attack": "a", "threat": {"norm": "l2"}}
+    runs = expand_grid([run], {"threat.eps": [1, 2]}, "c.yaml")
+    assert runs == [{"attack": "a", "threat": {"norm": "l2", "eps": 1}}, {"attack": "a", "threat": {"norm": "l2", "eps": 2}}]
+    assert run == {"attack": "a", "threat": {"norm": "l2"}}
+
 @pytest.mark.parametrize("grid,runs,message", [
     ({"threat.eps": 0.1}, [{}], "grid.threat.eps: must be a non-empty list"),
     ({"threat.eps": []}, [{}], "grid.threat.eps: must be a non-empty list"),
