@@ -115,6 +115,19 @@ def test_range_for_unknown_param_fails_at_registration():
         _block({"pp": "(0, 1]"})
 
 
+def test_a_refused_registration_leaves_the_name_free():
+    """A registration refused for its ranges (or its agree) registers nothing: the name stays unknown, and the
+    corrected block registers under it (not 'duplicate')."""
+    reg = Registry("thing")
+    with pytest.raises(BenchError, match="range"):
+        reg.register("a", ranges={"p": "(1, 0]"})(lambda *, p=0.5: None)
+    with pytest.raises(BenchError, match="agree names"):
+        reg.register("a", agree={"q": "perturb"})(lambda *, p=0.5: None)
+    assert "a" not in reg and reg.names() == []
+    fixed = reg.register("a", ranges={"p": "(0, 1]"})(lambda *, p=0.5: None)
+    assert reg.get("a") is fixed
+
+
 def test_agree_names_a_parameter_of_the_entry():
     reg = Registry("thing")
     with pytest.raises(BenchError, match="agree names 'levels', which is not one of its parameters"):
