@@ -258,3 +258,35 @@ def test_a_defended_evaluation_forwards_on_the_shared_model_itself():
     with torch.no_grad():
         assert torch.equal(evaluator(x, torch.arange(5)), torch.cat([model(v[None]) for v in x]))
     assert shared.asks == [0, 0] and shared.rounds == 0
+
+
+def test_run_all_raises_a_grouped_runs_error_after_the_others_finish():
+    """A run of a share group that fails lets the others of its group finish (each ``done``) and its error is
+    raised by ``run_all`` at the end, never swallowed (the config would exit 0 with a run missing)."""
+    from types import SimpleNamespace
+
+    model = Counting()
+
+    class Fake:
+        device = torch.device("cpu")
+
+        def __init__(self, k, fail):
+            self.k, self.fail = k, fail
+
+        def inputs(self):
+            return SimpleNamespace(models={"model": [model]}, data=SimpleNamespace(x=torch.zeros(2, 3)))
+
+        def shared_model(self, inp):
+            return "model", inp.models["model"][0]
+
+        def run(self, inp):
+            inp.models["model"][0](torch.zeros(1, 3, dtype=torch.float64))
+            if self.fail:
+                raise ValueError(f"run {self.k} broke")
+            return {"run": self.k}
+
+    runners = [Fake(0, False), Fake(1, True), Fake(2, False)]
+    done = []
+    with pytest.raises(ValueError, match="run 1 broke"):
+        runner_mod.run_all(runners, session=None, share=True, done=lambda r: done.append(r.k))
+    assert done == [0, 2] and model.sizes == [3]  # one round of the three runs, the two others finished
