@@ -90,6 +90,17 @@ def test_error_bars_are_std_or_one_run_s_interval():
     assert np.allclose(bars, [[0.0, 0.0], [0.0, 0.2]])  # wrong side or missing: no bar on that side
 
 
+def test_read_csv_reads_cells_back_as_the_library_wrote_them(tmp_path):
+    """A cell the leaderboard wrote reads back as its value: numbers as numbers, True / False as booleans, empty as
+    None, a formula-guarded text without its leading quote, and JSON that is not a number (a list, a quoted string,
+    null) as the text it is."""
+    path = tmp_path / "t.csv"
+    path.write_text("a,b,c,d,e,f,g,h\n3,0.5,True,,'=cmd,\"[1, 2]\",\"\"\"q\"\"\",null\n", encoding="utf-8")
+    (row,) = read_csv(path)
+    assert row == {"a": 3, "b": 0.5, "c": True, "d": None, "e": "=cmd", "f": "[1, 2]", "g": '"q"', "h": "null"}
+    assert isinstance(row["a"], int) and row["c"] is True
+
+
 def test_lists_and_mappings_group_by_their_json_text():
     rows = [{"x": ["a", "b"], "y": 1.0}, {"x": ["a", "b"], "y": 3.0}, {"x": {"k": 1}, "y": 5.0}]
     got = aggregate(rows, "x", "y")
