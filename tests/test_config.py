@@ -846,3 +846,28 @@ def test_a_run_merges_into_the_file_mappings(tmp_path):
                                                                                                    "n": 4}
     assert b["threat"] == {"norm": "linf", "eps": "8/255", "max_queries": 10} and b["dataset"] == {"name": "digits",
                                                                                                    "n": 2}
+
+
+def test_recipe_overrides_merge_into_the_recipe():
+    """A config's ``attack`` override of a catalog recipe: a block of the same name (or no name) keeps the recipe's
+    other parameters, a block of another name replaces it whole, ``hyper`` merges key by key; the recipe itself is
+    left as it was. A setting-keyed value resolves for the threat's norm or targeted mode."""
+    from blackboxbench.builder import _merge_recipe, resolve_setting
+
+    base = {"name": "r", "blocks": {"perturb": {"name": "square", "p_init": 0.05, "n": 3},
+                                    "init": {"name": "stripes", "w": 2}, "accept": {"name": "greedy", "t": 1}},
+            "hyper": {"a": 1, "b": 2}}
+    over = {"blocks": {"perturb": {"p_init": 0.1}, "init": {"name": "zero", "k": 1},
+                       "accept": {"name": "greedy", "t": 3}}, "hyper": {"b": 5}}
+    got = _merge_recipe(base, over)
+    assert got["blocks"] == {"perturb": {"name": "square", "p_init": 0.1, "n": 3}, "init": {"name": "zero", "k": 1},
+                             "accept": {"name": "greedy", "t": 3}}
+    assert got["hyper"] == {"a": 1, "b": 5} and base["hyper"] == {"a": 1, "b": 2}
+    assert base["blocks"]["perturb"] == {"name": "square", "p_init": 0.05, "n": 3}
+    linf, l2t = {"norm": "linf", "targeted": False}, {"norm": "l2", "targeted": True}
+    assert resolve_setting({"linf": 1, "l2": 2}, l2t) == 2
+    assert resolve_setting({"untargeted": 100, "targeted": 300}, l2t) == 300
+    assert resolve_setting({"untargeted": 100, "targeted": 300}, linf) == 100
+    assert resolve_setting({"linf": 1, "p": 2}, l2t) == {"linf": 1, "p": 2}  # not a setting-keyed mapping
+    with pytest.raises(ValueError, match="no value for this setting"):
+        resolve_setting({"linf": 1}, l2t)
