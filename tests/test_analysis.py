@@ -133,6 +133,9 @@ def test_select_numbers_text_and_lists():
     assert {r["run"] for r in select(rows, {"attack": ["square", "i_fgsm"]})} == {"q1", "q2", "t1"}
     with pytest.raises(BenchError, match="no column 'atack' in the results .did you mean: attack"):
         select(rows, {"atack": "nes"})
+    # a number matches within rounding (0.1 + 0.2 is not 0.3 in floats), not a different number
+    eps = [{"run": "a", "eps": 0.3}, {"run": "b", "eps": 0.3 * (1 + 1e-5)}]
+    assert 0.1 + 0.2 != 0.3 and [r["run"] for r in select(eps, {"eps": 0.1 + 0.2})] == ["a"]
 
 
 RESULT_TOOLS = [n for n in ANALYSIS.names() if ANALYSIS.get(n).registry_meta.get("inputs", "results") == "results"]
