@@ -287,3 +287,35 @@ def test_a_run_that_attacks_no_sample_keeps_its_success_rule():
          "fooled_by": "square_linf", "clean_correct_defended": None}
     s = summarize_query([r])
     assert s["success_rule"] == "majority of 5" and s["n_attacked"] == 0 and s["asr"] is None
+
+
+def test_rows_keep_runs_of_one_label_apart_and_group_by_target_label(monkeypatch):
+    """Two runs of one attack (two seeds) are two members of their group, each named with its directory: their
+    union of fooled samples counts both. Runs that differ only in the target-label mode are two groups. A group is
+    randomized when one of its runs found its defended target randomized (``m+rnd(...)``)."""
+    from pathlib import Path
+
+    from blackboxbench import worst_case as wc
+
+    def summary(d, **kw):
+        return {"attack": "sq", "family": "score", "dataset": "digits", "target_model": "m", "defense": "none",
+                "norm": "linf", "eps": 0.1, "targeted": False, "target_label": None, "budget": 100,
+                "success_rule": "single", "run": d, **kw}
+
+    runs = {"r1": (summary("r1"), _records({0: "f", 1: "r", 2: "r"})),
+            "r2": (summary("r2", defense="rnd(sigma=0.1)", randomized_models="m+rnd(sigma=0.1)"),
+                   _records({0: "r", 1: "f", 2: "r"})),
+            "r3": (summary("r3", defense="rnd(sigma=0.1)"), _records({0: "f", 1: "r", 2: "r"})),
+            "t1": (summary("t1", targeted=True, target_label={"name": "random"}), _records({0: "f", 1: "r"})),
+            "t2": (summary("t2", targeted=True, target_label={"name": "least_likely"}), _records({0: "r", 1: "r"}))}
+    monkeypatch.setattr(wc, "run_dirs", lambda results: [Path("res") / d for d in runs])
+    monkeypatch.setattr(wc, "read_summary", lambda d: (runs[d.name][0], None))
+    monkeypatch.setattr(wc, "load_run", lambda d: runs[d.name])
+    rows, skipped = wc.worst_case_rows("res")
+    assert skipped == [] and [r["runs"] for r in rows] == ["sq", "sq (r2); sq (r3)", "sq", "sq"]
+    plain, rnd, t1, t2 = rows
+    assert (rnd["n_runs"], rnd["robust_acc"], rnd["asr_any"]) == (2, 1 / 3, 2 / 3)  # r2 fooled 1, r3 fooled 0
+    assert rnd["only_fooled_by"] == "sq (r2) 1; sq (r3) 1"
+    assert (rnd["randomized"], plain["randomized"]) == (True, False)
+    assert (t1["target_label"], t1["robust_acc"]) == ({"name": "random"}, 1 / 2)
+    assert (t2["target_label"], t2["robust_acc"]) == ({"name": "least_likely"}, 1.0)
