@@ -209,14 +209,16 @@ def test_compare_pairs_only_the_samples_both_runs_attacked(monkeypatch):
     def rec(attacked, success, queries):
         return {"attacked": attacked, "success": success, "queries": queries}
 
-    runs = {"a": ({"attack": "sa", "family": "score", "dataset": "digits", "asr": 0.5},
+    runs = {"a": ({"attack": "sa", "family": "score", "dataset": "digits", "asr": 0.5, "eps": 0.1, "seed": 0},
                   {0: rec(True, True, 10), 1: rec(True, False, 100), 2: rec(False, False, 0), 3: rec(True, True, 30),
                    5: rec(True, True, 3)}),
-            "b": ({"attack": "sb", "family": "decision", "dataset": "digits", "asr": 0.5},
+            "b": ({"attack": "sb", "family": "decision", "dataset": "digits", "asr": 0.5, "eps": 0.1, "seed": 1},
                   {0: rec(True, False, 100), 1: rec(True, True, 20), 2: rec(True, True, 7), 3: rec(True, True, 60),
                    4: rec(True, True, 1)})}
     monkeypatch.setattr(compare, "load_run", lambda d: runs[Path(d).name])
-    (row,) = compare_runs("nowhere/a", "nowhere/b")["rows"]
+    got = compare_runs("nowhere/a", "nowhere/b")
+    (row,) = got["rows"]
+    assert got["same"]["eps"] == 0.1 and "seed" not in got["same"] and got["differs"]["seed"] == (0, 1)
     s, q = row["success"], row["queries"]
     assert (s["n"], s["a_only"], s["b_only"], s["asr_a"], s["asr_b"]) == (3, 1, 1, 2 / 3, 2 / 3)
     assert (q["n"], q["mean_a"], q["mean_b"]) == (1, 30, 60)  # sample 3, the one both fooled
@@ -232,3 +234,16 @@ def test_image_and_threat_differences():
     assert image_difference(a, b) == ""
     assert image_difference(a, {"dataset": {"name": "digits", "n": 20, "seed": 1}}) == "dataset.seed 0 / 1"
     assert threat_differences(a, b) == {"threat.max_det": (None, 5), "threat.score_thr": (0.3, None)}
+
+
+def test_detection_line_says_which_run_drops_more():
+    """The verdict of a detection row follows its paired interval of B - A: above 0, B drops more; below 0, A does;
+    across 0, no difference shown."""
+    def line(low, high):
+        d = {"n": 6, "drop_a": 0.2, "drop_b": 0.3, "diff": (low + high) / 2, "low": low, "high": high}
+        result = {"a": "x", "b": "y", "same": {}, "differs": {}, "rows": [{"target": "t", "drop": d}]}
+        return format_comparison(result)[-1]
+
+    assert line(0.05, 0.15).endswith("0.050 to 0.150 (B drops more)")
+    assert line(-0.15, -0.05).endswith("(A drops more)")
+    assert line(-0.05, 0.15).endswith("(no difference shown)")
