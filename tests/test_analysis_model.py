@@ -219,6 +219,9 @@ def test_first_crossing():
     assert first_crossing(np.array([3.0, 1.0, -1.0, -2.0]), steps) == pytest.approx(1.5)
     assert np.isnan(first_crossing(np.array([3.0, 2.0, 1.0, 0.5]), steps))
     assert np.isnan(first_crossing(np.array([-1.0, 2.0, 1.0, 0.5]), steps))
+    # interpolated from the last positive point: 1 + 1 / (1 + 3); a ray that starts on the boundary has no crossing
+    assert first_crossing(np.array([3.0, 1.0, -3.0, -4.0]), steps) == pytest.approx(1.25)
+    assert np.isnan(first_crossing(np.array([0.0, -1.0, -2.0, -3.0]), steps))
 
 
 def test_dbviz_plane_passes_through_its_images():
