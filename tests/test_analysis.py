@@ -181,6 +181,21 @@ def test_line_numbers(results, tmp_path):
     assert math.isclose(got[3]["mean"], 0.75) and math.isclose(got[3]["std"], np.std([0.7, 0.8], ddof=1))
 
 
+def test_given_where_overrides_the_recipe_s_and_the_table_is_formula_guarded(results, tmp_path):
+    """A ``where`` given to plot overrides the same key of the recipe's own ``where`` (the recipe's other keys
+    still apply); a text cell of the numbers CSV that a spreadsheet would run as a formula gets a leading quote."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\ntool: aev_line\npaper: p\nparams: {x: eps, y: asr, hue: label}\n"
+                      "where: {family: score, attack: square}\n")
+    _, table, used, _ = run_recipe(str(recipe), results, tmp_path / "line", where={"attack": "nes"})
+    assert used == 3 and {r["label"] for r in read_csv(table)} == {"nes"}  # q3, q4, q5
+    s = {**query_summary("q7", "=cmd()", 0.05, 0.5, 10.0, 1.0)}
+    (results / "q7").mkdir()
+    (results / "q7" / "summary.json").write_text(json.dumps(s))
+    _, table, _, _ = run_recipe(str(recipe), results, tmp_path / "line2", where={"attack": "=cmd()"})
+    assert table.read_text(encoding="utf-8").splitlines()[1].startswith("'=cmd()")
+
+
 @pytest.mark.parametrize("source", ["dir", "csv"])
 def test_default_hue_keeps_named_configs_of_one_attack_apart(results, tmp_path, source):
     """Two configs of one attack under different names (``name``) are two lines by default, from a results
