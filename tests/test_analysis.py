@@ -186,10 +186,10 @@ def test_given_where_overrides_the_recipe_s_and_the_table_is_formula_guarded(res
     still apply); a text cell of the numbers CSV that a spreadsheet would run as a formula gets a leading quote."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: r\ntool: aev_line\npaper: p\nparams: {x: eps, y: asr, hue: label}\n"
-                      "where: {family: score, attack: square}\n")
+                      "where: {eps: 0.03, attack: square}\n")
     _, table, used, _ = run_recipe(str(recipe), results, tmp_path / "line", where={"attack": "nes"})
-    assert used == 3 and {r["label"] for r in read_csv(table)} == {"nes"}  # q3, q4, q5
-    s = {**query_summary("q7", "=cmd()", 0.05, 0.5, 10.0, 1.0)}
+    assert used == 2 and [(r["label"], r["eps"]) for r in read_csv(table)] == [("nes", 0.03)]  # q4, q5
+    s = {**query_summary("q7", "=cmd()", 0.03, 0.5, 10.0, 1.0)}
     (results / "q7").mkdir()
     (results / "q7" / "summary.json").write_text(json.dumps(s))
     _, table, _, _ = run_recipe(str(recipe), results, tmp_path / "line2", where={"attack": "=cmd()"})
