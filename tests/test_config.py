@@ -871,3 +871,17 @@ def test_recipe_overrides_merge_into_the_recipe():
     assert resolve_setting({"linf": 1, "p": 2}, l2t) == {"linf": 1, "p": 2}  # not a setting-keyed mapping
     with pytest.raises(ValueError, match="no value for this setting"):
         resolve_setting({"linf": 1}, l2t)
+
+
+def test_set_value_may_hold_an_equals_sign_and_the_grey_level_hint_is_for_grey_levels_only(tmp_path, capsys):
+    """``--set key=value`` splits at the first ``=`` (a value may hold one); the "did you mean N/255" hint of a linf
+    eps out of range is for 1 < eps <= 255 (grey levels), not for any large number."""
+    from blackboxbench.config import parse_assignment
+
+    assert parse_assignment("name=a=b", "cfg") == ("name", "a=b")
+    path = tmp_path / "cfg.yaml"
+    for eps, hint in (("8", True), ("300", False)):
+        path.write_text(GOOD.replace("OUT", str(tmp_path / "out")).replace("8/255", eps))
+        assert main(["run", str(path), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "threat.eps" in err and ("did you mean" in err) == hint, err
