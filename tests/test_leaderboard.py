@@ -323,3 +323,12 @@ def test_robustness_rows_put_undefended_first_and_adversarially_trained_last():
     assert short_defense("at+rnd(sigma=0.02)") == "at+rnd"
     assert short_defense("aaa_linear(x=1)+rnd(sigma=0.02)") == "aaa_linear+rnd"
     assert short_defense("aaa_linear(x=1, y=(2, 3))") == "aaa_linear" and short_defense(None) == "none"
+
+
+def test_robustness_columns_put_plugin_metrics_before_the_run_naming_ones():
+    """The mean of a metric the summaries list that the robustness COLUMNS lack (a plugin's) comes before the
+    three columns that name the run, which stay last; a metric already a column is not added twice."""
+    from blackboxbench.robustness import COLUMNS, columns
+
+    got = columns([{"metrics": ["l1dist", "ssim"]}, {"metrics": ["l1dist", "l2"]}])
+    assert got == COLUMNS[:-3] + ("mean_l1dist", "mean_l2") + ("wall_time", "config_hash", "run")
