@@ -194,13 +194,14 @@ def sort_key(row, directions):
 
 def cell(v):
     """A CSV cell: numbers and booleans as they are, None empty, any other value as text, with a leading ``'``
-    when a spreadsheet would read it as a formula."""
+    when a spreadsheet would read it as a formula, or when the text starts with ``'`` itself (the reader,
+    ``plotting.read_csv``, takes one off, so that every text reads back as written)."""
     if v is None:
         return ""
     if isinstance(v, (int, float)):
         return v
     text = str(v)
-    return "'" + text if text.startswith(FORMULA_START) else text
+    return "'" + text if text.startswith(FORMULA_START + ("'",)) else text
 
 
 def to_csv(rows, names):

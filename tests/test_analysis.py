@@ -101,6 +101,21 @@ def test_read_csv_reads_cells_back_as_the_library_wrote_them(tmp_path):
     assert isinstance(row["a"], int) and row["c"] is True
 
 
+def test_text_cells_round_trip_through_the_csv(tmp_path):
+    """Text the library writes reads back unchanged, a leading quote included: the guard quotes a formula-like text
+    and a text that itself starts with a quote, and the reader takes one quote off (a spreadsheet shows both as
+    written)."""
+    from blackboxbench.leaderboard import cell, to_csv
+
+    texts = ["=cmd", "-1 run", "'quoted", "''twice", "plain", "it's"]
+    path = tmp_path / "t.csv"
+    path.write_text(to_csv([{f"c{i}": t for i, t in enumerate(texts)}], [f"c{i}" for i in range(len(texts))]),
+                    encoding="utf-8")
+    (row,) = read_csv(path)
+    assert list(row.values()) == texts
+    assert cell("'quoted") == "''quoted" and cell("plain") == "plain"
+
+
 def test_lists_and_mappings_group_by_their_json_text():
     rows = [{"x": ["a", "b"], "y": 1.0}, {"x": ["a", "b"], "y": 3.0}, {"x": {"k": 1}, "y": 5.0}]
     got = aggregate(rows, "x", "y")
