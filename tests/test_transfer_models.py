@@ -262,10 +262,11 @@ def _crop_or_flip_of(img, src, pad):
     return any(torch.equal(img, c) or torch.equal(img, c.flip(2)) for c in crops)
 
 
-def test_bn_statistics_are_re_estimated_on_augmented_images(monkeypatch):
+def test_bn_statistics_are_re_estimated_on_augmented_images(monkeypatch, tmp_path):
     """SWA's mean (so SWAG's samples) and RD's copies with ``data`` re-estimate BatchNorm on the training images
     as the authors' training loader gives them, randomly cropped and flipped (Li et al.'s ``update_bn_imgnet``,
     Gubri et al.'s ``bn_update``), not on the plain images; the fine-tuning's cache key names that revision."""
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path))  # a warm cache would skip the fine-tuning it spies on
     seen, keys = [], []
     monkeypatch.setattr(weights, "bn_update", lambda net, x, batch=256: seen.append(x.clone()) or net.eval())
     real_key = weights.cache_key
@@ -408,10 +409,11 @@ def test_score_matching_is_the_sliced_fisher_objective_of_the_normalized_input()
     assert all(g.abs().sum() > 0 for g in grads)
 
 
-def test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached(monkeypatch):
+def test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached(monkeypatch, tmp_path):
     """The step's loss is cross-entropy + lam x the score matching loss (lam 0: cross-entropy alone, another
     model); the learning rate drops ten-fold at ``decay_epoch``; BatchNorm keeps the checkpoint's statistics; a
     second run loads the cached weights."""
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path))  # a warm cache would skip the training it spies on
     net, data = small_resnet(), digits_like(n=40, size=16)
     lrs = spy_lrs(monkeypatch, torch.optim.SGD)
     kw = {"lr": 0.01, "epochs": 3, "decay_epoch": 2, "batch": 16}
