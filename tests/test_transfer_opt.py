@@ -471,3 +471,43 @@ def test_new_recipe_on_resnet20_transfers_to_resnet56(name, cifar):
     # error of ResNet-56 on these images is 0, so 0.25 (2 of 8) is already a transfer effect.
     weak = name == "sia"
     assert white >= (0.5 if weak else 0.9) and transfer >= (0.25 if weak else 0.5)
+
+
+def test_pgn_l2_mixes_unit_gradients_at_gaussian_neighbours():
+    """PGN under L2 (the authors' L2 variant): each neighbour is ``x + zeta eps z / ||z||`` with ``z`` Gaussian from
+    the sample's stream, and the two gradients are made unit-L2 per sample before the ``(1 - delta), delta`` mix
+    (unnormalized, the mix would be dominated by whichever gradient is larger)."""
+    x = torch.rand(2, 3, 4, 4, generator=gen(30))
+    y = torch.zeros(2, dtype=torch.long)
+    ctx = replace(transfer_ctx(x, y, eps=0.5, norm="l2", seed=31), alpha=0.1)
+    scale = torch.tensor([1.0, 7.0]).view(2, 1, 1, 1)
+    grad = lambda z: scale * (torch.sin(3 * z) + 0.1 + z ** 2)  # noqa: E731  (rows of different size, non-linear)
+    out = GRADIENT.get("pgn")(ctx, grad, x, {}, n=2, zeta=3.0, delta=0.25)
+    l2unit = lambda g: g / g.flatten(1).norm(dim=1).view(2, 1, 1, 1)  # noqa: E731
+    replay = transfer_ctx(x, y, seed=31).rng
+    ref = 0
+    for _ in range(2):
+        z = replay.normal((3, 4, 4))
+        xn = x + 3.0 * 0.5 * l2unit(z)
+        g1 = grad(xn)
+        g2 = grad(xn - 0.1 * l2unit(g1))
+        ref = ref + 0.75 * l2unit(g1) + 0.25 * l2unit(g2)
+    assert torch.allclose(out, ref / 2, atol=1e-6)
+
+
+def test_rap_l2_starts_at_a_hundredth_of_eps_and_projects_to_the_l2_ball():
+    """RAP under L2: the reverse perturbation starts uniform in ``[-eps / 100, eps / 100]`` per pixel (the authors'
+    code) and takes unit-L2 descent steps of ``alpha`` on ``raw_grad``, each projected to the L2 ball of radius
+    ``inner_eps`` (default eps) around ``x``."""
+    x = torch.rand(2, 3, 4, 4, generator=gen(32)) * 0.5 + 0.25
+    y = torch.zeros(2, dtype=torch.long)
+    w = torch.randn(1, 3, 4, 4, generator=gen(33))
+    ctx = replace(transfer_ctx(x, y, eps=0.3, norm="l2", seed=34), alpha=0.2, t=0, raw_grad=lambda z: w.expand_as(z))
+    rec = Recorder()
+    GRADIENT.get("rap")(ctx, rec, x, {}, late_start=0, inner_iterations=3)
+    u = transfer_ctx(x, y, seed=34).rng.uniform((3, 4, 4))
+    n = (2 * u - 1) * 0.3 / 100
+    for _ in range(3):
+        n = n - 0.2 * w / w.norm()
+        n = n * (0.3 / n.flatten(1).norm(dim=1)).clamp(max=1).view(2, 1, 1, 1)
+    assert torch.allclose(rec.calls[-1], x + n, atol=1e-6)
