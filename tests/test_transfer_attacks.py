@@ -94,6 +94,34 @@ def test_unknown_norm_is_a_bench_error():
 
 # ----------------------------------------------------------------------------------------------- losses ----
 
+class _Linear(torch.nn.Module):
+    """A fixed linear surrogate on 3 x 4 x 4 images."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.randn(48, 10, generator=torch.Generator().manual_seed(42))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.w
+
+
+def test_random_start_is_uniform_in_the_ball_around_x_from_each_samples_stream():
+    """``random_start`` r: the loop starts at ``Clip(x + r * (2u - 1))``, ``u`` uniform per pixel from the sample's
+    stream, so the start is centred on x (not pushed one way) and is projected to the eps ball before the first
+    step (r > eps here, so a step from the unprojected start would end elsewhere)."""
+    x = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(40)) * 0.5 + 0.25
+    y = torch.tensor([1, 2])
+    atk, _ = build_recipe("i_fgsm", eps=0.1, iterations=1, hyper={"random_start": 0.2})
+    model, seen = _Linear(), []
+    ctx = transfer_ctx(x, y, eps=0.1, model=model, alpha=0.03, seed=41, iterations=1)
+    atk.run(ctx, lambda t, x_it: seen.append(x_it.clone()))
+    u = transfer_ctx(x, y, seed=41).rng.uniform((3, 4, 4))
+    x0 = (x + (0.2 * (2 * u - 1)).clamp(-0.1, 0.1)).requires_grad_(True)
+    g, = torch.autograd.grad(F.cross_entropy(model(x0), y, reduction="sum"), x0)
+    want = torch.minimum(torch.maximum(x0.detach() + 0.03 * g.sign(), x - 0.1), x + 0.1)
+    assert torch.allclose(seen[0], want, atol=1e-6)
+
+
 def test_losses_match_hand_formulas():
     z = torch.randn(6, 10, generator=gen(5))
     lab = torch.tensor([0, 3, 9, 2, 2, 7])
