@@ -220,6 +220,53 @@ def test_adaea_weights_and_mask_match_a_per_sample_loop():
         assert 0 < mask.mean() < 1 or i  # the threshold splits the pixels of at least one sample
 
 
+def test_cwa_inner_decay_scales_the_carried_inner_momentum():
+    """``inner_decay`` mu: each member's inner step updates ``m <- mu * m + g_k / ||g_k||_2`` on the momentum
+    carried from the previous iteration, then ``x~ <- Clip(x~ + inner_step * m)`` (reverse 0: no SAM step)."""
+    nets = [small_net(s) for s in range(2)]
+    x, y = images(3)
+    ctx = grad_of_ctx(build_recipe("cwa", "linf", False, 0.1, 3)[0], ctx_for(ModelSet(nets, [.5, .5], "logit"), x, y))
+    m0 = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(50)) * 0.01
+    state = {"cwa_inner": m0.clone()}
+    out = GRADIENT.get("cwa")(ctx.at(t=1), None, x, state, reverse=0, inner_step=0.02, inner_decay=0.5)
+    clip = lambda z: torch.min(torch.max(z, x - 0.1), x + 0.1).clamp(0, 1)  # noqa: E731
+    m, xt = m0, x
+    for net in nets:
+        g = ce_grad(net, xt, y)
+        m = 0.5 * m + g / g.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        xt = clip(xt + 0.02 * m)
+    assert torch.allclose(state["cwa_inner"], m, atol=1e-6) and torch.allclose(out, xt - x, atol=1e-6)
+
+
+def test_adaea_targeted_weights_use_the_target_and_the_inverse_ratio():
+    """Targeted AdaEA: the tentative steps ascend the recipe's targeted loss (the target logit), the members' CE is
+    towards the target, and member k's score is ``beta * sum_{i != k} CE_i(x_i) / CE_i(x_k)`` (the inverse ratio:
+    how much x_k lowers member i's loss of the target class), per sample."""
+    nets = [small_net(s) for s in range(3)]
+    x, y = images(4)
+    t = (y + 3) % 10
+    alpha, beta, threshold = 0.02, 10.0, 0.05
+    ctx = grad_of_ctx(build_recipe("adaea", "linf", True, 0.1, 3)[0],
+                      ctx_for(ModelSet(nets, [1 / 3] * 3, "logit"), x, y, alpha=alpha, target=t))
+    got = GRADIENT.get("adaea")(ctx, None, x, {}, beta=beta, threshold=threshold)
+
+    def logit_grad(model, xi, ti):
+        xi = xi.clone().requires_grad_(True)
+        return torch.autograd.grad(model(xi).gather(1, ti[:, None]).sum(), xi)[0]
+
+    for i in range(len(x)):
+        xi, ti = x[i:i + 1], t[i:i + 1]
+        g = [logit_grad(m, xi, ti) for m in nets]
+        tent = [torch.min(torch.max(xi + alpha * gk.sign(), xi - 0.1), xi + 0.1).clamp(0, 1) for gk in g]
+        ce = [[F.cross_entropy(nets[a](tent[b]), ti).item() for b in range(3)] for a in range(3)]
+        score = torch.tensor([beta * sum(ce[a][a] / ce[a][b] for a in range(3) if a != b) for b in range(3)])
+        w = torch.softmax(score, 0)
+        sim = sum(F.cosine_similarity(g[a], g[b], dim=1) for a in range(3) for b in range(a + 1, 3)) / 3
+        mask = (sim >= threshold).float().unsqueeze(1)
+        want = logit_grad(lambda z: sum(w[k] * nets[k](z) for k in range(3)), xi, ti) * mask
+        assert torch.allclose(got[i:i + 1], want, atol=1e-5), i
+
+
 # ------------------------------------------------------------------------------------------ RD, LGV, SWA ----
 
 def run_ctx(data, seed=0, pool=None):
