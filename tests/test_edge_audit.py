@@ -309,3 +309,13 @@ def test_a_dataset_off_the_grid_is_a_config_error(tmp_path, name, value, says):
     perturbation of linf norm 0.001961 > eps"); now it is a one-line config error naming the dataset block."""
     with pytest.raises(ConfigError, match=rf"edge:dataset: dataset block 'test_edge_off_grid' .*{re.escape(says)}"):
         _run(tmp_path, name, data={"name": "test_edge_off_grid", "value": value})
+
+
+def test_transfer_sample_whose_target_is_its_label_keeps_the_clean_image(tmp_path):
+    """A sample whose target is its own label is not attacked: its record is the clean image's (no distance, no
+    success) even where the crafted image moved (8/255, 5 steps: far above half a uint8 level, which the one-step
+    1/255 test above rounds away)."""
+    _, records, _ = _run(tmp_path, "i_fgsm", "linf", True, eps=8 / 255, iterations=5, slots=2, tag="own",
+                         target_label={"name": "specified", "label": 1})
+    assert [r["attacked"] for r in records] == [True, False, True]
+    assert records[0]["linf"] > 1 / 255 and records[1]["l2"] == records[1]["linf"] == 0
