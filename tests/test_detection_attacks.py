@@ -299,6 +299,58 @@ def test_ebad_victim_loss_by_hand():
 
 
 
+
+class _ConstantLossDetector:
+    """A surrogate whose training loss is the constant ``loss`` and which detects nothing."""
+
+    def __init__(self, loss):
+        self.loss = loss
+
+    def losses(self, x, targets):
+        return {"total": torch.tensor(self.loss)}
+
+    def __call__(self, x):
+        return [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "scores": torch.zeros(0)}
+                for _ in x]
+
+
+def test_ebad_weight_search_by_hand(monkeypatch):
+    """EBAD's weights (the authors' ``attack_bb_det.py``): w_i = (1 / L_i) / sum_j (1 / L_j); round r gives
+    surrogate r mod K two candidates, w_i + lr_w / L_i then w_i - lr_w / L_i (the raw inverse loss); the one of
+    lower black-box loss becomes the weights, then clipped at 0, raised by 0.005 and normalised. Each PGD run
+    steps 3 eps / 20. With a victim that never meets the goal, 5 queries are the first PGD and two rounds."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.detection import attacks
+    from blackboxbench.detection.family import DetProblem
+
+    models = [_ConstantLossDetector(v) for v in (2.0, 4.0, 8.0)]
+    x = torch.full((1, 3, 8, 8), 0.5)
+    targets = [{"boxes": torch.tensor([[1.0, 1, 5, 5]]), "labels": torch.tensor([2])}]
+    monkeypatch.setattr(attacks, "relabel_one", lambda ctx, thr: (targets, targets[0]["boxes"], torch.tensor([2]),
+                                                                  torch.tensor([0])))
+    runs = []
+
+    def descend(ctx, ms, weights, tg, x0, iterations, alpha):  # the black-box loss (victim: no detection): w0 + 2 w1
+        runs.append((list(weights), alpha))
+        return x0, weights[0] + 2 * weights[1]
+
+    monkeypatch.setattr(attacks, "descend", descend)
+    p = DetProblem(x, torch.zeros(1, dtype=torch.long), 10 / 255, "linf", None, 3, gt=targets, clean=targets)
+    ctx = BlockContext(problem=p, rng=None, surrogates=tuple(models), model=models[0])
+    attacks.ebad(ctx, None, queries=5, lr_w=2.0)
+    inv = torch.tensor([1 / 2, 1 / 4, 1 / 8])
+    w = inv / inv.sum()
+    want = [w.tolist()]
+    for i in (0, 1):
+        cands = [w + torch.eye(3)[i] * s * 2.0 * inv[i] for s in (1, -1)]
+        want += [c.tolist() for c in cands]
+        best = min(cands, key=lambda c: float(c[0] + 2 * c[1]))
+        w = (best.clamp_min(0) + 0.005) / (best.clamp_min(0) + 0.005).sum()
+    assert len(runs) == 5
+    for (got, alpha), ref in zip(runs, want):
+        assert got == pytest.approx(ref) and alpha == pytest.approx(3 * 10 / 255 / 20)
+
+
 def test_ebad_ranks_candidates_by_the_black_box_loss(setup, monkeypatch):
     """Each unsuccessful candidate is one query ranked by :func:`victim_loss` on the victim's detections."""
     from blackboxbench.detection import attacks
