@@ -787,3 +787,37 @@ def test_osfd_on_the_deep_tiny_detector(setup):
     d_deep = s["per_target"]["m"]["drop_map"]
     _, s, _ = run_recipe("osfd", model, data)
     assert d_deep > s["per_target"]["m"]["drop_map"], (d_deep, s["per_target"]["m"])
+
+
+class _CubeFeatures:
+    """A detector stand-in whose backbone stages are ``x ** 3`` and ``sin(4 x)`` (non-linear, so the feature
+    gradient changes in size and direction along the attack)."""
+
+    def features(self, x):
+        return [x ** 3, torch.sin(4 * x)]
+
+
+def test_osfd_momentum_accumulates_mean_normalized_gradients_by_hand(monkeypatch):
+    """OSFD's update (the authors' MI): ``g_acc <- momentum * g_acc + g / mean|g|`` per image, ``g`` the gradient of
+    sum over the stages of MSE(F(x + noise), k F(x)) on the RRB copies (here the identity), then ``noise <-
+    clip(noise + alpha * sign(g_acc), -eps, eps)``; the output is ``clip(x + noise, 0, 1)``."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.detection import attacks
+    from blackboxbench.detection.family import DetProblem
+    from blackboxbench.rng import Streams
+
+    monkeypatch.setattr(attacks, "rrb", lambda ctx, x, copies, *a: x)
+    x = torch.rand(2, 3, 6, 6, generator=torch.Generator().manual_seed(60)) * 0.6 + 0.2
+    p = DetProblem(x, torch.zeros(2, dtype=torch.long), 0.2, "linf", None, 3, gt=[], clean=[])
+    net = _CubeFeatures()
+    ctx = BlockContext(problem=p, rng=Streams(0, 2, "cpu").view(torch.arange(2)), model=net)
+    out = attacks.osfd(ctx, None, k=0.5, iterations=8, alpha=0.02, momentum=0.8, copies=1, start=0.0)
+    target = [0.5 * f for f in net.features(x)]
+    noise, acc = torch.zeros_like(x), torch.zeros_like(x)
+    for _ in range(8):
+        n = noise.clone().requires_grad_(True)
+        loss = sum(((f - t) ** 2).mean() for f, t in zip(net.features(x + n), target))
+        g, = torch.autograd.grad(loss, n)
+        acc = 0.8 * acc + g / g.abs().flatten(1).mean(1).view(-1, 1, 1, 1)
+        noise = (noise + 0.02 * acc.sign()).clamp(-0.2, 0.2)
+    assert torch.allclose(out, (x + noise).clamp(0, 1), atol=1e-6)
