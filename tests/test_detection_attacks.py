@@ -821,3 +821,37 @@ def test_osfd_momentum_accumulates_mean_normalized_gradients_by_hand(monkeypatch
         acc = 0.8 * acc + g / g.abs().flatten(1).mean(1).view(-1, 1, 1, 1)
         noise = (noise + 0.02 * acc.sign()).clamp(-0.2, 0.2)
     assert torch.allclose(out, (x + noise).clamp(0, 1), atol=1e-6)
+
+
+def test_caa_default_weights_and_first_hit_keeps_each_images_first_successful_plan(monkeypatch):
+    """CAA's default weights are 4 for the first surrogate and 1 for each other (the authors' 4 L_FRCNN +
+    L_YOLOv3); under ``select: first_hit`` an image keeps the image of the first plan after which the indicator
+    model meets its goal (later plans do not overwrite it), an image that never does the last plan's."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.detection import attacks
+    from blackboxbench.detection.family import DetProblem
+    from blackboxbench.rng import Streams
+
+    models = [_ConstantLossDetector(1.0), _ConstantLossDetector(1.0), _ConstantLossDetector(1.0)]
+    x = torch.full((2, 3, 8, 8), 0.5)
+    det = {"boxes": torch.tensor([[1.0, 1, 5, 5]]), "labels": torch.tensor([0]), "scores": torch.tensor([0.9])}
+    monkeypatch.setattr(attacks, "pick_victims", lambda ctx, thr, u: [(det, 0, 1)] * len(u))
+    monkeypatch.setattr(attacks, "sequential_plans", lambda boxes, labels, v, target, tables, h, w, steps, u, **kw:
+                        [(boxes, torch.tensor([k])) for k in range(steps + 1)])  # plan k: label k
+    monkeypatch.setattr(attacks, "ContextTables", object)  # the plans are stubbed: no context tables needed
+    runs = []
+
+    def descend(ctx, ms, weights, plans, x0, iterations, alpha):  # plan k's image: x0 + (k + 1) / 255
+        k = int(plans[0]["labels"][0])
+        runs.append((list(weights), k))
+        return x0 + (k + 1) / 255, 0.0
+
+    monkeypatch.setattr(attacks, "descend", descend)
+    hits = iter([torch.tensor([True, False])] * 2)  # image 0 meets its goal after plan 0, image 1 never
+    monkeypatch.setattr(attacks, "hit", lambda *a: next(hits))
+    p = DetProblem(x, torch.zeros(2, dtype=torch.long), 10 / 255, "linf", None, 3, gt=[], clean=[])
+    ctx = BlockContext(problem=p, rng=Streams(0, 2, "cpu").view(torch.arange(2)), surrogates=tuple(models),
+                       model=models[0], assets={"tables": None})
+    out = attacks.caa(ctx, None, steps=2, context="tables", select="first_hit")
+    assert runs == [([4.0, 1.0, 1.0], k) for k in range(3)]
+    assert torch.allclose(out.x[0], x[0] + 1 / 255) and torch.allclose(out.x[1], x[1] + 3 / 255)
