@@ -857,3 +857,24 @@ def test_caa_default_weights_and_first_hit_keeps_each_images_first_successful_pl
     out = attacks.caa(ctx, None, steps=2, context="tables", select="first_hit")
     assert runs == [([4.0, 1.0, 1.0], k) for k in range(3)]
     assert torch.allclose(out.x[0], x[0] + 1 / 255) and torch.allclose(out.x[1], x[1] + 3 / 255)
+
+
+def test_detection_random_start_is_centred_and_l2_radius_drawn_per_image():
+    """TOG's uniform start (:func:`~blackboxbench.detection.attacks.random_start`): Linf ``x + eps (2u - 1)`` with
+    ``u`` uniform per pixel from the image's stream (centred on x); L2 the unit direction of ``2u - 1`` times a
+    radius ``eps * v``, ``v`` one more uniform per image; both clipped to [0, 1]."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.detection.attacks import random_start
+    from blackboxbench.detection.family import DetProblem
+    from blackboxbench.rng import Streams
+
+    x = torch.rand(2, 3, 6, 6, generator=torch.Generator().manual_seed(70)) * 0.5 + 0.25
+    stream = lambda: Streams(71, 2, "cpu").view(torch.arange(2))  # noqa: E731
+    for norm, eps in (("linf", 0.1), ("l2", 2.0)):
+        p = DetProblem(x, torch.zeros(2, dtype=torch.long), eps, norm, None, 3, gt=[], clean=[])
+        got = random_start(BlockContext(problem=p, rng=stream()), x)
+        rng = stream()
+        d = 2 * rng.uniform((3, 6, 6)) - 1
+        if norm == "l2":
+            d = d / d.flatten(1).norm(dim=1).view(2, 1, 1, 1) * rng.uniform(()).view(2, 1, 1, 1)
+        assert torch.allclose(got, (x + eps * d).clamp(0, 1), atol=1e-6), norm
