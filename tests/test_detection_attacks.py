@@ -878,3 +878,24 @@ def test_detection_random_start_is_centred_and_l2_radius_drawn_per_image():
         if norm == "l2":
             d = d / d.flatten(1).norm(dim=1).view(2, 1, 1, 1) * rng.uniform(()).view(2, 1, 1, 1)
         assert torch.allclose(got, (x + eps * d).clamp(0, 1), atol=1e-6), norm
+
+
+def test_tog_objectives_on_a_one_stage_head_by_hand():
+    """One-stage TOG objectives from the candidates' class scores p (N, A, C): fabrication the mean over the
+    candidates of log max_c p (each candidate's best class towards 1), vanishing the mean of log(1 - p) over every
+    candidate and class."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.detection.attacks import tog_fabrication, tog_vanishing
+    from blackboxbench.detection.models import ONE_STAGE
+
+    class Head:
+        kind = sorted(ONE_STAGE)[0]
+
+        def candidates(self, x):
+            return torch.sigmoid(x.flatten(1).view(len(x), -1, 3) * 4 - 2)  # 3 classes per candidate
+
+    x = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(80))
+    ctx = BlockContext(problem=None, rng=None, model=Head())
+    p = Head().candidates(x).clamp(1e-6, 1 - 1e-6)
+    assert torch.allclose(tog_fabrication(ctx, x), torch.log(p.max(-1).values).mean(1), atol=1e-6)
+    assert torch.allclose(tog_vanishing(ctx, x), torch.log(1 - p).flatten(1).mean(1), atol=1e-6)
