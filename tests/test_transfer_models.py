@@ -207,17 +207,24 @@ def test_adaea_weights_and_mask_match_a_per_sample_loop():
                       ctx_for(ModelSet(nets, [1 / 3] * 3, "logit"), x, y, alpha=alpha))
     got = GRADIENT.get("adaea")(ctx, None, x, {}, beta=beta, threshold=threshold)
     for i in range(len(x)):  # one sample at a time, one model at a time
-        xi, yi = x[i:i + 1], y[i:i + 1]
-        g = [ce_grad(m, xi, yi) for m in nets]
-        tent = [torch.min(torch.max(xi + alpha * gk.sign(), xi - 0.1), xi + 0.1).clamp(0, 1) for gk in g]
-        ce = [[F.cross_entropy(nets[a](tent[b]), yi).item() for b in range(3)] for a in range(3)]
-        score = torch.tensor([beta * sum(ce[a][b] / ce[a][a] for a in range(3) if a != b) for b in range(3)])
-        w = torch.softmax(score, 0)
-        sim = sum(F.cosine_similarity(g[a], g[b], dim=1) for a in range(3) for b in range(a + 1, 3)) / 3
-        mask = (sim >= threshold).float().unsqueeze(1)
-        want = ce_grad(lambda z: sum(w[k] * nets[k](z) for k in range(3)), xi, yi) * mask
+        want, mask = _adaea_reference(nets, x[i:i + 1], y[i:i + 1], ce_grad, alpha, beta, threshold, False)
         assert torch.allclose(got[i:i + 1], want, atol=1e-5), i
         assert 0 < mask.mean() < 1 or i  # the threshold splits the pixels of at least one sample
+
+
+def _adaea_reference(nets, xi, label, grad, alpha, beta, threshold, targeted):
+    """AdaEA's gradient for one sample by hand: tentative sign steps of ``grad`` per member, the members' CE
+    towards ``label`` at each, member k's score ``beta * sum_{a != k}`` of CE_a(x_k) / CE_a(x_a) (targeted: the
+    inverse ratio), softmax weights, and the mask of pixels where the members' mean pairwise cosine reaches
+    ``threshold``. Returns (gradient, mask)."""
+    g = [grad(m, xi, label) for m in nets]
+    tent = [torch.min(torch.max(xi + alpha * gk.sign(), xi - 0.1), xi + 0.1).clamp(0, 1) for gk in g]
+    ce = [[F.cross_entropy(nets[a](tent[b]), label).item() for b in range(3)] for a in range(3)]
+    ratio = (lambda a, b: ce[a][a] / ce[a][b]) if targeted else (lambda a, b: ce[a][b] / ce[a][a])
+    w = torch.softmax(torch.tensor([beta * sum(ratio(a, b) for a in range(3) if a != b) for b in range(3)]), 0)
+    sim = sum(F.cosine_similarity(g[a], g[b], dim=1) for a in range(3) for b in range(a + 1, 3)) / 3
+    mask = (sim >= threshold).float().unsqueeze(1)
+    return grad(lambda z: sum(w[k] * nets[k](z) for k in range(3)), xi, label) * mask, mask
 
 
 def test_cwa_inner_decay_scales_the_carried_inner_momentum():
@@ -255,15 +262,7 @@ def test_adaea_targeted_weights_use_the_target_and_the_inverse_ratio():
         return torch.autograd.grad(model(xi).gather(1, ti[:, None]).sum(), xi)[0]
 
     for i in range(len(x)):
-        xi, ti = x[i:i + 1], t[i:i + 1]
-        g = [logit_grad(m, xi, ti) for m in nets]
-        tent = [torch.min(torch.max(xi + alpha * gk.sign(), xi - 0.1), xi + 0.1).clamp(0, 1) for gk in g]
-        ce = [[F.cross_entropy(nets[a](tent[b]), ti).item() for b in range(3)] for a in range(3)]
-        score = torch.tensor([beta * sum(ce[a][a] / ce[a][b] for a in range(3) if a != b) for b in range(3)])
-        w = torch.softmax(score, 0)
-        sim = sum(F.cosine_similarity(g[a], g[b], dim=1) for a in range(3) for b in range(a + 1, 3)) / 3
-        mask = (sim >= threshold).float().unsqueeze(1)
-        want = logit_grad(lambda z: sum(w[k] * nets[k](z) for k in range(3)), xi, ti) * mask
+        want, _ = _adaea_reference(nets, x[i:i + 1], t[i:i + 1], logit_grad, alpha, beta, threshold, True)
         assert torch.allclose(got[i:i + 1], want, atol=1e-5), i
 
 
