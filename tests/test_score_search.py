@@ -431,6 +431,68 @@ def test_babies_matches_a_per_sample_reference(norm, eps, targeted):
     assert state["success"].any() and not state["success"].all()
 
 
+# ---------------------------------------------------------------- ties: a target whose answer never moves
+
+class Flat(nn.Module):
+    """A target whose logits do not depend on the image (class 0 ahead by 1): every candidate ties the current
+    margin exactly, so the ``<`` / ``<=`` of each acceptance rule decides what happens."""
+
+    def forward(self, x):
+        z = torch.zeros(x.shape[0], 10, dtype=torch.float64)
+        z[:, 0] = 1.0
+        return z + 0 * x.flatten(1).double().sum(1, keepdim=True)
+
+
+def flat_problem(n=3, shape=(1, 8, 8)):
+    x = torch.round(torch.rand(n, *shape, generator=torch.Generator().manual_seed(0)) * 200 + 20) / 255
+    return Flat(), x.double(), torch.zeros(n, dtype=torch.long)
+
+
+def test_ppba_and_babies_move_only_on_a_strict_improvement():
+    """PPBA moves to a candidate only where it *lowers* the margin (a tie is a failure: z, eff stay, every move is
+    counted in ``ineff``); BABIES takes a probe only where it lowers the margin and interpolates only between two
+    different answers, so on a flat target neither ever leaves the clean image."""
+    model, x, y = flat_problem()
+    steps, m = 7, 40
+    ctx = make_ctx(model, x, y, 0.05, "linf", 1 + steps, seed=1)
+    state = drive(ctx, partial(INIT.get("ppba_init"), low_dim=m, r=36, stride=2),
+                  partial(PERTURB.get("ppba"), rho=0.05), partial(ACCEPT.get("ppba_accept"), mom=1.0))
+    assert ctx.oracle.counts.tolist() == [1 + steps] * 3
+    assert torch.equal(state["z"], torch.zeros_like(state["z"])) and torch.equal(state["x_adv"], x)
+    assert torch.equal(state["eff"], torch.ones_like(state["eff"]))
+    # each iteration adds one move per coordinate to ineff (the value it drew): 3 ones + steps per coordinate
+    assert torch.equal(state["ineff"].sum(1), torch.full((3, m), 3.0 + steps, dtype=state["ineff"].dtype))
+
+    ctx = make_ctx(model, x, y, 0.5, "l2", 1 + 2 * steps, seed=1)
+    state = drive(ctx, partial(INIT.get("babies_init"), freq_dims=4, stride=2),
+                  partial(PERTURB.get("babies"), rho=1.0, step=0.5),
+                  partial(ACCEPT.get("babies_accept"), interp=True, interval=100))
+    assert ctx.oracle.counts.tolist() == [1 + 2 * steps] * 3  # both probes asked every iteration
+    assert torch.equal(state["delta"], torch.zeros_like(x)) and torch.equal(state["x_adv"], x)
+    assert not state["success"].any()
+
+
+def test_eco_zero_gains_flip_and_ties_go_to_the_first_position():
+    """The authors' lazy rule flips a block whose fresh gain is <= 0 (not only < 0), and the scan's best is the
+    *first* of equal gains (``heapq`` order). On a flat target (every gain 0, 4 blocks of side 4 in one
+    mini-batch): after the scan (init + 4 queries) exactly the first block of the visit order is up; after the
+    lazy loop (3 more queries) every block is up."""
+    model, x, y = flat_problem()
+    params = dict(block_size=4, block_batch_size=64)
+    ctx = make_ctx(model, x, y, 0.05, "linf", 1 + 4, seed=2)
+    state = drive(ctx, partial(INIT.get("parsimonious_init"), **params), PERTURB.get("eco_lazy_greedy"),
+                  ACCEPT.get("eco_accept"))
+    first = block_map(state["bsize"], x.shape[1:]) == state["order"][:, :1]
+    assert torch.equal(state["up"], first) and first.sum(1).tolist() == [16] * 3
+
+    ctx = make_ctx(model, x, y, 0.05, "linf", 1 + 4 + 3, seed=2)
+    state = drive(ctx, partial(INIT.get("parsimonious_init"), **params), PERTURB.get("eco_lazy_greedy"),
+                  ACCEPT.get("eco_accept"))
+    hi, _ = vertices(ctx.problem)
+    assert state["up"].all() and torch.equal(state["x_adv"].flatten(1), hi)
+    assert ctx.oracle.counts.tolist() == [8] * 3
+
+
 # ---------------------------------------------------------------- real CIFAR-10 ResNet-20
 
 @pytest.fixture(scope="module")
