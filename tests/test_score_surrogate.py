@@ -135,6 +135,44 @@ def test_prgf_trusts_a_perfect_prior_alone():
     assert ctx.oracle.counts.tolist() == [1 + 1 + 10] * 3 and (out["it"] == 1).all()
 
 
+def test_prgf_flips_a_prior_that_points_uphill():
+    """A surrogate whose margin gradient is exactly minus the target's: the prior's finite difference is negative,
+    so alpha < 0 and the prior is flipped (paper Sec. 3.2); |alpha| = 1 then trusts it alone, and the sign step
+    goes down the target's margin, as with a perfect prior."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    target, surrogate = Linear(w, b), Linear(-w, torch.zeros(2))
+    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
+    y = torch.zeros(3, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 1000, num_classes=2), surrogates=(surrogate,))
+    state = INIT.get("prgf_init")(ctx)
+    out = PERTURB.get("prgf")(ctx, state, q=50, sigma=1e-4, lr=0.005)
+    direction = (w[0] - w[1]).view(1, 3, 4, 4)  # gradient of the target's margin z_0 - z_1
+    assert torch.equal(out["x_adv"], (x - 0.005 * direction.sign()).clamp(0, 1))
+    assert ctx.oracle.counts.tolist() == [1 + 1 + 10] * 3
+
+
+def test_prgf_alpha_is_the_cosine_so_a_partial_prior_is_mixed():
+    """alpha = (L(x + sigma v) - L(x)) / (sigma sqrt(D ||grad||^2)) with v of RMS 1 (norm sqrt(D)) estimates the
+    cosine between prior and gradient. A prior at cosine 0.3 (D = 48, q = 50: alpha^2 ~ 0.09 lies between
+    1/(D + 2q - 2) and (2q - 1)/(D + 2q - 2)) gets 0 < lambda* < 1, so the q prior-guided probes are asked
+    (1 + 1 + 10 + 50 queries); an alpha without the sqrt(D) (sqrt(D) times too large) would trust it alone."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 48, generator=g)
+    grad = w[0] - w[1]
+    other = torch.randn(48, generator=g)
+    other = other - (other @ grad) / (grad @ grad) * grad
+    prior = 0.3 * grad / grad.norm() + (1 - 0.09) ** 0.5 * other / other.norm()
+    target = Linear(w, torch.tensor([2.0, 0.0]))
+    surrogate = Linear(torch.stack([prior, torch.zeros(48)]), torch.zeros(2))
+    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
+    y = torch.zeros(3, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 1000, num_classes=2), surrogates=(surrogate,))
+    state = INIT.get("prgf_init")(ctx)
+    PERTURB.get("prgf")(ctx, state, q=50, sigma=1e-4, lr=0.005)
+    assert ctx.oracle.counts.tolist() == [1 + 1 + 10 + 50] * 3
+
+
 def test_surrogate_gradient_is_per_sample_and_one_backward():
     """Weighted losses of two surrogates: each sample's gradient equals the one computed alone, per model."""
     g = torch.Generator().manual_seed(3)
