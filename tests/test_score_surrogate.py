@@ -173,6 +173,26 @@ def test_prgf_alpha_is_the_cosine_so_a_partial_prior_is_mixed():
     assert ctx.oracle.counts.tolist() == [1 + 1 + 10 + 50] * 3
 
 
+def test_prgf_norm_estimate_schedule():
+    """``||grad L||^2`` is estimated (``norm_samples`` queries) every ``norm_every`` iterations *and* at iteration
+    3 (the authors: "the gradient norm may change fast in the early iterations"); a perfect prior needs 1 query
+    for itself, and ``margin_step`` 1 for the step: 1 + 10 + 1, 1 + 1, 1 + 1, 1 + 10 + 1, 1 + 1 queries."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    target, surrogate = Linear(w, b), Linear(w.clone(), b.clone())
+    x = torch.rand(2, 3, 4, 4, generator=g) * 0.5 + 0.25
+    y = torch.zeros(2, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 1000, num_classes=2), surrogates=(surrogate,))
+    state = INIT.get("prgf_init")(ctx)
+    asked = []
+    for _ in range(5):
+        before = ctx.oracle.counts.clone()
+        state = ACCEPT.get("margin_step")(ctx, state, PERTURB.get("prgf")(ctx, state, q=50, sigma=1e-4, lr=0.005,
+                                                                          norm_samples=10, norm_every=10))
+        asked.append((ctx.oracle.counts - before).tolist())
+    assert asked == [[12, 12], [2, 2], [2, 2], [12, 12], [2, 2]]
+
+
 def test_surrogate_gradient_is_per_sample_and_one_backward():
     """Weighted losses of two surrogates: each sample's gradient equals the one computed alone, per model."""
     g = torch.Generator().manual_seed(3)
