@@ -360,6 +360,36 @@ def test_bases_never_asks_twice_for_an_image():
     check_outputs(problem, res, target, 10_000)
 
 
+def test_bases_select_counts_like_the_authors_and_never_takes_a_refused_candidate():
+    """``bases_select`` on hand-made candidates (the target's margin is 20 mean(x) - 10; a surrogate with zero
+    gradient leaves the start at x): an adversarial ``+`` is taken and counts 1 candidate (the authors do not ask
+    ``-`` then), a lower ``-`` is taken and both count; where the budget refuses the candidates (margin +inf) the
+    sample keeps its image, weights and margin."""
+    d = 12
+    target = Linear(torch.stack([torch.ones(d), -torch.ones(d)]) * 10 / d, torch.tensor([-5.0, 5.0]))
+    flat = Linear(torch.zeros(2, d), torch.zeros(2))
+    x = torch.full((2, 3, 2, 2), 0.6)
+    y = torch.zeros(2, dtype=torch.long)
+    plus = torch.stack([x[0] - 0.2, x[1] - 0.02])  # margins -2 (adversarial) and 1.6
+    minus = x - 0.05  # margin 1
+    for budget in (1000, 1):
+        ctx = dataclasses.replace(make_ctx(target, x, y, 0.25, "linf", budget, num_classes=2), surrogates=(flat,))
+        state = INIT.get("bases_init")(ctx)
+        assert torch.equal(state["x_adv"], x) and state["margin"].tolist() == pytest.approx([2.0, 2.0], abs=1e-5)
+        w = state["w"]
+        e = torch.full_like(w, 0.005)
+        proposal = dict(plus=plus, minus=minus, w_plus=w + e, w_minus=w - e, live=torch.ones(2, dtype=torch.bool))
+        out = ACCEPT.get("bases_select")(ctx, state, proposal)
+        if budget == 1:  # refused: nothing moves
+            assert torch.equal(out["x_adv"], x) and torch.equal(out["w"], w)
+            assert torch.equal(out["margin"], state["margin"]) and not out["success"].any()
+            continue
+        assert torch.equal(out["x_adv"][0], plus[0]) and torch.equal(out["x_adv"][1], minus[1])
+        assert torch.equal(out["w"][0], (w + e)[0]) and torch.equal(out["w"][1], (w - e)[1])
+        assert out["success"].tolist() == [True, False]
+        assert out["asked"].tolist() == [1 + 1, 1 + 2] and ctx.oracle.counts.tolist() == [3, 3]
+
+
 @pytest.mark.parametrize("iterw", [6, 50])
 def test_bases_stops_after_iterw_candidates(iterw):
     """The authors' search is ``while n_query < iterw``: a sample the weight search does not fool ends stalled
