@@ -263,6 +263,28 @@ def test_subspace_step_matches_a_hand_computed_step():
     assert ctx.oracle.counts.tolist() == [3, 3]  # start + 2 probes
 
 
+def test_subspace_step_refreshes_the_runner_up_and_draws_every_reference():
+    """``subspace_step`` keeps the target's runner-up class *at the new point* (the pair of the next direction);
+    and every sample draws its reference model uniformly, so with two references over 40 samples both are used
+    (one forward row per sample in all)."""
+    d = 12
+    w = torch.stack([torch.zeros(d), torch.ones(d), -torch.ones(d)])
+    target = Linear(w, torch.tensor([5.0, 0.0, 6.0]))  # runner-up 1 at mean 0.75, 2 at mean 0.1
+    refs = (Counting(Linear(torch.randn(3, d, generator=torch.Generator().manual_seed(0)), torch.zeros(3))),
+            Counting(Linear(torch.randn(3, d, generator=torch.Generator().manual_seed(1)), torch.zeros(3))))
+    n = 40
+    x = torch.full((n, 3, 2, 2), 0.75)
+    y = torch.zeros(n, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(target, x, y, 1.0, "linf", 100, num_classes=3), surrogates=refs)
+    state = INIT.get("subspace_init")(ctx)
+    assert (state["other"] == 1).all()
+    PERTURB.get("subspace")(ctx, state)
+    assert refs[0].images + refs[1].images == n and min(refs[0].images, refs[1].images) >= 10
+    out = ACCEPT.get("subspace_step")(ctx, state, dict(x_adv=torch.full_like(x, 0.1), prior=state["prior"],
+                                                       it=state["it"] + 1))
+    assert (out["other"] == 2).all() and out["margin"].tolist() == pytest.approx([0.2] * n, abs=1e-4)
+
+
 class Recording(nn.Module):
     """A model that keeps every image it forwards."""
 
