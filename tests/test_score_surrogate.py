@@ -193,6 +193,28 @@ def test_prgf_norm_estimate_schedule():
     assert asked == [[12, 12], [2, 2], [2, 2], [12, 12], [2, 2]]
 
 
+def test_prgf_sigma_growth_on_a_flat_target():
+    """The authors' numerical guards on a target that never changes its answer: sigma doubles while the prior's
+    difference is 0 (``MAX_RETRIES`` 10 rounds, 1 query each) and grows 5x while the guided estimate is 0 (10 rounds
+    of q queries), so after one iteration its multiplier is 2^10 5^10; the check that sets a raised sigma back runs
+    on even iterations only (2 probes), so the second iteration (it = 1) asks no more than the first minus the
+    norm estimate."""
+    g = torch.Generator().manual_seed(6)
+    target = Linear(torch.zeros(2, 12), torch.tensor([1.0, 0.0]))
+    surrogate = Linear(torch.randn(2, 12, generator=g), torch.zeros(2))
+    x = torch.rand(2, 3, 2, 2, generator=g) * 0.5 + 0.25
+    y = torch.zeros(2, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 10_000, num_classes=2), surrogates=(surrogate,))
+    state = INIT.get("prgf_init")(ctx)
+    q, scales = 5, []
+    for expected in (1 + 10 + 10 + 10 * q, 1 + 10 + 10 * q):
+        before = ctx.oracle.counts.clone()
+        state = {**state, **PERTURB.get("prgf")(ctx, state, q=q, sigma=1e-4, lr=0.005)}
+        assert (ctx.oracle.counts - before).tolist() == [expected] * 2
+        scales.append(state["sigma_scale"].tolist())
+    assert scales[0] == [2.0 ** 10 * 5.0 ** 10] * 2 and scales[1] == [(2.0 ** 10 * 5.0 ** 10) ** 2] * 2
+
+
 def test_surrogate_gradient_is_per_sample_and_one_backward():
     """Weighted losses of two surrogates: each sample's gradient equals the one computed alone, per model."""
     g = torch.Generator().manual_seed(3)
