@@ -493,6 +493,30 @@ def test_eco_zero_gains_flip_and_ties_go_to_the_first_position():
     assert ctx.oracle.counts.tolist() == [8] * 3
 
 
+# ---------------------------------------------------------------- the shipped constants
+
+TABLE_VI = {  # BlackboxBench Table VI (CIFAR-10 columns; BABIES: the authors' CIFAR-10 loader values besides)
+    "parsimonious": {"init": {"name": "parsimonious_init", "block_size": 4, "block_batch_size": 64},
+                     "perturb": {"name": "eco_lazy_greedy", "scan_chunk": 1},
+                     "accept": {"name": "eco_accept", "EOT": 1}},
+    "ppba": {"init": {"name": "ppba_init", "low_dim": 1500, "r": 2352, "stride": 7},
+             "perturb": {"name": "ppba", "rho": 0.01, "n_samples": 1}, "accept": {"name": "ppba_accept", "mom": 1.0}},
+    "babies": {"init": {"name": "babies_init", "freq_dims": 20, "stride": 4},
+               "perturb": {"name": "babies", "rho": {"untargeted": 2.4, "targeted": 4.0}, "step": 2.0},
+               "accept": {"name": "babies_accept", "interp": True, "interval": 10}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLE_VI))
+def test_recipes_ship_table_vi_constants(name):
+    """The recipes carry the paper's constants (Table VI: block size 4 / batch 64 / EOT 1; low-dim 1500, r 2352 =
+    3 x 28^2, rho 0.01, mom 1; BABIES rho 2.4 untargeted / 4 targeted, querying step 2), typed here by hand."""
+    from blackboxbench.builder import load_recipe
+
+    recipe, _ = load_recipe(name, "tests")
+    assert recipe["blocks"] == TABLE_VI[name]
+
+
 # ---------------------------------------------------------------- real CIFAR-10 ResNet-20
 
 @pytest.fixture(scope="module")
