@@ -472,6 +472,31 @@ def test_surrogate_work_never_reaches_the_oracle_count(name):
     check_outputs(problem, res, target, 60)
 
 
+PAPER_CONSTANTS = {  # the papers' / authors' code values (none of the three is in Table VI), typed by hand
+    "prgf": {"init": {"name": "prgf_init"},
+             "perturb": {"name": "prgf", "q": 50, "sigma": 0.0001, "lr": 0.005, "l2_lr": 0.12, "norm_samples": 10,
+                         "norm_every": 10, "prior_loss": "margin"},
+             "accept": {"name": "margin_step"}},
+    "subspace": {"init": {"name": "subspace_init"},
+                 "perturb": {"name": "subspace", "fd_eta": 0.1, "exploration": 0.1, "prior_lr": 1.0, "lr": 1 / 255,
+                             "l2_lr": 0.1, "init_drop": 0.0, "max_drop": 0.5, "drop_grow_iter": 10,
+                             "drop_gamma": 0.01},
+                 "accept": {"name": "subspace_step"}},
+    "bases": {"init": {"name": "bases_init", "iters": 10, "step": 3.0},
+              "perturb": {"name": "bases", "eta": 0.005, "iters": 10, "step": 3.0, "iterw": 50},
+              "accept": {"name": "bases_select"}},
+}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipes_ship_the_papers_constants(name):
+    """PRGF: q 50, sigma 1e-4, Linf lr 0.005, norm from 10 samples every 10 iterations; Subspace: fd_eta 0.1,
+    exploration 0.1, prior lr 1, image lr 1/255, dropout 0 -> 0.5 after 10 iterations, gamma 0.01; BASES: PGD 10
+    iterations of 3 eps / 10, eta 0.005, iterw 50."""
+    recipe, _ = load_recipe(name, "tests")
+    assert recipe["blocks"] == PAPER_CONSTANTS[name]
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipes_need_surrogates(tmp_path, name):
     with pytest.raises(BenchError, match="needs 'surrogates'"):
