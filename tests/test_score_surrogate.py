@@ -215,6 +215,29 @@ def test_prgf_sigma_growth_on_a_flat_target():
     assert scales[0] == [2.0 ** 10 * 5.0 ** 10] * 2 and scales[1] == [(2.0 ** 10 * 5.0 ** 10) ** 2] * 2
 
 
+def test_l2_steps_are_normalised():
+    """Under L2 both PRGF and Subspace step by a fixed length along the unit direction: PRGF with a perfect prior
+    ``x - l2_lr (w_0 - w_1) / ||w_0 - w_1||``; Subspace on its first iteration ``x + l2_lr sign(slope) u`` (the
+    prior is a multiple of the unit direction u)."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
+    y = torch.zeros(3, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(Linear(w, b), x, y, 5.0, "l2", 1000, num_classes=2),
+                              surrogates=(Linear(w.clone(), b.clone()),))
+    out = PERTURB.get("prgf")(ctx, INIT.get("prgf_init")(ctx), q=50, sigma=1e-4, l2_lr=0.12)
+    direction = (w[0] - w[1]).view(1, 3, 4, 4)
+    assert torch.allclose(out["x_adv"], x - 0.12 * direction / direction.norm(), atol=1e-6)
+
+    ctx = dataclasses.replace(make_ctx(Linear(w, b), x, y, 5.0, "l2", 1000, num_classes=2),
+                              surrogates=(Linear(-w, torch.zeros(2)),))
+    out = PERTURB.get("subspace")(ctx, INIT.get("subspace_init")(ctx), l2_lr=0.1)
+    u = (w[1] - w[0]) / (w[1] - w[0]).norm()  # the reference's z_0 - z_1 gradient, unit norm
+    assert torch.allclose((out["x_adv"] - x).flatten(1).norm(dim=1), torch.full((3,), 0.1), atol=1e-6)
+    # the target's margin drops along -(w_0 - w_1) = u: the step is +0.1 u
+    assert torch.allclose(out["x_adv"], x + 0.1 * u.view(1, 3, 4, 4), atol=1e-6)
+
+
 def test_surrogate_gradient_is_per_sample_and_one_backward():
     """Weighted losses of two surrogates: each sample's gradient equals the one computed alone, per model."""
     g = torch.Generator().manual_seed(3)
