@@ -238,6 +238,26 @@ def test_l2_steps_are_normalised():
     assert torch.allclose(out["x_adv"], x + 0.1 * u.view(1, 3, 4, 4), atol=1e-6)
 
 
+class Hinge(nn.Module):
+    """Two classes, margin ``1 + relu(10 (mean(x) - 0.5))``: flat below mean 0.5, linear above."""
+
+    def forward(self, x):
+        s = (x.flatten(1).mean(1) - 0.5) * 10
+        return torch.stack([1 + torch.relu(s), torch.zeros_like(s)], 1)
+
+
+def test_prgf_sigma_growth_is_per_sample():
+    """Sigma grows only for the sample whose finite differences are 0 (on the flat side of the hinge), not for its
+    neighbour on the linear side."""
+    g = torch.Generator().manual_seed(6)
+    surrogate = Linear(torch.randn(2, 12, generator=g), torch.zeros(2))
+    x = torch.stack([torch.full((3, 2, 2), 0.3), torch.full((3, 2, 2), 0.7)])
+    y = torch.zeros(2, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(Hinge(), x, y, 0.1, "linf", 10_000, num_classes=2), surrogates=(surrogate,))
+    out = PERTURB.get("prgf")(ctx, INIT.get("prgf_init")(ctx), q=5, sigma=1e-4, lr=0.005)
+    assert out["sigma_scale"][0] > 1 and out["sigma_scale"][1] == 1
+
+
 def test_surrogate_gradient_is_per_sample_and_one_backward():
     """Weighted losses of two surrogates: each sample's gradient equals the one computed alone, per model."""
     g = torch.Generator().manual_seed(3)
