@@ -258,6 +258,42 @@ def test_prgf_sigma_growth_is_per_sample():
     assert out["sigma_scale"][0] > 1 and out["sigma_scale"][1] == 1
 
 
+def test_prgf_prior_sums_every_surrogate():
+    """The prior is the gradient of the surrogates' *summed* losses: two linear surrogates whose margin gradients
+    add up to the target's make a perfect prior together (lambda* 1: prior + norm queries only, a sign step along
+    the true gradient), though neither is one alone."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    part = torch.randn(2, 48, generator=g)
+    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
+    y = torch.zeros(3, dtype=torch.long)
+    surrogates = (Linear(part, torch.zeros(2)), Linear(w - part, torch.zeros(2)))
+    ctx = dataclasses.replace(make_ctx(Linear(w, b), x, y, 0.1, "linf", 1000, num_classes=2), surrogates=surrogates)
+    out = PERTURB.get("prgf")(ctx, INIT.get("prgf_init")(ctx), q=50, sigma=1e-4, lr=0.005)
+    direction = (w[0] - w[1]).view(1, 3, 4, 4)
+    assert torch.equal(out["x_adv"], (x - 0.005 * direction.sign()).clamp(0, 1))
+    assert ctx.oracle.counts.tolist() == [1 + 1 + 10] * 3
+
+
+def test_bases_weight_search_cycles_through_the_surrogates():
+    """Iteration t moves the weight of surrogate ``t mod N`` only (``w +- eta e_k``), and the coordinate advances
+    after every select (N = 3 linear surrogates)."""
+    g = torch.Generator().manual_seed(8)
+    models = tuple(Linear(torch.randn(3, 12, generator=g), torch.zeros(3)) for _ in range(3))
+    target = Linear(torch.randn(3, 12, generator=g), torch.tensor([4.0, 0.0, 0.0]))
+    x = torch.rand(2, 3, 2, 2, generator=g) * 0.5 + 0.25
+    y = torch.zeros(2, dtype=torch.long)
+    ctx = dataclasses.replace(make_ctx(target, x, y, 0.05, "l2", 1000, num_classes=3), surrogates=models)
+    state = INIT.get("bases_init")(ctx)
+    for t in range(5):
+        assert state["coord"].tolist() == [t % 3] * 2
+        proposal = PERTURB.get("bases")(ctx, state, eta=0.005)
+        e = torch.zeros_like(state["w"])
+        e[:, t % 3] = 0.005
+        assert torch.equal(proposal["w_plus"], state["w"] + e) and torch.equal(proposal["w_minus"], state["w"] - e)
+        state = ACCEPT.get("bases_select")(ctx, state, proposal)
+
+
 def test_surrogate_gradient_is_per_sample_and_one_backward():
     """Weighted losses of two surrogates: each sample's gradient equals the one computed alone, per model."""
     g = torch.Generator().manual_seed(3)
