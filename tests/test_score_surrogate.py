@@ -398,11 +398,13 @@ class Recording(nn.Module):
         return self.model(x)
 
 
-def test_subspace_probes_look_ahead_along_the_prior():
+@pytest.mark.parametrize("fd_eta,exploration,prior_lr", [(0.1, 0.1, 1.0), (0.05, 0.3, 0.5)])
+def test_subspace_probes_look_ahead_along_the_prior(fd_eta, exploration, prior_lr):
     """From a non-zero prior v (the authors' attack.py: v estimates the ascent of the attacker's loss, the negated
     margin): probes at x + fd_eta (v +- e u) / ||v +- e u||, Delta = (L(q+) - L(q-)) / (fd_eta e) u with L = -margin,
     v <- v + prior_lr Delta / ||Delta||_1, image step x + lr sign(v). So both probes lie on the side the image steps
-    to (the earlier block stepped against its prior and probed behind the step)."""
+    to (the earlier block stepped against its prior and probed behind the step). Distinct fd_eta, e and prior_lr
+    pin which constant goes where."""
     g = torch.Generator().manual_seed(6)
     w_t, w_s = torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)
     target, ref = Recording(Linear(w_t, torch.tensor([3.0, 0.0, 0.0]))), Linear(w_s, torch.zeros(3))
@@ -412,17 +414,17 @@ def test_subspace_probes_look_ahead_along_the_prior():
     state = INIT.get("subspace_init")(ctx)
     state["prior"] = torch.randn(x.shape, generator=g)  # ||v|| ~ 3.5 >> exploration 0.1
     target.seen.clear()
-    out = PERTURB.get("subspace")(ctx, state, fd_eta=0.1, exploration=0.1, prior_lr=1.0, lr=0.01)
+    out = PERTURB.get("subspace")(ctx, state, fd_eta=fd_eta, exploration=exploration, prior_lr=prior_lr, lr=0.01)
     probes = torch.cat(target.seen).view(2, 2, -1)  # (sample, +/-, pixels)
     loss = lambda z: -(z[:, 0] - z[:, 1:].max(1).values)  # noqa: E731  the negated margin (log-softmax shifts cancel)
     for i in range(2):
         o, v, xi = state["other"][i], state["prior"][i].flatten(), x[i].flatten()
         u = (w_s[0] - w_s[o]) / (w_s[0] - w_s[o]).norm()
-        q = torch.stack([v + 0.1 * u, v - 0.1 * u])
-        assert torch.allclose(probes[i], (xi + 0.1 * q / q.norm(dim=1, keepdim=True)).clamp(0, 1), atol=1e-6)
+        q = torch.stack([v + exploration * u, v - exploration * u])
+        assert torch.allclose(probes[i], (xi + fd_eta * q / q.norm(dim=1, keepdim=True)).clamp(0, 1), atol=1e-6)
         lp, lm = loss(probes[i] @ w_t.T + target.model.b)
-        delta = (lp - lm) / (0.1 * 0.1) * u
-        v_new = v + delta / delta.abs().sum()
+        delta = (lp - lm) / (fd_eta * exploration) * u
+        v_new = v + prior_lr * delta / delta.abs().sum()
         assert torch.allclose(out["prior"][i].flatten(), v_new, atol=1e-5)
         step = out["x_adv"][i].flatten() - xi
         assert torch.equal(step, (xi + 0.01 * v_new.sign()).clamp(0, 1) - xi)
