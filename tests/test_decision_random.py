@@ -295,3 +295,153 @@ def test_tiny_budget_ends_without_false_success(cifar, name, norm):
     check_outputs(problem, res, model, 20)  # any success is real (checked by a fresh forward)
     assert (res.queries[~res.success] == 20).all() and not res.stalled.any()  # the others spend the budget
     assert (~res.success).sum() >= 3  # 20 queries are too few for most images (init + binary search)
+
+
+def test_boundary_step_wires_each_samples_answers_into_its_windows(monkeypatch):
+    """``boundary`` itself, step by step on the toy: a sample's spherical candidate is queried (second part of
+    the call) exactly at its every k-th step (its step count after the step, 1-based, divisible by k); there the
+    spherical answer enters its spherical window and its candidate's answer its candidate window, and nothing
+    enters at other steps; step sizes adapt only at statistics steps, even where a window already holds a
+    verdict (here: full windows that all succeeded, pre-set on every sample)."""
+    import blackboxbench.query.boundary as bnd
+
+    g = torch.Generator().manual_seed(7)
+    model, x, y, _ = hyperplane_toy(g, n=4)
+    ctx = make_ctx(model, x, y, 1e-3, "l2", 1000, "label", num_classes=2)
+    state = bnd.boundary_init(ctx, init_tries=100)
+    assert torch.isfinite(state["dist"]).all()
+    assert state["sph_hist"].shape[1] == 100 and state["cand_hist"].shape[1] == 30  # foolbox 3's queue lengths
+    n, k = 4, 3
+    # staggered clocks, and full spherical / candidate windows that all succeeded: adapt would grow both steps
+    state.update(steps_done=torch.tensor([0, 1, 2, 5]), sph_hist=torch.ones(n, SPHERICAL_WINDOW, dtype=torch.bool),
+                 sph_count=torch.full((n,), SPHERICAL_WINDOW), cand_hist=torch.ones(n, STEP_WINDOW, dtype=torch.bool),
+                 cand_count=torch.full((n,), STEP_WINDOW))
+    calls = []
+    real = bnd.query_adv
+
+    def spy(ctx_, images, idx):
+        adv, ok = real(ctx_, images, idx)
+        calls.append((idx.clone(), adv.clone()))
+        return adv, ok
+
+    monkeypatch.setattr(bnd, "query_adv", spy)
+    for _ in range(6):
+        before = state
+        calls.clear()
+        state = bnd.boundary(ctx, before, steps=100, update_stats_every_k=k)
+        (idx, adv), = calls
+        steps = state["steps_done"]
+        assert torch.equal(steps, before["steps_done"] + 1)
+        stat = (steps % k == 0).nonzero().squeeze(1)
+        m = n
+        assert torch.equal(idx[:m], torch.arange(n)) and torch.equal(idx[m:], stat)
+        for i in range(n):
+            if i in stat.tolist():
+                j = m + stat.tolist().index(i)
+                cs, cc = int(before["sph_count"][i]), int(before["cand_count"][i])
+                assert bool(state["sph_hist"][i, cs % SPHERICAL_WINDOW]) == bool(adv[j])
+                assert bool(state["cand_hist"][i, cc % STEP_WINDOW]) == bool(adv[i])
+                ref = dict(before, sph_hist=state["sph_hist"], cand_hist=state["cand_hist"],
+                           sph_count=before["sph_count"] + 1, cand_count=before["cand_count"] + 1)
+                sph, src, sc, cc2 = adapt(ref, 1.5)
+                assert math.isclose(float(state["spherical_step"][i]), float(sph[i]), rel_tol=1e-12)
+                assert math.isclose(float(state["source_step"][i]), float(src[i]), rel_tol=1e-12)
+                assert int(state["sph_count"][i]) == int(sc[i]) and int(state["cand_count"][i]) == int(cc2[i])
+            else:
+                for key in ("sph_hist", "sph_count", "cand_hist", "cand_count", "spherical_step", "source_step"):
+                    assert torch.equal(state[key][i], before[key][i]), (key, i)
+
+
+def test_boundary_adaptation_thresholds_are_strict():
+    """foolbox 3 grows above and shrinks below its thresholds (``p > 0.5``, ``p < 0.2``; ``p > 0.25``,
+    ``p < 0.1``): full windows at exactly 50 / 100 or 20 / 100 spherical successes, or exactly 3 / 30 candidate
+    successes, change nothing and stay full; one success more (less) triggers and empties the window."""
+    def hist(k, w):
+        h = torch.zeros(w, dtype=torch.bool)
+        h[:k] = True
+        return h
+
+    sph_k = [50, 20, 51, 19, 35, 35]
+    cand_k = [5, 5, 5, 5, 3, 2]  # the 0.25 threshold (7.5 of 30) has no exact count
+    n = len(sph_k)
+    state = dict(spherical_step=torch.full((n,), 0.01, dtype=torch.float64),
+                 source_step=torch.full((n,), 0.01, dtype=torch.float64),
+                 sph_hist=torch.stack([hist(k, SPHERICAL_WINDOW) for k in sph_k]),
+                 sph_count=torch.full((n,), SPHERICAL_WINDOW),
+                 cand_hist=torch.stack([hist(k, STEP_WINDOW) for k in cand_k]), cand_count=torch.full((n,), STEP_WINDOW))
+    sph, src, sc, cc = adapt(state, 1.5)
+    f = 1.5
+    assert torch.allclose(sph, torch.tensor([0.01, 0.01, 0.01 * f, 0.01 / f, 0.01, 0.01], dtype=torch.float64))
+    assert torch.allclose(src, torch.tensor([0.01, 0.01, 0.01 * f, 0.01 / f, 0.01, 0.01 / f], dtype=torch.float64))
+    assert sc.tolist() == [SPHERICAL_WINDOW, SPHERICAL_WINDOW, 0, 0, SPHERICAL_WINDOW, SPHERICAL_WINDOW]
+    assert cc.tolist() == [STEP_WINDOW] * 5 + [0]
+
+
+class _Always(torch.nn.Module):
+    """Always class 1 of two: every query of a label-0 sample is adversarial."""
+
+    def forward(self, x):
+        return torch.stack([torch.zeros(x.shape[0], dtype=x.dtype), torch.ones(x.shape[0], dtype=x.dtype)], 1)
+
+
+def _evo_state(ctx, n, m, mu=0.01, trials=0, hist=None, cdiag=None):
+    x = ctx.problem.x
+    x_bd = x.clone()
+    x_bd[:, 0, 0, 0] = 1.0  # an adversarial point of the always-adversarial model, at a known distance
+    from blackboxbench.query.decision import decision_state
+    return decision_state(ctx.problem, x_bd, ctx.problem.dist(x_bd), mu=torch.full((n,), mu, dtype=torch.float64),
+                          pc=torch.zeros(n, m), cdiag=torch.ones(n, m) if cdiag is None else cdiag,
+                          hist=torch.zeros(n, WINDOW, dtype=torch.bool) if hist is None else hist,
+                          trials=torch.as_tensor(trials).expand(n).clone())
+
+
+def test_evolutionary_trial_draw_is_n_0_c_on_the_selected_coordinates(monkeypatch):
+    """The reduced draw of a trial, rebuilt from a fresh copy of the sample's stream (uniform keys, then normals):
+    ``z = N(0, 1) * sqrt(C_ii)`` on the ``k = m / 20`` coordinates ``select`` picks with weights ``C``, 0 elsewhere
+    (the draw's variance is ``C``, not ``C^2``); each sample with its own covariance."""
+    import blackboxbench.query.evolutionary as evo
+    from blackboxbench.rng import Streams
+
+    n, sub = 3, 2
+    x = torch.full((n, 3, 16, 16), 0.5)
+    red = evo.reduced_shape(x.shape[1:], sub)
+    m = math.prod(red)
+    k = int(m * evo.SELECT_FRACTION)
+    g = torch.Generator().manual_seed(11)
+    cdiag = 0.25 + 4 * torch.rand(n, m, generator=g)
+    ctx = make_ctx(_Always(), x, torch.zeros(n, dtype=torch.long), 1e-3, "l2", 100, "label", num_classes=2, seed=3)
+    state = _evo_state(ctx, n, m, cdiag=cdiag)
+    seen = []
+    real = evo.cma_update
+
+    def spy(pc, cd, z, c_c, c_cov):
+        seen.append(z.clone())
+        return real(pc, cd, z, c_c, c_cov)
+
+    monkeypatch.setattr(evo, "cma_update", spy)
+    evo.evolutionary(ctx, state, sub=sub)
+    rng = Streams(3, n, "cpu").view(torch.arange(n))
+    rows = torch.arange(n)
+    keep = select(rng.uniform((m,), rows=rows), cdiag, k)
+    want = rng.normal((m,), rows=rows) * cdiag.sqrt() * keep
+    (z,), = [seen]
+    assert (keep.sum(1) == k).all()
+    torch.testing.assert_close(z, want, rtol=1e-6, atol=0)
+
+
+def test_evolutionary_one_fifth_rule_fires_every_5_trials_after_15():
+    """``mu`` changes at a sample's trials 20, 25, 30, ... (more than 15 done, a multiple of 5): not at 15, nor at
+    21; each sample on its own clock, with its own window (all successes: mu * e^0.8)."""
+    n, sub = 5, 2
+    x = torch.full((n, 3, 16, 16), 0.5)
+    from blackboxbench.query.evolutionary import reduced_shape
+    m = math.prod(reduced_shape(x.shape[1:], sub))
+    ctx = make_ctx(_Always(), x, torch.zeros(n, dtype=torch.long), 1e-3, "l2", 100, "label", num_classes=2)
+    hist = torch.ones(n, WINDOW, dtype=torch.bool)
+    hist[4] = False  # no success: mu * e^-0.2
+    state = _evo_state(ctx, n, m, trials=torch.tensor([15, 20, 21, 25, 30]), hist=hist)
+    out = evolutionary(ctx, state, sub=sub)
+    want = torch.tensor([0.01, 0.01 * math.exp(0.8), 0.01, 0.01 * math.exp(0.8), 0.01 * math.exp(-0.2)],
+                        dtype=torch.float64)
+    assert torch.allclose(out["mu"], want, rtol=1e-12)
+    assert out["trials"].tolist() == [16, 21, 22, 26, 31]
