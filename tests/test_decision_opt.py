@@ -422,3 +422,112 @@ def test_beta_grows_after_lopsided_signs_at_the_probe_balance():
     assert grow_lopsided(scale, go, f_sum, count, 100.0).tolist() == [1.0, 1.0, 1.0, 10.0, 100.0]
     assert grow_lopsided(scale, ~go, f_sum, count, 100.0, balance=0.7).tolist() == scale.tolist()
     assert sign_opt.__kwdefaults__["probe_balance"] == 0.7
+
+
+def _reference_line_search(g_of, theta, g0, grad, alpha):
+    """The authors' step-size search for one sample, with an exact ``g``: every try starts from ``theta``; double
+    alpha after each try while g keeps decreasing (15 tries at most), else quarter it before each try until one
+    beats ``g0`` (15 at most). Returns (theta, g, alpha)."""
+    best, best_theta = g0, theta
+    for _ in range(15):
+        cand = unit((theta - alpha * grad)[None], "l2")[0][0]
+        gc = g_of(cand)
+        alpha *= 2
+        if gc < best:
+            best, best_theta = gc, cand
+        else:
+            break
+    if best >= g0:
+        for _ in range(15):
+            alpha *= 0.25
+            cand = unit((theta - alpha * grad)[None], "l2")[0][0]
+            gc = g_of(cand)
+            if gc < g0:
+                best, best_theta = gc, cand
+                break
+    return best_theta, best, alpha
+
+
+def test_line_search_matches_the_authors_loop_with_an_exact_g(toy):
+    """``line_search`` on the hyperplane toy against a scalar per-sample reference of the authors' loop using the
+    analytic ``g``: the samples step towards the boundary normal with growing gradients (sample 0: doublings
+    until the step overshoots; sample 2: a first step so large that it fails, then quarterings until one beats
+    g). The tries
+    all start from the iteration's ``theta``, not from the last accepted one."""
+    from blackboxbench.query.opt import line_search
+
+    model, x, y, _ = toy
+    gen = torch.Generator().manual_seed(21)
+    _, theta = _directions(model, x, 1, gen, spread=0.6)
+    normal = (model.w / model.w.norm()).float().view(1, *x.shape[1:])
+    toward = normal - (theta * normal).flatten(1).sum(1).view(-1, 1, 1, 1) * theta  # in the plane of theta, normal
+    toward = toward / toward.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+    grad = torch.stack([-0.5 * toward[0], -5.0 * toward[1], -5600.0 * toward[2]])
+    g0 = model.g(x, theta)
+    ctx = make_ctx(model, x, y, 1e-4, "l2", 10_000, "label", num_classes=2)
+    n = len(x)
+    alpha = torch.full((n,), 0.2, dtype=torch.float64)
+    best_point = {"x_bd": x.clone(), "dist": torch.full((n,), float("inf"))}
+    new_theta, new_g, new_alpha, _ = line_search(ctx, theta, g0, grad, alpha, torch.full((n,), 1e-9, dtype=torch.float64),
+                                                 torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.float64),
+                                                 best_point, dir_norm="l2", max_lambda=20.0)
+    moved = []
+    for i in range(n):
+        g_of = lambda th: float(model.g(x[i:i + 1], th[None]))  # noqa: E731
+        ref_theta, ref_g, ref_alpha = _reference_line_search(g_of, theta[i], float(g0[i]), grad[i], 0.2)
+        assert abs(float(new_alpha[i]) - ref_alpha) <= 1e-12 * ref_alpha, (i, float(new_alpha[i]), ref_alpha)
+        assert abs(float(new_g[i]) - ref_g) < 1e-6, (i, float(new_g[i]), ref_g)
+        torch.testing.assert_close(new_theta[i], ref_theta, atol=1e-6, rtol=0)
+        moved.append(ref_g < float(g0[i]))
+    assert moved == [True, True, True]
+    assert new_alpha[0] > 0.2 and new_alpha[2] < 1e-3  # both branches ran
+
+
+def test_opt_iteration_rgf_estimate_and_best_probe(toy, monkeypatch):
+    """One OPT iteration, rebuilt from a fresh copy of each sample's stream: the gradient handed to the line search
+    is the RGF average ``sum_i (g(theta + beta u_i) - g(theta)) / beta * u_i / q`` over the ``q`` unit Gaussian
+    directions (each ``g`` the local search's result along the probe), and where the line search finds nothing
+    better the best probe direction and its ``g`` are taken."""
+    import blackboxbench.query.opt as opt_mod
+    from blackboxbench.rng import Streams
+
+    model, x, y, _ = toy
+    n, q, beta = len(x), 4, 0.01
+    gen = torch.Generator().manual_seed(23)
+    _, theta = _directions(model, x, 1, gen)
+    ctx = make_ctx(model, x, y, 1e-4, "l2", 10_000, "label", num_classes=2, seed=5)
+    g0 = opt_mod.g_search(ctx, theta, torch.arange(n), model.g(x, theta) * 1.01, 1e-9, torch.zeros(n), local=True)  # no draws
+    state = opt_mod._start_state(ctx, theta, g0)
+    seen = {}
+    real_search = opt_mod.g_search
+
+    def spy_search(ctx_, th, owner, *args, **kwargs):
+        out = real_search(ctx_, th, owner, *args, **kwargs)
+        seen.setdefault("probes", (th.clone(), owner.clone(), out.clone()))
+        return out
+
+    def no_line_search(ctx_, theta_, g_, grad, alpha, *args, **kwargs):
+        seen["grad"] = grad.clone()
+        return theta_.clone(), g_.clone(), alpha.clone(), None
+
+    monkeypatch.setattr(opt_mod, "g_search", spy_search)
+    monkeypatch.setattr(opt_mod, "line_search", no_line_search)
+    out = opt_mod.opt(ctx, state, beta=beta, q=q)
+    owner = torch.arange(n).repeat_interleave(q)
+    u = unit(Streams(5, n, "cpu").view(torch.arange(n)).normal(theta.shape[1:], rows=owner), "l2")[0]
+    probes, p_owner, g1 = seen["probes"]
+    assert torch.equal(p_owner, owner)
+    torch.testing.assert_close(probes, unit(theta[owner] + beta * u, "l2")[0], atol=1e-6, rtol=0)
+    assert torch.isfinite(g1).all()
+    coef = ((g1 - g0[owner]) / beta).float()
+    want = (coef.view(-1, 1, 1, 1) * u).view(n, q, *theta.shape[1:]).sum(1) / q
+    torch.testing.assert_close(seen["grad"], want, atol=1e-5, rtol=1e-4)
+    best = g1.view(n, q).argmin(1)
+    better = g1.view(n, q).min(1).values < g0
+    assert better.any()
+    for i in range(n):
+        if better[i]:
+            torch.testing.assert_close(out["theta"][i], probes[i * q + best[i]], atol=0, rtol=0)
+            assert float(out["g"][i]) == float(g1[i * q + best[i]])
+        else:
+            assert torch.equal(out["theta"][i], theta[i]) and float(out["g"][i]) == float(g0[i])
