@@ -538,3 +538,79 @@ def test_tiny_budget_ends_without_false_success(cifar, name):
     check_outputs(problem, res, model, 20)  # any success is real (checked by a fresh forward)
     assert (res.queries[~res.success] == 20).all() and not res.stalled.any()  # the others spend the budget
     assert (~res.success).sum() >= 3  # 20 queries are too few for most images (start + binary search)
+
+
+def test_sfa_adaptation_runs_on_each_samples_own_clock():
+    """The adaptation is due at a sample's own 10th, 20th, ... iteration (the authors share one clock over the
+    batch): of two always-adversarial samples whose clocks stand at 9 and 3 with 9 and 3 hits, only the first
+    adapts (alpha x1.5, p - 0.001 on top of the kept-flip moves, counters reset); the other keeps alpha and
+    counts on. Rates exactly at 0.7 do not adapt (above 0.7 only): a clock at 9 with 6 + 1 hits keeps alpha."""
+    x = torch.full((3, 3, 8, 8), 0.5)
+    delta = torch.full((3, 3, 8, 8), 0.05)
+    ctx = make_ctx(Constant(1), x, torch.zeros(3, dtype=torch.long), 0.001, "linf", 100, "label", num_classes=2)
+    state = _sfa_state(ctx, delta)
+    state.update(it=torch.tensor([9, 3, 9]), proj_hits=torch.tensor([9, 3, 6]), flip_hits=torch.tensor([9, 3, 6]))
+    out = sfa(ctx, state)
+    assert out["it"].tolist() == [10, 4, 10]
+    assert torch.allclose(out["alpha"], torch.tensor([0.006, 0.004, 0.004], dtype=torch.float64))
+    assert out["proj_hits"].tolist() == [0, 4, 0] and out["flip_hits"].tolist() == [0, 4, 0]
+    # every kept sign moved p by -1e-4 (kept) or +1e-4 (flipped) from 0.999; sample 0 also by -0.001
+    moved = out["prob"] - 0.999
+    assert torch.allclose(moved[0].abs().sub(0.001).abs(), torch.full_like(moved[0], 1e-4), atol=1e-6)
+    assert torch.allclose(moved[1:].abs(), torch.full_like(moved[1:], 1e-4), atol=1e-6)
+
+
+def test_triangle_search_rounds_follow_the_authors_loop(monkeypatch):
+    """Scripted answers per sample (the oracle's verdicts replaced, each query still a vertex of the plane) against
+    the authors' ``get_x_hat_in_2d`` worked by hand. Sample 0: first vertex hits, the round's two sides miss (the
+    second is the mirror image of the first), so the bracket becomes [first_beta(alpha), beta]; the next round
+    hits at its midpoint: x_bd is that vertex and alpha grows. Sample 1: first vertex hits, then four misses: the
+    rounds run out and the first hit stands (alpha still grows once). Sample 2: two misses from just above the
+    lower bound of alpha: alpha is clamped at pi/2 - half_range."""
+    import blackboxbench.query.triangle as tri
+
+    script = {0: [True, False, False, True], 1: [True, False, False, False, False], 2: [False, False]}
+    asked = {i: [] for i in script}
+
+    def scripted(ctx_, images, idx):
+        adv = torch.tensor([script[int(i)][len(asked[int(i)])] for i in idx])
+        for i, img in zip(idx.tolist(), images):
+            asked[i].append(img.clone())
+        return adv, torch.ones_like(adv)
+
+    ctx, state, x, x_adv = _triangle_ctx(Constant(0))
+    pi, lr_plus, lr_minus, half = math.pi, 0.1, 0.005, 0.1
+    state["alpha"] = torch.tensor([pi / 2, pi / 2, pi / 2 - 0.098], dtype=torch.float64)
+    monkeypatch.setattr(tri, "query_adv", scripted)
+    out = triangle(ctx, state, max_iter_num_in_2d=2)
+    assert {i: len(v) for i, v in asked.items()} == {0: 4, 1: 5, 2: 2}
+    d = (x_adv - x).flatten(1).norm(dim=1).double()
+
+    def first_beta(a):
+        return max(pi - 2 * a, 0.0) + min(a / 2, pi / 16)
+
+    def length(i, a, b):
+        return float(d[i]) * math.sin(a + b) / math.sin(a)
+
+    # sample 0
+    a0 = pi / 2
+    b = (first_beta(a0) + (pi - a0)) / 2
+    a1 = a0 - lr_minus
+    b = max(b, pi - 2 * a1 + pi / 64)
+    a2 = a1 - lr_minus
+    b_next = (first_beta(a2) + b) / 2
+    c1, c2 = asked[0][1].double() - x[0].double(), asked[0][2].double() - x[0].double()
+    e1 = (x_adv[0] - x[0]).double() / d[0]
+    perp1, perp2 = c1 - (c1 * e1).sum() * e1, c2 - (c2 * e1).sum() * e1
+    assert float((perp1 * perp2).sum() / (perp1.norm() * perp2.norm())) < -0.9999  # both sides of the plane
+    assert float((c1 * e1).sum()) == pytest.approx(length(0, a0, b) * math.cos(b), rel=1e-5)
+    assert float((c2 * e1).sum()) == pytest.approx(length(0, a1, b) * math.cos(b), rel=1e-5)
+    assert float((out["x_bd"][0] - x[0]).norm()) == pytest.approx(length(0, a2, b_next), rel=1e-5)
+    assert float(out["alpha"][0]) == pytest.approx(a2 + lr_plus, abs=1e-12)
+    # sample 1: the first vertex stands
+    assert torch.equal(out["x_bd"][1], asked[1][0])
+    assert float((out["x_bd"][1] - x[1]).norm()) == pytest.approx(length(1, pi / 2, pi / 16), rel=1e-5)
+    assert float(out["alpha"][1]) == pytest.approx(pi / 2 - 4 * lr_minus + lr_plus, abs=1e-12)
+    # sample 2: clamped at the lower bound, nothing found
+    assert torch.equal(out["x_bd"][2], x_adv[2])
+    assert float(out["alpha"][2]) == pytest.approx(pi / 2 - half, abs=1e-12)
