@@ -350,3 +350,36 @@ def test_tiny_budget_ends_without_false_success(resnet20, resnet56):
         problem, res = run_surrogate("cisa", target, surrogates, x, y, eps, norm, budget=5)
         check_outputs(problem, res, target, 5)
         assert (res.queries <= 5).all()
+
+
+class _Always(torch.nn.Module):
+    """Always class 1 of two: every query of a label-0 sample is adversarial."""
+
+    def forward(self, x):
+        return torch.stack([torch.zeros(x.shape[0], dtype=x.dtype), torch.ones(x.shape[0], dtype=x.dtype)], 1)
+
+
+def test_cisa_success_window_failure_memory_and_mean():
+    """Every query adversarial, from pre-set per-sample state: the source step adapts once a sample's window holds
+    20 queries (``exp(p - 0.2)``, p its success rate; the window then empties), not at 19; a success clears the
+    failure memory; the probe's mean is minus the mean failed probe, so a large memory of failed probes all
+    negative on the mask pushes the candidate towards more positive values on it (L2)."""
+    shape = (1, 6, 6)
+    n = 3
+    x = torch.full((n, *shape), 0.5)
+    d = (torch.arange(36).float().view(1, *shape) + 10) / 255  # positive, distinct 8-bit levels
+    far = x + d
+    ctx = make_ctx(_Always(), x, torch.zeros(n, dtype=torch.long), 0.01, "l2", 100, "label", num_classes=2)
+    failed = torch.zeros_like(x)
+    failed[0] = -1000.0  # the memory of sample 0: 10 failures of -100 each
+    state = dict(x_bd=far, dist=ctx.problem.dist(far), claimed=torch.full((n,), float("inf")), x_adv=far,
+                 success=torch.zeros(n, dtype=torch.bool), step_scale=torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64),
+                 window=torch.tensor([[0, 0], [19, 3], [18, 3]]), failed=failed,
+                 failures=torch.tensor([10, 0, 0]))
+    out = PERTURB.get("cisa")(ctx, state, source_step=0.01, spherical_step=0.1, rate=0.2)
+    assert out["window"].tolist() == [[1, 1], [0, 0], [19, 4]]
+    assert torch.allclose(out["step_scale"], torch.tensor([1.0, math.exp(4 / 20 - 0.2), 2.0], dtype=torch.float64))
+    assert (out["failed"] == 0).all() and out["failures"].tolist() == [0, 0, 0]
+    mask = griddle(d.expand(n, *shape), 0.2, torch.zeros(n, *shape))[0] > 0
+    move = (out["x_bd"][0] - far[0])
+    assert float(move[mask].mean()) > 0.25 * 0.1 * float(d.norm()) / math.sqrt(float(mask.sum()))  # about 0.5 x
