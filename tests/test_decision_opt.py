@@ -531,3 +531,20 @@ def test_opt_iteration_rgf_estimate_and_best_probe(toy, monkeypatch):
             assert float(out["g"][i]) == float(g1[i * q + best[i]])
         else:
             assert torch.equal(out["theta"][i], theta[i]) and float(out["g"][i]) == float(g0[i])
+
+
+def test_local_g_search_gives_up_past_max_lambda(toy):
+    """A local search that never meets the boundary grows ``lam`` by 1 % per query from its start and gives up
+    (+inf) once the next ``lam`` would pass ``max_lambda`` (the authors' 20 untargeted, 100 targeted): exactly the
+    queries of the scalar reference, for both limits."""
+    model, x, y, _ = toy
+    never = Hyperplane(model.w.float(), 1e9)
+    theta = unit(torch.randn(2, *x.shape[1:], generator=torch.Generator().manual_seed(9)), "l2")[0]
+    for max_lambda in (20.0, 100.0):
+        ctx = make_ctx(never, x[:2], y[:2], 1e-4, "l2", 10_000, "label", num_classes=2)
+        start = torch.tensor([0.3, 5.0], dtype=torch.float64)
+        lam = g_search(ctx, theta, torch.arange(2), start, 1e-6, torch.zeros(2), local=True, max_lambda=max_lambda)
+        assert torch.isinf(lam).all()
+        want = [_reference_search(lambda t: False, float(s), 1e-6, True, max_lambda)[1] for s in start]
+        assert ctx.oracle.counts.tolist() == want
+        assert want[0] > want[1] > 100  # many 1 % steps
