@@ -383,3 +383,58 @@ def test_cisa_success_window_failure_memory_and_mean():
     mask = griddle(d.expand(n, *shape), 0.2, torch.zeros(n, *shape))[0] > 0
     move = (out["x_bd"][0] - far[0])
     assert float(move[mask].mean()) > 0.25 * 0.1 * float(d.norm()) / math.sqrt(float(mask.sum()))  # about 0.5 x
+
+
+def test_cisa_transfer_phase_alternates_dual_trajectories_by_hand(monkeypatch):
+    """The transfer phase on a linear target with a linear surrogate of the same normal ``w`` (the surrogate's CE
+    gradient is then +-w): after the Gaussian search (first adversarial draw at ``noise_g``), the step is
+    ``noise_g / 20`` and the trajectories take turns, uphill first: uphill k steps along +w (unit L2, per sample),
+    downhill one step along -w, then one back along +w to x, where its next step is predicted worthless and it is
+    dropped (uphill goes on alone); the first adversarial point ends the phase. Each sample (two boundaries at
+    different distances) gets exactly these queries and ends at ``k* step`` along w. (A small image: the Gaussian
+    start, grown slowly, is then only a few times the boundary distance, so the step is a fraction of it.)"""
+    import dataclasses
+
+    import blackboxbench.query.cisa as cisa_mod
+
+    shape = (1, 2, 2)
+    w = torch.randn(4, generator=torch.Generator().manual_seed(4))
+    wu = (w / w.norm()).view(1, *shape)
+    x = torch.full((2, *shape), 0.5)
+    target = Linear2(w, 0.0)
+    # per-sample boundaries: sample i is adversarial beyond distance D_i along w (shift x so the scores differ)
+    dists = torch.tensor([0.05, 0.12])
+    x = x - dists.view(2, 1, 1, 1) * wu
+    ctx = make_ctx(target, x, torch.zeros(2, dtype=torch.long), 1e-3, "l2", 1000, "label", num_classes=2)
+    ctx = dataclasses.replace(ctx, surrogates=(Linear2(w, 0.0),))
+    asked = []
+    real = cisa_mod.query_adv
+
+    def spy(ctx_, images, idx):
+        adv, ok = real(ctx_, images, idx)
+        asked.append((idx.clone(), images.clone(), adv.clone()))
+        return adv, ok
+
+    monkeypatch.setattr(cisa_mod, "query_adv", spy)
+    state = cisa_mod.cisa_init(ctx, surrogate_loss="ce", scale_growth=1.1, scale_tries=200)
+    for i in range(2):
+        mine = [(img[list(idx).index(i)], bool(a[list(idx).index(i)])) for idx, img, a in asked if i in idx.tolist()]
+        first = next(k for k, (_, a) in enumerate(mine) if a)  # the Gaussian search's hit
+        noise_g = float((mine[first][0] - x[i]).norm())
+        step = noise_g / 20
+        transfer = mine[first + 1:]
+        k_star = math.ceil(float(dists[i]) / step - 1e-6)
+        assert k_star >= 3, k_star
+        want, up_k, downs = [], 0, [-1, 0]
+        while True:  # uphill 1, downhill -1, uphill 2, downhill 0 (then dropped), uphill 3, 4, ...
+            up_k += 1
+            want.append(up_k)
+            if up_k >= k_star:
+                break
+            if downs:
+                want.append(downs.pop(0))
+        assert len(transfer) == len(want), (i, len(transfer), want)
+        for (img, a), k in zip(transfer, want):
+            torch.testing.assert_close(img, (x[i] + k * step * wu[0]).clamp(0, 1), atol=2e-6, rtol=0)
+        assert transfer[-1][1] and not any(a for _, a in transfer[:-1])
+        assert float(state["dist"][i]) == pytest.approx(k_star * step, rel=1e-4)
