@@ -119,15 +119,24 @@ def test_prior_guided_estimator_objective_by_monte_carlo():
         assert mc == pytest.approx(_objective(lam, alpha ** 2, d, q), rel=0.03)
 
 
+def _linear_target(n):
+    """A 2-class linear target's weights and bias (seed 2) and ``n`` 3 x 4 x 4 images in [0.25, 0.75], labelled 0."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    return w, b, torch.rand(n, 3, 4, 4, generator=g) * 0.5 + 0.25, torch.zeros(n, dtype=torch.long)
+
+
+def _with_surrogates(target, surrogates, x, y, eps, norm, budget):
+    """A block context on the 2-class ``target`` whose blocks see ``surrogates``."""
+    return dataclasses.replace(make_ctx(target, x, y, eps, norm, budget, num_classes=2), surrogates=surrogates)
+
+
 def test_prgf_trusts_a_perfect_prior_alone():
     """A 2-class linear target (its margin is linear) with an exact copy as surrogate: alpha is estimated 1, so
     lambda* is 1 and the step is a sign step along the true gradient, after 1 + 10 queries (prior, norm)."""
-    g = torch.Generator().manual_seed(2)
-    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    w, b, x, y = _linear_target(3)
     target, surrogate = Linear(w, b), Linear(w.clone(), b.clone())
-    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
-    y = torch.zeros(3, dtype=torch.long)
-    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 1000, num_classes=2), surrogates=(surrogate,))
+    ctx = _with_surrogates(target, (surrogate,), x, y, 0.1, "linf", 1000)
     state = INIT.get("prgf_init")(ctx)
     out = PERTURB.get("prgf")(ctx, state, q=50, sigma=1e-4, lr=0.005)
     direction = (w[0] - w[1]).view(1, 3, 4, 4)  # gradient of the margin z_0 - z_1
@@ -139,12 +148,9 @@ def test_prgf_flips_a_prior_that_points_uphill():
     """A surrogate whose margin gradient is exactly minus the target's: the prior's finite difference is negative,
     so alpha < 0 and the prior is flipped (paper Sec. 3.2); |alpha| = 1 then trusts it alone, and the sign step
     goes down the target's margin, as with a perfect prior."""
-    g = torch.Generator().manual_seed(2)
-    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    w, b, x, y = _linear_target(3)
     target, surrogate = Linear(w, b), Linear(-w, torch.zeros(2))
-    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
-    y = torch.zeros(3, dtype=torch.long)
-    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 1000, num_classes=2), surrogates=(surrogate,))
+    ctx = _with_surrogates(target, (surrogate,), x, y, 0.1, "linf", 1000)
     state = INIT.get("prgf_init")(ctx)
     out = PERTURB.get("prgf")(ctx, state, q=50, sigma=1e-4, lr=0.005)
     direction = (w[0] - w[1]).view(1, 3, 4, 4)  # gradient of the target's margin z_0 - z_1
@@ -167,7 +173,7 @@ def test_prgf_alpha_is_the_cosine_so_a_partial_prior_is_mixed():
     surrogate = Linear(torch.stack([prior, torch.zeros(48)]), torch.zeros(2))
     x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
     y = torch.zeros(3, dtype=torch.long)
-    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 1000, num_classes=2), surrogates=(surrogate,))
+    ctx = _with_surrogates(target, (surrogate,), x, y, 0.1, "linf", 1000)
     state = INIT.get("prgf_init")(ctx)
     PERTURB.get("prgf")(ctx, state, q=50, sigma=1e-4, lr=0.005)
     assert ctx.oracle.counts.tolist() == [1 + 1 + 10 + 50] * 3
@@ -177,12 +183,9 @@ def test_prgf_norm_estimate_schedule():
     """``||grad L||^2`` is estimated (``norm_samples`` queries) every ``norm_every`` iterations *and* at iteration
     3 (the authors: "the gradient norm may change fast in the early iterations"); a perfect prior needs 1 query
     for itself, and ``margin_step`` 1 for the step: 1 + 10 + 1, 1 + 1, 1 + 1, 1 + 10 + 1, 1 + 1 queries."""
-    g = torch.Generator().manual_seed(2)
-    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
+    w, b, x, y = _linear_target(2)
     target, surrogate = Linear(w, b), Linear(w.clone(), b.clone())
-    x = torch.rand(2, 3, 4, 4, generator=g) * 0.5 + 0.25
-    y = torch.zeros(2, dtype=torch.long)
-    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 1000, num_classes=2), surrogates=(surrogate,))
+    ctx = _with_surrogates(target, (surrogate,), x, y, 0.1, "linf", 1000)
     state = INIT.get("prgf_init")(ctx)
     asked = []
     for _ in range(5):
@@ -204,7 +207,7 @@ def test_prgf_sigma_growth_on_a_flat_target():
     surrogate = Linear(torch.randn(2, 12, generator=g), torch.zeros(2))
     x = torch.rand(2, 3, 2, 2, generator=g) * 0.5 + 0.25
     y = torch.zeros(2, dtype=torch.long)
-    ctx = dataclasses.replace(make_ctx(target, x, y, 0.1, "linf", 10_000, num_classes=2), surrogates=(surrogate,))
+    ctx = _with_surrogates(target, (surrogate,), x, y, 0.1, "linf", 10_000)
     state = INIT.get("prgf_init")(ctx)
     q, scales = 5, []
     for expected in (1 + 10 + 10 + 10 * q, 1 + 10 + 10 * q):
@@ -219,12 +222,8 @@ def test_l2_steps_are_normalised():
     """Under L2 both PRGF and Subspace step by a fixed length along the unit direction: PRGF with a perfect prior
     ``x - l2_lr (w_0 - w_1) / ||w_0 - w_1||``; Subspace on its first iteration ``x + l2_lr sign(slope) u`` (the
     prior is a multiple of the unit direction u)."""
-    g = torch.Generator().manual_seed(2)
-    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
-    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
-    y = torch.zeros(3, dtype=torch.long)
-    ctx = dataclasses.replace(make_ctx(Linear(w, b), x, y, 5.0, "l2", 1000, num_classes=2),
-                              surrogates=(Linear(w.clone(), b.clone()),))
+    w, b, x, y = _linear_target(3)
+    ctx = _with_surrogates(Linear(w, b), (Linear(w.clone(), b.clone()),), x, y, 5.0, "l2", 1000)
     out = PERTURB.get("prgf")(ctx, INIT.get("prgf_init")(ctx), q=50, sigma=1e-4, l2_lr=0.12)
     direction = (w[0] - w[1]).view(1, 3, 4, 4)
     assert torch.allclose(out["x_adv"], x - 0.12 * direction / direction.norm(), atol=1e-6)
@@ -253,7 +252,7 @@ def test_prgf_sigma_growth_is_per_sample():
     surrogate = Linear(torch.randn(2, 12, generator=g), torch.zeros(2))
     x = torch.stack([torch.full((3, 2, 2), 0.3), torch.full((3, 2, 2), 0.7)])
     y = torch.zeros(2, dtype=torch.long)
-    ctx = dataclasses.replace(make_ctx(Hinge(), x, y, 0.1, "linf", 10_000, num_classes=2), surrogates=(surrogate,))
+    ctx = _with_surrogates(Hinge(), (surrogate,), x, y, 0.1, "linf", 10_000)
     out = PERTURB.get("prgf")(ctx, INIT.get("prgf_init")(ctx), q=5, sigma=1e-4, lr=0.005)
     assert out["sigma_scale"][0] > 1 and out["sigma_scale"][1] == 1
 
@@ -262,13 +261,10 @@ def test_prgf_prior_sums_every_surrogate():
     """The prior is the gradient of the surrogates' *summed* losses: two linear surrogates whose margin gradients
     add up to the target's make a perfect prior together (lambda* 1: prior + norm queries only, a sign step along
     the true gradient), though neither is one alone."""
-    g = torch.Generator().manual_seed(2)
-    w, b = torch.randn(2, 48, generator=g), torch.tensor([2.0, 0.0])
-    part = torch.randn(2, 48, generator=g)
-    x = torch.rand(3, 3, 4, 4, generator=g) * 0.5 + 0.25
-    y = torch.zeros(3, dtype=torch.long)
+    w, b, x, y = _linear_target(3)
+    part = torch.randn(2, 48, generator=torch.Generator().manual_seed(3))  # any split of w works
     surrogates = (Linear(part, torch.zeros(2)), Linear(w - part, torch.zeros(2)))
-    ctx = dataclasses.replace(make_ctx(Linear(w, b), x, y, 0.1, "linf", 1000, num_classes=2), surrogates=surrogates)
+    ctx = _with_surrogates(Linear(w, b), surrogates, x, y, 0.1, "linf", 1000)
     out = PERTURB.get("prgf")(ctx, INIT.get("prgf_init")(ctx), q=50, sigma=1e-4, lr=0.005)
     direction = (w[0] - w[1]).view(1, 3, 4, 4)
     assert torch.equal(out["x_adv"], (x - 0.005 * direction.sign()).clamp(0, 1))

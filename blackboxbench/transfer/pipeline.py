@@ -42,9 +42,9 @@ own streams, so a sample's result does not depend on the batch.
 shape), so both come from calls of one shape (:func:`~blackboxbench.family.audit_logits`: alone on a CPU), whose
 rows are computed independently: a verdict depends on the image only, not on ``batch_size`` or the images
 evaluated with it. Behind a defense they are draws from the target's own evaluation streams, its model answering
-in the same calls of one shape. (Until 2026-12-06 ``success`` was the forward of the whole batch and a second
-forward, the audit ``audit_adv``, checked it alone; records written then still carry it, and the summary's
-``n_audit_disagree`` counts their disagreements.)
+in the same calls of one shape. (Until 2026-12-05, twenty-sixth session, ``success`` was the forward of the whole
+batch and a second forward, the audit ``audit_adv``, checked it alone; records written then still carry it, and the
+summary's ``n_audit_disagree`` counts their disagreements.)
 """
 import time
 from dataclasses import dataclass, field
