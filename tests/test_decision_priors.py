@@ -51,6 +51,50 @@ def test_auto_encoder_is_the_authors_cifar10_ae192_at_side_32():
             GradientAE(3, side)
 
 
+
+def test_codes_reach_the_decoder_at_unit_norm():
+    """The auto-encoder decodes its encoder's output scaled to unit norm (the authors' code normalisation), and the
+    attack's probes decode each sample's standard normal draws of a 12 x 4 x 4 code scaled to unit norm (their
+    ``generate_ps``), resized to the image."""
+    torch.manual_seed(0)
+    net = GradientAE(3, 16)
+    seen = []
+    real = net.decode
+    net.decode = lambda code: seen.append(code) or real(code)
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        net(x)
+        code, = seen
+        enc = net.encoder(x).flatten(1)
+        assert torch.allclose(code.flatten(1).norm(dim=1), torch.ones(4), atol=1e-6)
+        assert torch.allclose((code.flatten(1) * enc).sum(1), enc.norm(dim=1), rtol=1e-5)  # the encoder's direction
+        seen.clear()
+        owner = torch.tensor([0, 0, 1])
+        ctx = make_ctx(nn.Identity(), torch.full((2, 3, 8, 8), 0.5), torch.zeros(2, dtype=torch.long), 1.0, "l2", 10)
+        probes = decode(net, ctx, owner, (3, 8, 8))
+    draws = make_ctx(nn.Identity(), torch.full((2, 3, 8, 8), 0.5), torch.zeros(2, dtype=torch.long), 1.0, "l2",
+                     10).rng.normal((12, 4, 4), rows=owner)
+    code, = seen
+    assert torch.allclose(code, draws / draws.flatten(1).norm(dim=1).view(-1, 1, 1, 1), atol=1e-6)
+    assert probes.shape == (3, 3, 8, 8)
+
+
+def test_resize_averages_areas_when_shrinking_and_is_bilinear_when_growing():
+    """Shrinking by 2 or 4 averages each 2 x 2 or 4 x 4 block (the PSBA decodes of sides 16 and 32 onto 8 x 8
+    digits, and the gradients onto the coarse sides; bilinear sampling would read 2 of every 4 pixels); growing
+    2 x 2 to 4 x 4 is pixel-centre bilinear with clamped edges (weights 3/4, 1/4; the corners copy the coarse
+    pixel)."""
+    v = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    for k in (2, 4):
+        blocks = v.view(2, 3, 8 // k, k, 8 // k, k).mean((3, 5))
+        assert torch.allclose(priors.resize(v, (8 // k, 8 // k)), blocks, atol=1e-6)
+    a = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    up = priors.resize(a.view(1, 1, 2, 2), (4, 4))[0, 0]
+    w = torch.tensor([0.75, 0.25])
+    assert torch.allclose(up[1, 1], w @ a @ w) and torch.allclose(up[2, 1], w.flip(0) @ a @ w)
+    assert up[0, 0] == a[0, 0] and up[3, 3] == a[1, 1]
+    assert priors.resize(v, (8, 8)) is v
+
 def _ctx_with(model, x, surrogates=(), assets=None, pool=None):
     ctx = make_ctx(model, x, torch.zeros(len(x), dtype=torch.long), 1.0, "l2", 10_000, "label", num_classes=2)
     return BlockContext(problem=ctx.problem, rng=ctx.rng, oracle=ctx.oracle, surrogates=tuple(surrogates),
@@ -85,6 +129,9 @@ def test_a_prior_trained_on_a_models_gradients_steers_the_probes():
     assert out["cos"].item() > 0.95
     net = GradientAE(3, 16)
     net.load_state_dict(out["state"])
+    with torch.no_grad():  # the reported figure: the mean over the training gradients of decode . target
+        cos = (net(grads) * grads).flatten(1).sum(1)
+    assert abs(out["cos"].item() - cos.mean().item()) < 1e-5 and cos.max() - cos.mean() > 1e-4
     flat = w.flatten()
     x0 = torch.full((2, 3, 16, 16), 0.5)
     ctx = make_ctx(Linear2(flat), x0, torch.zeros(2, dtype=torch.long), 1.0, "l2", 10_000, "label", num_classes=2)
@@ -163,6 +210,68 @@ def test_psba_picks_the_scale_of_the_best_simulated_estimate():
     assert _pick([0.0, 0.3, 0.9]).tolist() == [2, 2, 2]
     assert _pick([0.5]).tolist() == [0, 0, 0]  # one scale: nothing to search
 
+
+
+class Three(nn.Module):
+    """Three-class scores ``(0, w1 . (x - 0.5), 1.5 w2 . (x - 0.5))``."""
+
+    def __init__(self, w1, w2):
+        super().__init__()
+        self.w1, self.w2 = w1, w2
+
+    def forward(self, x):
+        return torch.stack([torch.zeros(len(x)), ((x - 0.5) * self.w1).flatten(1).sum(1),
+                            1.5 * ((x - 0.5) * self.w2).flatten(1).sum(1)], 1)
+
+
+def test_psba_scale_search_uses_the_attacks_loss():
+    """The simulated estimate follows the surrogate's gradient of the attack's own loss: at x = 0.5 (uniform
+    softmax) untargeted from class 0 it is w1 + 1.5 w2 (closer to w2, scale 1), targeted at class 1 it is
+    2 w1 - 1.5 w2 (closer to w1, scale 0), for orthonormal w1, w2 and generators aligned with each."""
+    g = torch.Generator().manual_seed(2)
+    w1, w2 = torch.randn(2, 1, 1, 8, 8, generator=g)
+    w1 = w1 / w1.norm()
+    w2 = w2 - (w2 * w1).sum() * w1
+    w2 = w2 / w2.norm()
+    x = torch.full((2, 1, 8, 8), 0.5)
+    for target, want in ((None, 1), (torch.ones(2, dtype=torch.long), 0)):
+        ctx = make_ctx(nn.Identity(), x, torch.zeros(2, dtype=torch.long), 1.0, "l2", 10, target=target,
+                       num_classes=3)
+        ctx = BlockContext(problem=ctx.problem, rng=ctx.rng, oracle=ctx.oracle, surrogates=(Three(w1, w2),))
+        assert pick_scale(ctx, [Fixed(w1, 0.9), Fixed(w2, 0.9)], x, 50).tolist() == [want, want], target
+
+
+def test_psba_picks_a_samples_scale_once_and_keeps_it(monkeypatch):
+    """A sample's scale is searched at its first iteration from its boundary point and kept in the state: the next
+    iteration neither searches again nor changes it (generators: noise at scale 0, aligned with the linear
+    surrogate's normal at scale 1)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1, 1, 8, 8, generator=g)
+    w = w / w.norm()
+    x = torch.rand(3, 1, 8, 8, generator=g)
+    model = Linear2(w)
+    ctx = make_ctx(model, x, model(x).argmax(1), 1.0, "l2", 10_000, "label", num_classes=2)
+    ctx = BlockContext(problem=ctx.problem, rng=ctx.rng, oracle=ctx.oracle, surrogates=(LinearScores(w),))
+    nets, picks, real = [Fixed(w, 0.0), Fixed(w, 0.9)], [], priors.pick_scale
+    monkeypatch.setattr(priors, "trained_decoders", lambda *args: nets)
+    monkeypatch.setattr(priors, "pick_scale", lambda c, *args: picks.append(c.problem.n) or real(c, *args))
+    state = priors.psba_init(ctx)
+    assert state["scale"].tolist() == [-1, -1, -1] and torch.isfinite(state["dist"]).all()
+    state = {**state, **priors.psba(ctx, state, init_num_evals=20)}
+    assert state["scale"].tolist() == [1, 1, 1] and picks == [3]
+    state = {**state, **priors.psba(ctx, state, init_num_evals=20)}
+    assert state["scale"].tolist() == [1, 1, 1] and picks == [3]
+
+
+def test_each_samples_probes_come_from_its_scale():
+    """``decode_at``: the probes of a sample at scale k are decodes of the k-th generator (here +-a at scale 0,
+    +-b at scale 1)."""
+    a, b = torch.randn(2, 1, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    ctx = make_ctx(nn.Identity(), torch.full((3, 1, 8, 8), 0.5), torch.zeros(3, dtype=torch.long), 1.0, "l2", 10)
+    out = priors.decode_at([Fixed(a, 1.0), Fixed(b, 1.0)], torch.tensor([1, 0, 1]), ctx, torch.tensor([0, 0, 1, 2]),
+                           (1, 8, 8))
+    for row, want in zip(out, (b, b, a, b)):
+        assert torch.allclose(row.abs(), want[0].abs())
 
 def _digits_assets(n=200):
     return {"train": {"name": "train_images", "spec": {"name": "digits", "split": "train", "n": n}}}

@@ -64,6 +64,17 @@ def test_probe_shapes_and_per_sample_streams(name):
     assert not torch.equal(again, rows)
 
 
+
+@pytest.mark.parametrize("name", ["dct", "resize"])
+def test_a_subspace_smaller_than_one_pixel_keeps_one(name):
+    """The subspace side is ``int(side / factor)`` (32 / 3: 10) but at least 1: at factor 4 on 2 x 2 images the
+    probes are one coarse value per channel (a constant channel), not empty (all-zero directions)."""
+    assert reduced(32, 3.0) == 10 and reduced(2, 4.0) == 1
+    shape = (3, 2, 2)
+    rows = draw_probes(name, _ctx(1, shape=shape), torch.tensor([0, 0]), shape, "l2", 4.0)
+    flat = rows.flatten(2)
+    assert (flat.abs().amin(2) > 1e-3).all() and torch.allclose(flat, flat[..., :1].expand_as(flat), atol=1e-6)
+
 def test_dct_probes_lie_in_the_low_frequency_band():
     """scipy's orthonormal 2-D DCT of each probe is ~0 outside the int(32/4) = 8 x 8 block of every channel, and
     inside it is an orthogonal matrix (the authors' QR-of-Gaussian coefficients): the probe has norm sqrt(8) per
@@ -113,6 +124,26 @@ def test_resize_probes_match_skimage_resize(side, factor):
     ref = transform.resize(small.double().numpy().transpose(1, 2, 0), (side, side, 3)).transpose(2, 0, 1)
     np.testing.assert_allclose(got, ref, atol=1e-5)
 
+
+
+def test_subspace_probes_of_a_non_square_image():
+    """On 8 x 12 images (factor 2) the subspace is 4 x 6 per channel: QEBA-S probes equal skimage's resize of the
+    4 x 6 coarse draw, and QEBA-F's DCT coefficients fill the 4 x 6 low-frequency block with orthonormal rows."""
+    transform = pytest.importorskip("skimage.transform")
+    shape, one = (3, 8, 12), torch.tensor([0])
+    got = draw_probes("resize", _ctx(1, shape=shape), one, shape, "l2", 2.0)[0].double().numpy()
+    small = _fresh(1).normal((3, 4, 6), rows=one)[0].double().numpy()
+    np.testing.assert_allclose(got, transform.resize(small.transpose(1, 2, 0), (8, 12, 3)).transpose(2, 0, 1),
+                               atol=1e-5)
+    coeff = dctn(draw_probes("dct", _ctx(1, shape=shape), one, shape, "l2", 2.0)[0].double().numpy(), axes=(1, 2),
+                 norm="ortho")
+    inside = np.zeros(shape, dtype=bool)
+    inside[:, :4, :6] = True
+    assert np.abs(coeff[~inside]).max() < 1e-5
+    block = torch.from_numpy(coeff[:, :4, :6])
+    assert torch.allclose(block @ block.transpose(-1, -2), torch.eye(4, dtype=torch.float64).expand(3, 4, 4),
+                          atol=1e-5)
+    assert block.abs().sum(1).min() > 1e-3  # every one of the 6 columns used
 
 def test_dct_gradient_estimate_is_the_normal_projected_on_the_subspace():
     """At a boundary point of a linear model, with probes too small to be clipped, the DCT estimate is a unit vector
