@@ -111,6 +111,22 @@ def test_candidates_stay_finite_on_the_sphere_when_a_decode_overflows():
     assert torch.allclose(to_boundary(ok, 1.0, "l2").flatten(1).norm(dim=1), torch.ones(1))
 
 
+
+def test_training_points_and_loss_by_hand():
+    """Training's adversarial image: Linf ``x + eps y`` (decodes in units of eps) clipped to the ball, L2 ``x + y``
+    scaled into it; the loss is the mean over the models of each one's mean CW margin on its logits, floored at
+    -margin."""
+    x = torch.full((1, 1, 1, 3), 0.5)
+    y = torch.tensor([[[[0.5, -3.0, 0.1]]]])
+    assert torch.allclose(cg_attack.training_point(x, y, 0.1, "linf"), torch.tensor([[[[0.55, 0.4, 0.51]]]]))
+    l2 = cg_attack.training_point(x, torch.tensor([[[[0.3, 0.0, -0.4]]]]), 0.25, "l2")
+    assert torch.allclose(l2, torch.tensor([[[[0.65, 0.5, 0.3]]]]))
+    logits = [torch.tensor([[3.0, 1.0, 0.0], [0.0, 9.0, 1.0]]), torch.tensor([[1.0, 2.0, 0.0], [0.0, 1.0, 2.0]])]
+    models = [lambda _, t=t: t for t in logits]
+    labels = torch.tensor([0, 0])
+    # margins: model 0: 2 and -9 (floored at -5); model 1: -1 and -2
+    assert cg_attack.adversarial_loss(models, x, labels, 5.0).item() == pytest.approx(((2 - 5) / 2 + (-1 - 2) / 2) / 2)
+
 def _run_es(fns, dim, generations, n_pop=20, sigma=1.0, start=3.0):
     k, w = cma_constants(dim, n_pop)
     n = len(fns)
@@ -136,6 +152,122 @@ def test_separable_cma_es_solves_a_sphere_and_learns_an_ellipsoids_axes():
     scaled = es["cov"][1] * weights  # near constant: cov ~ 1 / weight
     assert scaled.max() / scaled.min() < 30 and es["cov"][1].max() / es["cov"][1].min() > 100
 
+
+
+def _tutorial_constants(n, lam):
+    """The default CMA-ES constants of Hansen's tutorial (arXiv:1604.00772, Table 1, alpha_cov 2) for dimension n
+    and population lam, with Ros and Hansen's separable factor (n + 2) / 3 on the covariance learning rates."""
+    mu = lam // 2
+    raw = [math.log((lam + 1) / 2) - math.log(i) for i in range(1, mu + 1)]
+    w = [v / sum(raw) for v in raw]
+    mu_eff = 1 / sum(v * v for v in w)
+    c1 = 2 / ((n + 1.3) ** 2 + mu_eff)
+    c_mu = min(1 - c1, 2 * (mu_eff - 2 + 1 / mu_eff) / ((n + 2) ** 2 + 2 * mu_eff / 2))
+    c1_sep = min(1, c1 * (n + 2) / 3)
+    c_sigma = (mu_eff + 2) / (n + mu_eff + 5)
+    return {"mu": mu, "mu_eff": mu_eff, "c_sigma": c_sigma,
+            "d_sigma": 1 + 2 * max(0, math.sqrt((mu_eff - 1) / (n + 1)) - 1) + c_sigma,
+            "c_c": (4 + mu_eff / n) / (n + 4 + 2 * mu_eff / n), "c1": c1_sep,
+            "c_mu": min(1 - c1_sep, c_mu * (n + 2) / 3),
+            "chi": math.sqrt(n) * (1 - 1 / (4 * n) + 1 / (21 * n * n))}, w
+
+
+@pytest.mark.parametrize("n,lam", [(10, 20), (768, 20)])
+def test_cma_constants_are_the_tutorials_defaults(n, lam):
+    """Recombination weights and learning rates as Hansen's tutorial gives them (the separable rates scaled as Ros
+    and Hansen's sep-CMA-ES), e.g. at the top latent's 768 dimensions and CG-Attack's 20 candidates."""
+    k, w = cma_constants(n, lam)
+    want, want_w = _tutorial_constants(n, lam)
+    assert k == pytest.approx(want, rel=1e-9)
+    assert w.tolist() == pytest.approx(want_w, rel=1e-6) and abs(float(w.sum()) - 1) < 1e-6
+
+
+def _generations(monkeypatch, budget, n_pop=6):
+    """cg_init and two cg_attack calls (the modes, then one generation) on 3 random 1 x 8 x 8 images against fixed
+    linear scores, an untrained small c-Glow standing in for the trained one; returns the candidates and margins
+    the generation queried, the state before it, the proposal and the state after it."""
+    from test_advflow import Scores
+    from attack_utils import make_ctx
+
+    torch.manual_seed(0)
+    flow = CondGlow((1, 8, 8), **SMALL).eval().requires_grad_(False)
+    monkeypatch.setattr(cg_attack, "trained_cglow", lambda *args: flow)
+    seen, real = [], cg_attack.query_margin
+
+    def query(c, images, idx=None):
+        seen.append((images, real(c, images, idx)[0]))
+        return seen[-1][1], seen[-1][1] < 0, torch.isfinite(seen[-1][1])
+
+    monkeypatch.setattr(cg_attack, "query_margin", query)
+    model = Scores(64, 0)
+    x = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    ctx = make_ctx(model, x, model(x).argmax(1), 0.1, "linf", budget, num_classes=4)
+    state = cg_attack.cg_init(ctx, num_levels=2)
+    cg_attack.cg_attack(ctx, state, n_pop=n_pop, **SMALL)  # the modes
+    before = {k: v.clone() for k, v in state.items()}
+    seen.clear()
+    proposal = cg_attack.cg_attack(ctx, state, n_pop=n_pop, **SMALL)
+    (images, margin), = seen
+    return images.view(3, n_pop, 1, 8, 8), margin.view(3, n_pop), before, proposal, state
+
+
+def test_a_generation_proposes_each_samples_best_candidate(monkeypatch):
+    """Each sample's proposal is its lowest-margin candidate of the generation, with that candidate's margin (floored
+    at -20) and the oracle's verdict on it; the generation moved every sample's ES."""
+    images, margin, before, proposal, state = _generations(monkeypatch, 1000)
+    best = margin.argmin(1)
+    assert torch.equal(proposal["x_adv"], images[torch.arange(3), best])
+    assert torch.equal(proposal["margin"], margin.min(1).values.clamp_min(-20))
+    assert torch.equal(proposal["adv"], margin.min(1).values < 0)
+    assert not torch.equal(state["mean"], before["mean"]) and (state["gen"] == before["gen"] + 1).all()
+
+
+def test_a_generation_with_a_refused_query_leaves_the_es(monkeypatch):
+    """Budget 5: after the clean image and the mode, 3 of a sample's 6 candidates are answered; its ES (mean, step,
+    covariance, paths, generation count) stays as it was."""
+    _, margin, before, _, state = _generations(monkeypatch, 5)
+    assert torch.isinf(margin[:, 3:]).all() and torch.isfinite(margin[:, :3]).all()
+    for key in cg_attack.ES_KEYS:
+        assert torch.equal(state[key], before[key]), key
+
+
+def test_sep_cma_update_is_the_tutorials_step():
+    """One update against Hansen's tutorial equations with a diagonal covariance (float64, per sample): the mean
+    moves by sigma <y>_w of the best half, the paths, the covariance (rank one with h_sigma, rank mu) and the step
+    size follow. Sample 1's conjugate path is long: 1.55 chi, under h_sigma's threshold (1.4 + 2 / (n + 1)) chi;
+    sample 2's at 1.9 chi is over it (its rank-one path stalls)."""
+    n, lam = 5, 10
+    g = torch.Generator().manual_seed(0)
+    k, w = _tutorial_constants(n, lam)
+    es = {"mean": torch.randn(3, n, generator=g), "sigma": torch.tensor([0.5, 1.0, 2.0]),
+          "cov": 0.5 + torch.rand(3, n, generator=g), "p_sigma": torch.zeros(3, n), "p_c": torch.randn(3, n, generator=g),
+          "gen": torch.tensor([0, 50, 50])}
+    unit = torch.randn(n, generator=g)
+    unit = unit / unit.norm()
+    for i, length in ((1, 1.55), (2, 1.9)):
+        es["p_sigma"][i] = length * k["chi"] / (1 - k["c_sigma"]) * unit
+    z = 0.01 * torch.randn(3, lam, n, generator=g)
+    z[0] *= 100
+    fit = torch.randn(3, lam, generator=g)
+    new = sep_cma_update(es, z, fit, *cma_constants(n, lam))
+    for i in range(3):
+        d = {key: v[i].double() for key, v in es.items()}
+        best = fit[i].argsort()[:k["mu"]]
+        zw = sum(w[j] * z[i, b].double() for j, b in enumerate(best))
+        yw = d["cov"].sqrt() * zw
+        p_sigma = (1 - k["c_sigma"]) * d["p_sigma"] + math.sqrt(k["c_sigma"] * (2 - k["c_sigma"]) * k["mu_eff"]) * zw
+        gen = int(d["gen"]) + 1
+        h = float(p_sigma.norm() / math.sqrt(1 - (1 - k["c_sigma"]) ** (2 * gen)) < (1.4 + 2 / (n + 1)) * k["chi"])
+        assert h == (i < 2)
+        p_c = (1 - k["c_c"]) * d["p_c"] + h * math.sqrt(k["c_c"] * (2 - k["c_c"]) * k["mu_eff"]) * yw
+        rank_mu = sum(w[j] * (d["cov"].sqrt() * z[i, b].double()) ** 2 for j, b in enumerate(best))
+        cov = ((1 + k["c1"] * (1 - h) * k["c_c"] * (2 - k["c_c"]) - k["c1"] - k["c_mu"]) * d["cov"]
+               + k["c1"] * p_c ** 2 + k["c_mu"] * rank_mu)
+        sigma = d["sigma"] * math.exp(k["c_sigma"] / k["d_sigma"] * (p_sigma.norm() / k["chi"] - 1))
+        want = {"mean": d["mean"] + d["sigma"] * yw, "sigma": sigma, "cov": cov, "p_sigma": p_sigma, "p_c": p_c}
+        for key, v in want.items():
+            assert torch.allclose(new[key][i].double(), v, rtol=1e-5, atol=1e-6), (i, key)
+        assert int(new["gen"][i]) == gen
 
 def _digits_assets(n=200):
     return {"train": {"name": "train_images", "spec": {"name": "digits", "split": "train", "n": n}}}

@@ -111,6 +111,31 @@ def test_per_image_finetuning_matches_a_copy_per_image():
     assert (margins[1] < margins[0]).all(), margins
 
 
+
+def test_finetuning_stops_at_the_margin_floor_of_5():
+    """The fine-tuning loss is the margin floored at -5 (utils/finetune.py): a sample whose margin is about -10
+    whatever its decode gets no gradient and keeps the meta-trained decode, one at about +10 moves."""
+    shape = (1, 8, 8)
+    flow = _random_cglow(shape, 0)
+    g = torch.Generator().manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).double()
+    with torch.no_grad():
+        model[1].weight.copy_(0.01 * torch.randn(10, 64, generator=g, dtype=torch.float64))
+        model[1].bias.zero_()
+        model[1].bias[1] = 10.0
+    x = torch.rand(2, *shape, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 1])  # margins about -10 and +10
+    top = torch.randn(2, *flow.top, generator=g, dtype=torch.float64)
+    zs = [torch.randn(2, *s, generator=g, dtype=torch.float64) for s in flow.split_shapes()]
+    got = finetuned_decodes(flow, [model], x, y, top, zs, eps=0.2, norm="linf", steps=2, lr=1e-2, clip=0.05,
+                            outer=1.0, chunk=2)
+    with torch.no_grad():
+        plain = flow.decode(flow.condition(x), top, zs=zs)[0]
+        margins = margin_loss(model(training_point(x, plain, 0.2, "linf")), y)
+    assert margins[0] < -8 and margins[1] > 8
+    assert torch.allclose(got[0], plain[0], atol=1e-12, rtol=0)
+    assert (got[1] - plain[1]).abs().max() > 1e-4
+
 def test_meta_training_loss_sees_max_normalised_decodes(tmp_path, monkeypatch):
     """Stage 2's loss clamps each decode divided by its largest absolute value (the authors' meta-training decode,
     ``decode(return_prob=True)``): the margin train_cglow reports before training is that of

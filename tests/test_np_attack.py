@@ -7,8 +7,11 @@ checks, type R's records pinned, batch-size invariance (float64 digits target; Z
 model) and the real pretrained CIFAR-10 ResNet-56 at the paper's budget (skipped without the offline data). The
 digits contract (tests/test_contract.py) runs the recipe at both norms with a small ANP.
 """
+import math
+
 import pytest
 import torch
+from torch import nn
 
 from blackboxbench.errors import BenchError, ConfigError
 from blackboxbench.prep.data import digits
@@ -51,6 +54,44 @@ def test_anp_has_the_authors_cifar10_sizes():
     mu, sigma = net.decode(r, mean[:, None].expand(-1, 3072, -1))
     assert mu.shape == sigma.shape == (2, 3072) and sigma.min() >= 0.1
 
+
+
+def test_anp_attention_and_scales_by_hand():
+    """With identity coordinate features, every head's attention is softmax(c_i . c_j / sqrt(3)) over the point
+    coordinates (scaled dot-product); the latent scale lies in [0.01, 0.1] and the decoder's in [0.1, inf), both
+    reached at saturated layers (pre-activations -50 and +50)."""
+    torch.manual_seed(0)
+    net = ANP((1, 2, 2), r_dim=8, z_dim=4, hidden=8)
+    net.query_net, net.key_net = nn.Identity(), nn.Identity()
+    with torch.no_grad():
+        for lin in (net.wq, net.wk):
+            lin.weight.copy_(torch.eye(3).repeat(4, 1))
+            lin.bias.zero_()
+        att = net.attention()
+    dots = torch.tensor([[0.0, 0, 0, 0], [0, 1, 0, 1], [0, 0, 1, 1], [0, 1, 1, 2]])  # (0,0) (0,1) (1,0) (1,1)
+    assert torch.allclose(att, torch.softmax(dots / math.sqrt(3), -1).expand(4, -1, -1), atol=1e-6)
+    x = torch.rand(1, 1, 2, 2)
+    for bias, z_scale, dec_scale in ((-50.0, 0.01, 0.1), (50.0, 0.1, 0.1 + 0.9 * 50)):
+        with torch.no_grad():
+            for lin in (net.z_scale, net.dec_scale):
+                lin.weight.zero_()
+                lin.bias.fill_(bias)
+            r, mean, scale = net.encode(x)
+            _, sigma = net.decode(r, mean[:, None].expand(-1, 4, -1))
+        assert torch.allclose(scale, torch.full_like(scale, z_scale)) and torch.allclose(sigma, torch.full_like(
+            sigma, dec_scale))
+
+
+def test_decoding_in_chunks_gives_every_row_once(monkeypatch):
+    """The decoder bounds its activations (``CHUNK``): 5 rows decoded 2 at a time equal the rows decoded at once."""
+    torch.manual_seed(0)
+    net = ANP((1, 2, 2), r_dim=8, z_dim=4, hidden=8)
+    r, z = torch.randn(5, 4, 4), torch.randn(5, 4, 4)
+    with torch.no_grad():
+        whole = net.decode(r, z)
+        monkeypatch.setattr(np_attack, "CHUNK", 2 * 4 * 8)  # 2 rows of 4 points x 8 hidden
+        cut = net.decode(r, z)
+    assert all(a.shape == (5, 4) and torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, cut))
 
 def test_the_attack_encodes_an_image_whatever_is_encoded_with_it():
     """``encode_each`` (the attack's) gives an image the same encoding, bit for bit, alone, with one other image or
@@ -154,6 +195,27 @@ def test_targeted_step_size_rule_is_the_authors():
         assert lr[i].item() == pytest.approx(ref_lr) and last[i].item() == pytest.approx(ref_last)
     assert (lr < 0.05).all() and (lr > 1e-3 / 2).all()
 
+
+
+@pytest.mark.parametrize("search", ["R", "RZ"])
+def test_a_population_with_a_refused_query_changes_nothing(monkeypatch, search):
+    """Targeted, budget 11: the first population (20 candidates, iteration 0, a check of the step-size rule) has 10
+    refused queries, so the sample keeps its encoded r and latent mean, its lr (0.05) and last loss (100); the
+    rule does not read the refused candidates' infinite losses as a rise."""
+    model, x, y, *_ = _tiny()
+    torch.manual_seed(0)
+    net = ANP((3, 2, 2), r_dim=8, z_dim=4, hidden=8)
+    monkeypatch.setattr(np_attack, "trained_anp", lambda *args: net)
+    ctx = make_ctx(model, x, y, 0.05, "linf", 11, target=(y + 1) % 4, num_classes=4)
+    state = np_init(ctx, z_dim=4, search=search)
+    out = np_attack.np_attack(ctx, state, n_pop=20, search=search, z_dim=4)
+    with torch.no_grad():
+        r, mean, _ = net.encode_each(x)
+    assert (ctx.oracle.counts == 11).all()
+    assert out["lr"].tolist() == pytest.approx([0.05] * 3) and out["last_loss"].tolist() == [100.0] * 3
+    assert torch.equal(out["r"], r)
+    assert torch.equal(out["z_mean"], mean if search == "R" else mean[:, None].expand(-1, 12, -1))
+    assert torch.isfinite(out["x_adv"]).all()
 
 def test_targeted_runs_halve_the_step_and_untargeted_runs_keep_it(tmp_path, monkeypatch):
     """Targeted runs (the authors' NPAttack_targeted.py) go through the step-size rule, untargeted ones keep
