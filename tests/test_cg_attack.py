@@ -172,10 +172,11 @@ def _tutorial_constants(n, lam):
             "chi": math.sqrt(n) * (1 - 1 / (4 * n) + 1 / (21 * n * n))}, w
 
 
-@pytest.mark.parametrize("n,lam", [(10, 20), (768, 20)])
+@pytest.mark.parametrize("n,lam", [(10, 20), (768, 20), (3, 9)])
 def test_cma_constants_are_the_tutorials_defaults(n, lam):
     """Recombination weights and learning rates as Hansen's tutorial gives them (the separable rates scaled as Ros
-    and Hansen's sep-CMA-ES), e.g. at the top latent's 768 dimensions and CG-Attack's 20 candidates."""
+    and Hansen's sep-CMA-ES), e.g. at the top latent's 768 dimensions and CG-Attack's 20 candidates. An odd
+    population (9: mu 4) weighs by ln(5) - ln i, not ln(4.5) - ln i."""
     k, w = cma_constants(n, lam)
     want, want_w = _tutorial_constants(n, lam)
     assert k == pytest.approx(want, rel=1e-9)

@@ -472,9 +472,10 @@ def trained_cglow(ctx, data, arch, hp, block="cg_attack"):
 
 def cma_constants(dim, n_pop):
     """Hansen's default CMA-ES constants for ``dim`` and population ``n_pop``, with the separable learning rates
-    (Ros and Hansen 2008): a dict of floats and the (mu,) recombination weights."""
+    (Ros and Hansen 2008): a dict of floats and the (mu,) recombination weights, ``ln((n_pop + 1) / 2) - ln i``
+    normalised (for an odd ``n_pop`` not ``ln(mu + 1/2)``, which made the last weight too small)."""
     mu = n_pop // 2
-    w = math.log(mu + 0.5) - torch.log(torch.arange(1, mu + 1, dtype=torch.float64))
+    w = math.log((n_pop + 1) / 2) - torch.log(torch.arange(1, mu + 1, dtype=torch.float64))
     w = w / w.sum()
     mu_eff = float(1 / (w ** 2).sum())
     c_sigma = (mu_eff + 2) / (dim + mu_eff + 5)
