@@ -221,6 +221,21 @@ def test_a_population_with_a_refused_query_leaves_mu():
     assert (mu1 - mu0).abs().amax(1).min() > 1e-3
     assert torch.equal(step(mu1), mu1) and (ctx.oracle.counts == 30).all()
 
+
+def test_the_new_point_is_projected_onto_the_ball(monkeypatch):
+    """The iteration's point is the decode of ``z + mu`` clipped to [0, 1] and projected onto the eps ball: with a
+    latent shift of 0.5 everywhere (an untrained flow, an orthogonal map, moves the image as far) it lies on the
+    Linf sphere of 0.05, inside [0, 1]."""
+    flow = ImageFlow((3, 4, 4), **SMALL).eval().requires_grad_(False)
+    monkeypatch.setattr(advflow, "trained_flow", lambda *args: flow)
+    model = Scores(48, 0)
+    x = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    ctx = make_ctx(model, x, model(x).argmax(1), 0.05, "linf", 1000, num_classes=4)
+    state = {**advflow.advflow_init(ctx), "mu": torch.full((2, 48), 0.5)}
+    out = advflow.advflow(ctx, state, n_pop=4, **SMALL)
+    dist = (out["x_adv"] - x).flatten(1).abs().amax(1)
+    assert torch.allclose(dist, torch.full((2,), 0.05)) and out["x_adv"].min() >= 0 and out["x_adv"].max() <= 1
+
 def _digits_assets(n=200):
     return {"train": {"name": "train_images", "spec": {"name": "digits", "split": "train", "n": n}}}
 

@@ -75,6 +75,27 @@ def test_cglow_inverts_and_its_likelihood_is_the_change_of_variables():
     assert (swapped - y).abs().amax() > 1e-3
 
 
+
+def test_split_latents_are_drawn_from_their_priors():
+    """Without split latents a decode draws them from their Gaussian priors, ``mean + exp(logs) noise`` with the
+    prior's mean and log-scale (the log-density ``gaussian_logp`` reads), and returns the ones it used; given,
+    they are used as they are."""
+    flow = _random_cglow((1, 8, 8), 0)
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(2, 1, 8, 8, generator=g, dtype=torch.float64)
+    top = torch.randn(2, *flow.top, generator=g, dtype=torch.float64)
+    noise = [torch.randn(2, *s, generator=g, dtype=torch.float64) for s in flow.split_shapes()]
+    seen, prior = [], flow.priors[0]
+    real = prior.forward
+    prior.forward = lambda z1: seen.append(real(z1)) or seen[-1]
+    cond = flow.condition(x)
+    with torch.no_grad():
+        y, used = flow.decode(cond, top, noise=noise)
+        (mean, logs), = seen
+        assert logs.abs().max() > 0.05 and torch.allclose(used[0], mean + logs.exp() * noise[0])
+        again, kept = flow.decode(cond, top, zs=used)
+    assert kept[0] is used[0] and torch.equal(again, y)
+
 def test_training_lowers_the_surrogates_margin_on_held_out_images():
     """Trained for 2 epochs (lr 1e-3) on 200 digits of the train split against the digits CNN (Linf 0.2), the
     c-Glow's perturbations of 64 test digits (never seen) lower the CNN's mean margin by at least 1 against the
@@ -185,8 +206,9 @@ def test_cma_constants_are_the_tutorials_defaults(n, lam):
 
 def _generations(monkeypatch, budget, n_pop=6):
     """cg_init and two cg_attack calls (the modes, then one generation) on 3 random 1 x 8 x 8 images against fixed
-    linear scores, an untrained small c-Glow standing in for the trained one; returns the candidates and margins
-    the generation queried, the state before it, the proposal and the state after it."""
+    linear scores (margins of tens), an untrained small c-Glow standing in for the trained one; returns the modes'
+    margins and proposal, the candidates and margins the generation queried, the state before it, the proposal and
+    the state after it."""
     from test_advflow import Scores
     from attack_utils import make_ctx
 
@@ -200,33 +222,40 @@ def _generations(monkeypatch, budget, n_pop=6):
         return seen[-1][1], seen[-1][1] < 0, torch.isfinite(seen[-1][1])
 
     monkeypatch.setattr(cg_attack, "query_margin", query)
-    model = Scores(64, 0)
+    model = Scores(64, 0, 8.0)
     x = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(1))
-    ctx = make_ctx(model, x, model(x).argmax(1), 0.1, "linf", budget, num_classes=4)
+    y = model(x).argsort(1)[:, -2]  # the second class: margins from -9 to -80, some below the floor
+    ctx = make_ctx(model, x, y, 0.1, "linf", budget, num_classes=4)
     state = cg_attack.cg_init(ctx, num_levels=2)
-    cg_attack.cg_attack(ctx, state, n_pop=n_pop, **SMALL)  # the modes
+    seen.clear()
+    first = cg_attack.cg_attack(ctx, state, n_pop=n_pop, sigma=0.5, **SMALL)  # the modes
+    (_, modes), = seen
     before = {k: v.clone() for k, v in state.items()}
     seen.clear()
-    proposal = cg_attack.cg_attack(ctx, state, n_pop=n_pop, **SMALL)
+    proposal = cg_attack.cg_attack(ctx, state, n_pop=n_pop, sigma=0.5, **SMALL)
     (images, margin), = seen
-    return images.view(3, n_pop, 1, 8, 8), margin.view(3, n_pop), before, proposal, state
+    return (modes, first), images.view(3, n_pop, 1, 8, 8), margin.view(3, n_pop), before, proposal, state
 
 
 def test_a_generation_proposes_each_samples_best_candidate(monkeypatch):
     """Each sample's proposal is its lowest-margin candidate of the generation, with that candidate's margin (floored
-    at -20) and the oracle's verdict on it; the generation moved every sample's ES."""
-    images, margin, before, proposal, state = _generations(monkeypatch, 1000)
-    best = margin.argmin(1)
+    at -20, the authors' fitness) and the oracle's verdict on it; the generation moved every sample's ES. The
+    first call proposes the modes, their margins floored too, and starts the ES at step ``sigma``."""
+    (modes, first), images, margin, before, proposal, state = _generations(monkeypatch, 1000)
+    assert margin.min() < -20 and modes.min() < -20  # the floor acts
+    assert torch.equal(first["margin"], modes.clamp_min(-20)) and torch.equal(first["adv"], modes < 0)
+    best = margin.clamp_min(-20).argmin(1)  # the first floored candidate on a tie
     assert torch.equal(proposal["x_adv"], images[torch.arange(3), best])
     assert torch.equal(proposal["margin"], margin.min(1).values.clamp_min(-20))
     assert torch.equal(proposal["adv"], margin.min(1).values < 0)
+    assert (before["sigma"] == 0.5).all() and (before["gen"] == 0).all()  # the ES started at step sigma
     assert not torch.equal(state["mean"], before["mean"]) and (state["gen"] == before["gen"] + 1).all()
 
 
 def test_a_generation_with_a_refused_query_leaves_the_es(monkeypatch):
     """Budget 5: after the clean image and the mode, 3 of a sample's 6 candidates are answered; its ES (mean, step,
     covariance, paths, generation count) stays as it was."""
-    _, margin, before, _, state = _generations(monkeypatch, 5)
+    _, _, margin, before, _, state = _generations(monkeypatch, 5)
     assert torch.isinf(margin[:, 3:]).all() and torch.isfinite(margin[:, :3]).all()
     for key in cg_attack.ES_KEYS:
         assert torch.equal(state[key], before[key]), key
@@ -241,8 +270,8 @@ def test_sep_cma_update_is_the_tutorials_step():
     g = torch.Generator().manual_seed(0)
     k, w = _tutorial_constants(n, lam)
     es = {"mean": torch.randn(3, n, generator=g), "sigma": torch.tensor([0.5, 1.0, 2.0]),
-          "cov": 0.5 + torch.rand(3, n, generator=g), "p_sigma": torch.zeros(3, n), "p_c": torch.randn(3, n, generator=g),
-          "gen": torch.tensor([0, 50, 50])}
+          "cov": 0.5 + torch.rand(3, n, generator=g), "p_sigma": torch.zeros(3, n),
+          "p_c": torch.randn(3, n, generator=g), "gen": torch.tensor([0, 50, 50])}
     unit = torch.randn(n, generator=g)
     unit = unit / unit.norm()
     for i, length in ((1, 1.55), (2, 1.9)):

@@ -440,6 +440,9 @@ def test_images_the_generative_priors_cannot_take_are_one_line_errors():
                                          r"4 x P\^2 = 1,151 GB .*config key data"):
         check_points((3, 299, 299))
     check_points((3, 32, 32))
+    check_points((1, 128, 128))  # 16,384 points: 4 x P^2 = 2^30 values, the limit itself
+    with pytest.raises(BenchError, match=r"at most 16,384 points"):
+        check_points((1, 128, 129))
     x = torch.rand(2, 3, 12, 12)
     ctx = _ctx_with(nn.Flatten(), x, surrogates=[nn.Flatten()],
                     assets={"train": Dataset("small", torch.rand(4, 3, 12, 12), torch.zeros(4, dtype=torch.long), 2)})

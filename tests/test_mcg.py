@@ -114,7 +114,8 @@ def test_per_image_finetuning_matches_a_copy_per_image():
 
 def test_finetuning_stops_at_the_margin_floor_of_5():
     """The fine-tuning loss is the margin floored at -5 (utils/finetune.py): a sample whose margin is about -10
-    whatever its decode gets no gradient and keeps the meta-trained decode, one at about +10 moves."""
+    whatever its decode gets no gradient and keeps the meta-trained decode, one at about +10 moves (after one step
+    or two)."""
     shape = (1, 8, 8)
     flow = _random_cglow(shape, 0)
     g = torch.Generator().manual_seed(4)
@@ -127,14 +128,43 @@ def test_finetuning_stops_at_the_margin_floor_of_5():
     y = torch.tensor([0, 1])  # margins about -10 and +10
     top = torch.randn(2, *flow.top, generator=g, dtype=torch.float64)
     zs = [torch.randn(2, *s, generator=g, dtype=torch.float64) for s in flow.split_shapes()]
-    got = finetuned_decodes(flow, [model], x, y, top, zs, eps=0.2, norm="linf", steps=2, lr=1e-2, clip=0.05,
-                            outer=1.0, chunk=2)
+    got, one = (finetuned_decodes(flow, [model], x, y, top, zs, eps=0.2, norm="linf", steps=steps, lr=1e-2,
+                                  clip=0.05, outer=1.0, chunk=2) for steps in (2, 1))
     with torch.no_grad():
         plain = flow.decode(flow.condition(x), top, zs=zs)[0]
         margins = margin_loss(model(training_point(x, plain, 0.2, "linf")), y)
     assert margins[0] < -8 and margins[1] > 8
     assert torch.allclose(got[0], plain[0], atol=1e-12, rtol=0)
-    assert (got[1] - plain[1]).abs().max() > 1e-4
+    assert (got[1] - plain[1]).abs().max() > 1e-4 and (one[1] - plain[1]).abs().max() > 1e-4  # one step moves too
+
+
+def test_first_query_is_the_quantized_guess_of_the_cglows_mode(monkeypatch):
+    """Without fine-tuning, mcg_init's start is the c-Glow's decode at the top latent 0 and split latents drawn from
+    their priors with each sample's normal draws, ``x + eps decode`` clipped to the ball and [0, 1], rounded to the
+    uint8 grid (towards x); Square's p schedule starts at ``square_start``."""
+    from blackboxbench.context import BlockContext
+    from blackboxbench.query import mcg
+    from blackboxbench.threat import quantize
+
+    from attack_utils import make_ctx
+
+    torch.manual_seed(0)
+    flow = CondGlow((1, 8, 8), **TINY).eval().requires_grad_(False)
+    monkeypatch.setattr(mcg, "trained_cglow", lambda *args, **kw: flow)
+    cnn = build_model("digits_cnn")
+    x = (torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(1)) * 255).round() / 255
+
+    def ctx():
+        c = make_ctx(cnn, x, cnn(x).argmax(1), 0.1, "linf", 100)
+        return BlockContext(problem=c.problem, rng=c.rng, oracle=c.oracle, surrogates=(cnn,))
+
+    state = mcg.mcg_init(ctx(), finetune_steps=0, square_start=123, **TINY)
+    noise = [ctx().rng.normal(s) for s in flow.split_shapes()]
+    with torch.no_grad():
+        delta = flow.decode(flow.condition(x), torch.zeros(3, *flow.top), noise=noise)[0]
+    want = quantize(torch.minimum(torch.maximum(x + 0.1 * delta, x - 0.1), x + 0.1).clamp(0, 1), x)
+    assert torch.equal(state["x_adv"], want) and state["it"].tolist() == [123] * 3
+    assert torch.equal(want * 255, (want * 255).round()) and (want - x).abs().max() <= 0.1 + 1e-6
 
 def test_meta_training_loss_sees_max_normalised_decodes(tmp_path, monkeypatch):
     """Stage 2's loss clamps each decode divided by its largest absolute value (the authors' meta-training decode,
