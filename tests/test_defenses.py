@@ -98,13 +98,14 @@ def test_aaa_quantizes_the_query_before_the_model():
     assert torch.allclose(model.seen[-1], k / 255, atol=1e-7)
 
 
-def _authors_aaa(z0, kind, interval=6.0, batch=128):
+def _authors_aaa(z0, kind, interval=6.0, batch=128, temperature=1.0):
     """The AAA authors' post-processing (victim.py) in their calls of ``batch`` rows (square.py's default
-    ``--batch_size``): autograd and torch.optim.Adam on the loss averaged over the call, with the top-1 mask."""
+    ``--batch_size``): autograd and torch.optim.Adam on the loss averaged over the call, with the top-1 mask; the
+    calibration's reference the maximum of softmax(z0 / ``temperature``)."""
     out = []
     for r in range(0, z0.shape[0], batch):
         z = z0[r:r + batch].clone()
-        p_max = F.softmax(z, 1).max(1)[0]
+        p_max = F.softmax(z / temperature, 1).max(1)[0]
         val, idx = torch.topk(z, 2, 1)
         mask = torch.zeros_like(z)
         mask[torch.arange(len(z)), idx[:, 0]] = 1
@@ -139,6 +140,14 @@ def test_aaa_equals_the_authors_steps_row_by_row(kind):
     assert a.item() == 3.0
     assert t.item() == pytest.approx(5.0 if kind == "linear" else 1 - 4.2 * np.sin(5 * np.pi / 3), abs=1e-5)
     assert (got.argmax(1) == z0.argmax(1)).all()
+
+
+def test_aaa_calibrates_to_the_tempered_softmax():
+    """With a temperature T, the calibration term pulls the top-1 probability towards max softmax(z0 / T)."""
+    z0 = torch.randn(128, 10, generator=torch.Generator().manual_seed(2)) * 4
+    got = aaa_logits(z0, kind="linear", **{**AAA_DEFAULTS, "temperature": 3.0})
+    assert torch.allclose(got, _authors_aaa(z0, "linear", temperature=3.0), atol=1e-3)
+    assert not torch.allclose(got, aaa_logits(z0, kind="linear", **AAA_DEFAULTS), atol=1e-2)
 
 
 @pytest.mark.parametrize("kind", ["linear", "sine"])
