@@ -3,6 +3,7 @@ checked on tiny inputs against hand-computed or independent references."""
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
 from blackboxbench.analysis import divergence, saliency
@@ -252,3 +253,48 @@ def test_a_defended_target_is_randomized_when_any_of_its_defenses_is():
     for specs, randomized in (([{"name": "jpeg"}], False), ([{"name": "jpeg"}, {"name": "rnd"}], True),
                               ([{"name": "rnd"}, {"name": "aaa_sine"}], True), ([], False)):
         assert DefendedTarget(None, build_defenses(specs), streams).randomized is randomized, specs
+
+
+def _fake_run(tmp_path, config, saved):
+    """A run directory: its resolved ``config`` and the adversarial PNGs ``saved`` ({index: uint8 array})."""
+    (tmp_path / "adv").mkdir(parents=True)
+    (tmp_path / "config.yaml").write_text(config)
+    for i, a in saved.items():
+        Image.fromarray(a).save(tmp_path / "adv" / f"{i:06d}.png")
+    return tmp_path
+
+
+def test_inputs_of_a_run_keep_its_seed_and_the_saved_images_in_the_dataset(tmp_path):
+    """A run's analysis draws with the run's seed; by default it reads the images the run saved that the dataset
+    (here 3 digits) holds, and an index one past the dataset's end is an error."""
+    from blackboxbench.analysis.inputs import load_inputs
+
+    digit = np.zeros((8, 8), np.uint8)
+    run = _fake_run(tmp_path, "dataset: {name: digits, n: 3}\nmodel: digits_mlp\nseed: 5\n", {1: digit, 5: digit})
+    inputs = load_inputs(run=run)
+    assert inputs.index == [1] and inputs.seed == 5 and inputs.x_adv.shape == (1, 1, 8, 8)
+    with pytest.raises(BenchError, match=r"image indices \[3\] are not in the dataset \(3 images\)"):
+        load_inputs(model="digits_mlp", dataset={"name": "digits", "n": 3}, indices=[3])
+
+
+def test_saved_colour_images_are_read_channels_first(tmp_path):
+    from blackboxbench.analysis.inputs import _adv_images
+
+    a = np.random.default_rng(0).integers(0, 256, (4, 6, 3), dtype=np.uint8)  # H 4, W 6
+    got = _adv_images(_fake_run(tmp_path, "", {2: a}), [2])
+    assert got.shape == (1, 3, 4, 6) and torch.equal(got[0, 1], torch.from_numpy(a[:, :, 1]).float() / 255)
+
+
+def test_a_bad_parameter_names_whoever_set_it(tmp_path):
+    """A parameter the tool rejects is reported against the command line when given there, else the recipe file."""
+    from blackboxbench.analysis.recipes import COMMAND_LINE, _params, load_recipe
+    from blackboxbench.errors import ConfigError
+
+    recipe = tmp_path / "my_fsm.yaml"
+    recipe.write_text("name: my_fsm\ntool: fsm\npaper: test\nparams: {score: logit}\n")
+    path, r, tool = load_recipe(str(recipe), "model")
+    with pytest.raises(ConfigError, match=f"^{recipe}:params.score"):
+        _params(path, r, tool, {}, COMMAND_LINE)
+    with pytest.raises(ConfigError, match=r"^command line \(--param\):params.score"):
+        _params(path, {**r, "params": {}}, tool, {"score": "logit"}, COMMAND_LINE)
+    assert _params(path, r, tool, {"score": "label"}, COMMAND_LINE) == {"score": "label"}  # the given one wins
