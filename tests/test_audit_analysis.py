@@ -298,3 +298,17 @@ def test_a_bad_parameter_names_whoever_set_it(tmp_path):
     with pytest.raises(ConfigError, match=r"^command line \(--param\):params.score"):
         _params(path, {**r, "params": {}}, tool, {"score": "logit"}, COMMAND_LINE)
     assert _params(path, r, tool, {"score": "label"}, COMMAND_LINE) == {"score": "label"}  # the given one wins
+    recipe.write_text("name: my_fsm\ntool: fsm\npaper: test\nwhere: {norm: linf}\n")
+    with pytest.raises(ConfigError, match="only tools that read results take where"):
+        load_recipe(str(recipe), "model")
+
+
+def test_a_label_equal_to_the_number_of_classes_is_out_of_range(tmp_path):
+    from blackboxbench.analysis.inputs import load_inputs
+
+    (tmp_path / "imf" / "a").mkdir(parents=True)
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "imf" / "a" / "0.png")
+    dataset = {"name": "imagefolder", "path": str(tmp_path / "imf"), "grayscale": True}
+    with pytest.raises(BenchError, match="outputs 10 classes but dataset imagefolder has labels up to 10"):
+        load_inputs(model="digits_mlp", dataset={**dataset, "classes": {"a": 10}})
+    assert load_inputs(model="digits_mlp", dataset={**dataset, "classes": {"a": 9}}).y.tolist() == [9]
