@@ -170,6 +170,17 @@ def test_momentum_default_decay_is_one():
         assert torch.allclose(out.double(), acc, rtol=1e-5, atol=1e-5)
 
 
+def test_momentum_without_normalization_accumulates_the_raw_gradient():
+    """``normalize: false`` (BlackboxBench's code with its max_logit loss): g_t = decay * g_{t-1} + grad_t, the
+    gradients as they come, so a large gradient weighs more than a small one."""
+    grads = [torch.randn(2, 3, 4, 4, generator=gen(30 + t)) * 10 ** t for t in range(3)]
+    state, acc = {}, torch.zeros(2, 3, 4, 4)
+    for g in grads:
+        out = DIRECTION.get("momentum")(None, g, state, decay=0.5, normalize=False)
+        acc = 0.5 * acc + g
+        assert torch.allclose(out, acc, rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------- TI ----
 
 @pytest.mark.parametrize("kernel_size,nsig", [(3, 3.0), (5, 3.0), (5, 3 ** 0.5), (7, 2.0)])
@@ -190,6 +201,9 @@ def test_ti_kernel_size_one_is_identity_and_even_size_is_an_error():
     assert torch.allclose(ti(g, kernel_size=1), g)
     with pytest.raises(BenchError, match="odd"):
         ti(g, kernel_size=4)
+    for nsig in (0.0, -1.0):  # nsig 0 would flatten the Gaussian into a box filter
+        with pytest.raises(BenchError, match="nsig"):
+            ti(g, kernel_size=3, nsig=nsig)
 
 
 # ------------------------------------------------------------------------------------------------- DI ----
@@ -256,6 +270,28 @@ def test_di_draws_per_sample():
     twice = draw_di(transfer_ctx(x, y), (12, 3, 32, 32), prob=0.5)  # two stacked copies: rows 0-5, 6-11
     assert not torch.equal(twice["top"][:6], twice["top"][6:]) or not torch.equal(twice["size"][0][:6],
                                                                                     twice["size"][0][6:])
+
+
+def test_di_parameters_are_independent_draws_covering_their_ranges():
+    """Per row, DI's size, top offset, left offset and coin are separate draws: each offset takes every position
+    of [0, out - size] (both ends, for sizes that leave room), the two offsets differ, and the coin does not
+    depend on the size (the rows transformed and the rows kept both show every size). Likewise ``di_shrink``,
+    whose offsets take every position of [0, H - size)."""
+    x = torch.zeros(1500, 1, 32, 32)
+    y = torch.zeros(1500, dtype=torch.long)
+    p = draw_di(transfer_ctx(x, y, seed=4), x.shape, resize_rate=1.25, prob=0.5)
+    size, apply = p["size"][0], p["apply"]
+    room = 40 - size
+    for off in (p["top"], p["left"]):
+        assert ((off == room) & (room > 0)).any() and ((off == 0) & (room > 0)).any()
+    assert (p["top"] != p["left"]).float().mean() > 0.5
+    assert set(size[apply].tolist()) == set(size[~apply].tolist()) == set(range(32, 41))
+    p = draw_di_shrink(transfer_ctx(x, y, seed=4), x.shape, prob=0.5)
+    size, apply = p["size"][0], p["apply"]
+    for off in (p["top"], p["left"]):
+        assert ((off == 32 - size - 1) & (size < 31)).any() and (off == 0).any()
+    assert (p["top"] != p["left"]).float().mean() > 0.3  # about 0.48: few positions, often the same
+    assert set(size[apply].tolist()) == set(size[~apply].tolist()) == {28, 29, 30, 31}
 
 
 def test_di_shrink_matches_torchattacks_ops_per_sample():
