@@ -8,6 +8,7 @@ spread of the weight noise for RD and SWAG, DRA's score matching against the ful
 data, each recipe attacks 16 CIFAR-10 images on ResNet-20 (the refinements trained on the 200 other images) and
 transfers to ResNet-56.
 """
+import copy
 import functools
 from pathlib import Path
 
@@ -128,6 +129,9 @@ def test_longitudinal_n_ensemble_attacks_one_group_logit_average_per_iteration()
         assert torch.allclose(got, ce_grad(fused, x, y), atol=1e-6)
     assert members(longi)[0] == nets  # every surrogate once, for the clean check and the per-member blocks
     assert torch.allclose(longi(x), sum(m(x) for m in nets) / 5, atol=1e-6)
+    threes = REFINE.get("longitudinal")(None, nets, n_ensemble=3)[0]  # the last group, of 2, averages its own two
+    assert torch.allclose(atk.loss_grad(ctx_for(threes, x, y, t=1), ())(x),
+                          ce_grad(lambda z: (nets[3](z) + nets[4](z)) / 2, x, y), atol=1e-6)
     whole = REFINE.get("longitudinal")(None, nets, n_ensemble=5)[0]  # one group: the logit ensemble each step
     assert torch.allclose(atk.loss_grad(ctx_for(whole, x, y, t=3), ())(x),
                           ce_grad(lambda z: sum(m(z) for m in nets) / 5, x, y), atol=1e-6)
@@ -268,6 +272,13 @@ def test_adaea_targeted_weights_use_the_target_and_the_inverse_ratio():
 
 # ------------------------------------------------------------------------------------------ RD, LGV, SWA ----
 
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """An empty refine cache: a warm one would load what an earlier version of the training code made, and the
+    test would not see the training it checks."""
+    monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path))
+
+
 def run_ctx(data, seed=0, pool=None):
     return BlockContext(problem=None, rng=run_stream(seed, "cpu", 1), assets={"train": data}, pool=pool)
 
@@ -327,7 +338,7 @@ def test_bn_statistics_are_re_estimated_on_augmented_images(monkeypatch, tmp_pat
     assert not torch.equal(seen[1], seen[2])  # each RD copy its own draw
 
 
-def test_lgv_collects_per_epoch_and_is_cached(monkeypatch):
+def test_lgv_collects_per_epoch_and_is_cached(monkeypatch, fresh_cache):
     net = small_resnet()
     data = digits_like(n=40, size=16)
     out = REFINE.get("lgv")(run_ctx(data), [net], lr=0.01, epochs=2, collects_per_epoch=3, batch=16)
@@ -359,7 +370,7 @@ def test_cache_key_follows_every_input():
                 weights.cache_key("swa", {"lr": 0.05}, net, data, 3, "cpu")}) == 6
 
 
-def test_swa_is_the_swag_mean_and_samples_spread_by_scale():
+def test_swa_is_the_swag_mean_and_samples_spread_by_scale(fresh_cache):
     net, data = small_resnet(), digits_like(n=32, size=16)
     kw = {"lr": 0.01, "epochs": 2, "batch": 16, "snapshots": 300}
     mean = REFINE.get("swa")(run_ctx(data), [net], **kw)[0]
@@ -378,7 +389,7 @@ def test_swa_is_the_swag_mean_and_samples_spread_by_scale():
 
 
 
-def test_swag_low_rank_keeps_the_last_deviations_and_samples_its_covariance():
+def test_swag_low_rank_keeps_the_last_deviations_and_samples_its_covariance(fresh_cache):
     """``rank`` K: the fine-tuning keeps the deviations of its last K snapshots from the running mean (the last 3
     of every one kept; the diagonal moments are those of rank 0), and the samples have SWAG's covariance
     (diag(var) + D'D / (K - 1)) * scale^2 / 2: along D's leading singular vector and along a direction
@@ -411,7 +422,82 @@ def test_swag_low_rank_keeps_the_last_deviations_and_samples_its_covariance():
     with pytest.raises(BenchError, match="rank >= 2"):
         REFINE.get("swag")(run_ctx(data), [net], n_models=1, rank=1, **kw)
 
-def test_bn_stats_keep_leaves_the_checkpoint_statistics():
+def _ce_grads(net, xb, yb):
+    return torch.autograd.grad(F.cross_entropy(net(xb), yb), list(net.parameters()))
+
+
+def test_finetune_steps_and_moments_match_a_hand_loop():
+    """Li et al.'s step without noise, momentum or weight decay: w <- w - lr (g + (lam / 0.1) (g' - g)), g' the
+    gradient at w + gamma g / ||g|| (||.|| over all the parameters); two steps, a snapshot after each: the mean,
+    the mean of squares and the deviations from the running mean (rank 2) of the two iterates. With lr 0 the
+    weights end where they started: the noise and the ascent step are both undone."""
+    net, data = small_net(0), digits_like(n=8, size=8)
+    hp = dict(lr=0.5, wd=0.0, lam=0.3, gamma=0.2, sigma=0.0, momentum=0.0, epochs=2, batch=8, snapshots=2,
+              min_steps=1, bn_stats="train")
+    out = weights._finetune(net, data, 5, rank=2, **hp)
+    ref = [p.detach().clone().requires_grad_(True) for p in net.parameters()]
+    shadow = copy.deepcopy(net).requires_grad_(True)
+    iterates = []
+    for xb, yb in weights._batches(data, torch.Generator().manual_seed(5), 8, 2):
+        with torch.no_grad():
+            for q, r in zip(shadow.parameters(), ref):
+                q.copy_(r)
+        g = _ce_grads(shadow, xb, yb)
+        norm = torch.sqrt(sum((t * t).sum() for t in g))
+        with torch.no_grad():
+            for q, t in zip(shadow.parameters(), g):
+                q.add_(0.2 * t / norm)
+        g2 = _ce_grads(shadow, xb, yb)
+        ref = [(r - 0.5 * (a + 0.3 / 0.1 * (b - a))).detach() for r, a, b in zip(ref, g, g2)]
+        iterates.append(ref)
+    (w1, w2) = iterates
+    names = [k for k, _ in net.named_parameters()]
+    for i, k in enumerate(names):
+        assert torch.allclose(out["state"][k], (w1[i] + w2[i]) / 2, atol=1e-5)
+        assert torch.allclose(out["sq"][i], (w1[i] ** 2 + w2[i] ** 2) / 2, rtol=1e-4, atol=1e-8)
+        assert torch.allclose(out["dev"][i][0], torch.zeros_like(w1[i]), atol=1e-6)
+        assert torch.allclose(out["dev"][i][1], (w2[i] - w1[i]) / 2, atol=1e-5)
+    still = weights._finetune(net, data, 5, **{**hp, "lr": 0.0, "sigma": 0.05})
+    for k, p in net.named_parameters():
+        assert torch.allclose(still["state"][k], p, atol=1e-6)
+
+
+def test_swag_samples_follow_the_posterior_formula_with_the_run_stream(monkeypatch):
+    """With given moments: theta = mean + scale sqrt(var + beta) z (rank 0), and with rank K
+    mean + scale / sqrt(2) (sqrt(var + beta) z + D' u / sqrt(K - 1)), (z, u) one standard normal draw of the run
+    stream per sample."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2).requires_grad_(False)
+    mean = [p.clone() for p in net.parameters()]
+    var = [torch.rand(p.shape) * 1e-2 for p in mean]
+    dev = [torch.randn(3, *p.shape) for p in mean]
+    moments = {"state": {k: v.clone() for k, v in net.state_dict().items()},
+               "sq": [m * m + v for m, v in zip(mean, var)], "dev": dev}
+    monkeypatch.setattr(weights, "_fine_tuned", lambda ctx, block, models, *a: [(net, moments)])
+    sizes = [p.numel() for p in mean]
+    for rank, beta in ((0, 0.0), (0, 0.5), (3, 0.2)):
+        out = REFINE.get("swag")(run_ctx(None), [net], n_models=2, scale=1.5, beta=beta, rank=rank)
+        rng = run_ctx(None).rng
+        for sample in out:
+            z = rng.normal((sum(sizes) + (3 if rank else 0),))[0]
+            zs, u = z[:sum(sizes)].split(sizes), z[sum(sizes):]
+            for i, p in enumerate(sample.parameters()):
+                diag = (var[i] + beta).sqrt() * zs[i].view_as(p)
+                if rank:
+                    low = torch.tensordot(u, dev[i], dims=1) / (3 - 1) ** 0.5
+                    want = mean[i] + 1.5 / 2 ** 0.5 * (diag + low)
+                else:
+                    want = mean[i] + 1.5 * diag
+                assert torch.allclose(p, want, atol=1e-5), (rank, beta, i)
+
+
+def test_training_batches_hold_distinct_images():
+    data = digits_like(n=10, size=8)
+    for xb, yb in weights._batches(data, torch.Generator().manual_seed(0), 10, 3):
+        assert sorted(yb.tolist()) == list(range(10))  # the labels of the 10 images are 0..9: each image once
+
+
+def test_bn_stats_keep_leaves_the_checkpoint_statistics(fresh_cache):
     net, data = small_resnet(), digits_like(n=32, size=16)
     bns = lambda m: [b for b in m.modules() if isinstance(b, nn.BatchNorm2d)]  # noqa: E731
     kept = REFINE.get("lgv")(run_ctx(data), [net], lr=0.01, epochs=1, collects_per_epoch=2, batch=16,
