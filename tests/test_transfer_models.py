@@ -567,6 +567,25 @@ def test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), again.state_dict().values()))
 
 
+def test_dra_step_descends_cross_entropy_plus_lam_times_the_batch_mean_score_loss():
+    """One DRA step by hand: w - lr * grad(CE(batch) + lam * mean over the images of the score matching loss), the
+    probes v standard normal from the step's generator after its batch."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.Softplus(), nn.Linear(16, 10)).eval() \
+        .requires_grad_(False)
+    data = digits_like(n=8, size=8)
+    out = weights._dra_finetune(net, data, 7, lam=2.0, lr=0.3, wd=0.0, momentum=0.0, epochs=1, decay_epoch=0,
+                                batch=8, min_steps=1)
+    gen = torch.Generator().manual_seed(7)
+    shadow = copy.deepcopy(net).requires_grad_(True)
+    (xb, yb), = weights._batches(data, gen, 8, 1)
+    v = torch.randn(xb.shape, generator=gen)
+    logits, sm = weights.score_matching(shadow, xb, yb, v)
+    grads = torch.autograd.grad(F.cross_entropy(logits, yb) + 2.0 * sm.mean(), list(shadow.parameters()))
+    for (k, p), g in zip(net.named_parameters(), grads):
+        assert torch.allclose(out[k], p - 0.3 * g, atol=1e-6)
+
+
 def test_training_on_evaluation_images_is_refused():
     net, data = small_resnet(), digits_like(n=16, size=16)
     pool = Pool(data.x[5:9], data.y[5:9])
