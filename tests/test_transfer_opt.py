@@ -265,6 +265,24 @@ def test_rap_inner_loop_minimizes_without_transforms():
     assert torch.allclose(out, torch.sin(3 * (x + n_rap)), atol=1e-5)
 
 
+def test_rap_start_is_clipped_to_the_image_range_before_the_inner_steps():
+    """On black and white pixels the random start is clipped to [0, 1] before the first inner step (the raw
+    gradient is taken at a valid image), and every inner step is projected to the ball and to [0, 1]."""
+    x = torch.tensor([0.0, 1.0]).view(2, 1, 1, 1).expand(2, 1, 3, 3).contiguous()
+    y = torch.zeros(2, dtype=torch.long)
+    seen = []
+    raw = lambda z: seen.append(z.clone()) or -torch.ones_like(z)  # noqa: E731  descent raises every pixel
+    ctx = replace(transfer_ctx(x, y, eps=0.03, seed=15), alpha=0.004, t=0, raw_grad=raw)
+    rec = Recorder()
+    GRADIENT.get("rap")(ctx, rec, x, {}, late_start=0, inner_iterations=3)
+    u = transfer_ctx(x, y, seed=15).rng.uniform((1, 3, 3))
+    xr = (x + (2 * u - 1) * 0.03).clamp(0, 1)
+    assert torch.allclose(seen[0], xr, atol=1e-7)
+    for _ in range(3):
+        xr = torch.minimum(torch.maximum(xr + 0.004, x - 0.03), x + 0.03).clamp(0, 1)
+    assert torch.allclose(rec.calls[-1], xr, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- loss ----
 
 def test_by_goal_loss_is_ce_untargeted_and_logit_targeted():
