@@ -248,6 +248,12 @@ def test_linbp_plain_network_backward_is_the_linear_chain():
     g, = torch.autograd.grad((out * w).sum(), x)
     assert torch.allclose(g, w @ mlp[3].weight @ mlp[1].weight, atol=1e-6)  # W1^T W2^T w: ReLU as identity
     assert type(mlp[2]) is nn.ReLU  # the original is untouched
+    deep = nn.Sequential(nn.Flatten(), nn.Linear(12, 7), nn.ReLU(), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 5)) \
+        .eval().requires_grad_(False)
+    (lin,) = REFINE.get("linbp")(refine_ctx(), [deep], position="late")  # the second half: the first ReLU stays
+    g, = torch.autograd.grad((lin(x) * w).sum(), x)
+    gate = (deep[1](x) > 0).float()
+    assert torch.allclose(g, ((w @ deep[5].weight @ deep[3].weight) * gate) @ deep[1].weight, atol=1e-6)
 
 
 def test_linbp_residual_branch_gradient_renormalized_to_the_exact_norm():

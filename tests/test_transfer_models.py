@@ -216,6 +216,15 @@ def test_adaea_weights_and_mask_match_a_per_sample_loop():
         assert 0 < mask.mean() < 1 or i  # the threshold splits the pixels of at least one sample
 
 
+def test_adaea_of_one_surrogate_is_its_plain_gradient():
+    """One member: the softmax weight is 1 and no pair can disagree, so nothing is masked."""
+    net = small_net(0)
+    x, y = images(4)
+    ctx = grad_of_ctx(build_recipe("adaea", "linf", False, 0.1, 3)[0], ctx_for(net, x, y))
+    got = GRADIENT.get("adaea")(ctx, None, x, {}, beta=10.0, threshold=0.5)
+    assert torch.allclose(got, ce_grad(net, x, y), atol=1e-6)
+
+
 def _adaea_reference(nets, xi, label, grad, alpha, beta, threshold, targeted):
     """AdaEA's gradient for one sample by hand: tentative sign steps of ``grad`` per member, the members' CE
     towards ``label`` at each, member k's score ``beta * sum_{a != k}`` of CE_a(x_k) / CE_a(x_a) (targeted: the
