@@ -357,6 +357,38 @@ def test_target_specified():
     assert spec(logits, y, gen, torch.tensor([1, 2, 3, 4])).tolist() == [1, 2, 3, 4]
     one_line_error(lambda: spec(logits, y, gen, None), "set label")
     one_line_error(lambda: spec(logits, y, gen, None, label=10), "[0, 10)")
+    one_line_error(lambda: spec(logits, y, gen, None, label=-1), "[0, 10)")
+    one_line_error(lambda: spec(logits, y, gen, torch.tensor([1, 2, 3])), "4 class ids")
+
+
+def test_target_ranks_break_ties_by_class_id():
+    """Quantized scores (a TFLite model's clamped probabilities) tie: the ranked modes then order tied classes by
+    class id, lower first, whatever the sort does internally; odd K: median is rank (K - 2) // 2 of the others."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (16, 51), generator=g).float()
+    y = torch.randint(0, 51, (16,), generator=g)
+    ranked = [sorted((c for c in range(51) if c != int(y[i])), key=lambda c: (-float(logits[i, c]), c))
+              for i in range(16)]
+    ll, ml, med = (target_call(m, logits, y, 0).tolist() for m in ("least_likely", "most_likely", "median"))
+    assert ll == [r[-1] for r in ranked] and ml == [r[0] for r in ranked] and med == [r[24] for r in ranked]
+
+
+def test_random_target_of_a_sample_does_not_depend_on_its_batch():
+    """Each sample draws from its own stream: its random target is the same alone, in a batch, or in another
+    order of the batch."""
+    from blackboxbench.rng import Streams
+
+    logits, y = torch.zeros(8, 10), torch.arange(8) % 10
+    fn = TARGET_LABEL.get("random")
+
+    def targets(idx):
+        idx = torch.tensor(idx)
+        return fn(logits[idx], y[idx], Streams(5, 8, "cpu").view(idx), None).tolist()
+
+    whole = targets(range(8))
+    assert [targets([i])[0] for i in range(8)] == whole
+    assert targets([7, 2, 5]) == [whole[7], whole[2], whole[5]]
+    assert len(set(whole)) > 1
 
 
 def test_first_use_training_is_noted_on_a_terminal_only(tmp_path, monkeypatch):
