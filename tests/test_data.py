@@ -67,6 +67,8 @@ def test_imagefolder_labels_file(tmp_path):
     rel = imagefolder(tmp_path, path="imgs", labels_file="names.txt", num_classes=10)
     absolute = imagefolder(None, path=tmp_path / "imgs", labels_file=tmp_path / "names.txt")
     assert rel.y.tolist() == absolute.y.tolist() == [3, 8] and rel.num_classes == 10
+    (tmp_path / "gaps.txt").write_text("cat\n\nship\n")  # a blank line holds id 1: ship is line 2
+    assert imagefolder(tmp_path, path="imgs", labels_file="gaps.txt").y.tolist() == [0, 2]
     # a 1001-line file (background first) against a 1000-class model: caught, not shifted silently
     (tmp_path / "bg.txt").write_text("\n".join(["background"] + CIFAR) + "\n")
     one_line_error(lambda: imagefolder(tmp_path, path="imgs", labels_file="bg.txt", num_classes=10),
@@ -233,3 +235,61 @@ def test_16_bit_png_is_scaled_not_clipped(tmp_path):
     got = _decode_image(tmp_path / "g.png", None, "L")
     assert got.tolist() == np.round(v / 257).astype(int).tolist()
     assert _decode_image(tmp_path / "g.png", None, "RGB")[..., 0].tolist() == got.tolist()
+
+
+# ---------------------------------------------------------------- what a loader returns
+
+def test_npz_images_keep_their_pixels_and_order(tmp_path):
+    """NHWC uint8 -> NCHW floats v / 255 in file order (C = 3 and C = 1), labels and ``n`` alike."""
+    x3 = np.random.default_rng(1).integers(0, 256, (4, 3, 5, 3), dtype=np.uint8)
+    npz(tmp_path / "c.npz", x=x3, y=np.array([3, 1, 4, 1]))
+    ds = DATASET.get("cifar10")(tmp_path, file="c.npz", n=3)
+    assert ds.y.tolist() == [3, 1, 4] and ds.x.dtype == torch.float32
+    assert torch.equal(ds.x * 255, torch.from_numpy(x3[:3]).permute(0, 3, 1, 2).float())
+    npz(tmp_path / "g.npz", x=x3[..., :1], y=np.arange(4))
+    gray = DATASET.get("cifar10")(tmp_path, file="g.npz")
+    assert torch.equal(gray.x * 255, torch.from_numpy(x3[..., 0]).float()[:, None])
+
+
+def test_imagefolder_files_are_taken_in_name_order(tmp_path):
+    names = ["b.png", "d.png", "a.png", "e.png", "c.png"]  # written out of order
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    for i, name in enumerate(names):
+        (tmp_path / "imgs" / "cat" / name).write_bytes(png_bytes(i))
+    ds = imagefolder(tmp_path, path="imgs", classes=CIFAR)
+    for k, name in enumerate(sorted(names)):
+        want = np.array(Image.open(tmp_path / "imgs" / "cat" / name))
+        assert torch.equal(ds.x[k] * 255, torch.from_numpy(want).permute(2, 0, 1).float()), name
+    assert torch.equal(imagefolder(tmp_path, path="imgs", classes=CIFAR, n=2).x, ds.x[:2])  # n keeps the first
+
+
+def test_resize_is_bilinear(tmp_path):
+    """``size`` resizes bilinearly: a black-and-white checkerboard enlarged gets grey levels between the two."""
+    board = (np.indices((4, 4)).sum(0) % 2 * 255).astype(np.uint8)
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    Image.fromarray(np.stack([board] * 3, -1)).save(tmp_path / "imgs" / "cat" / "0.png")
+    levels = (imagefolder(tmp_path, path="imgs", classes=CIFAR, size=10).x * 255).round().unique()
+    assert ((levels > 0) & (levels < 255)).sum() >= 3, levels
+
+
+def test_data_root_argument_wins_over_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setenv("BLACKBOXBENCH_DATA", str(tmp_path / "a"))
+    from blackboxbench.prep.data import resolve_data_root
+    assert resolve_data_root(tmp_path / "b") == tmp_path / "b"
+    assert resolve_data_root(None) == tmp_path / "a"
+
+
+def test_imagefolder_skips_files_that_are_not_images(tmp_path):
+    make_folder(tmp_path / "imgs", {"cat": 2})
+    (tmp_path / "imgs" / "cat" / "notes.txt").write_text("not an image")
+    (tmp_path / "imgs" / "cat" / "3.PNG").write_bytes(png_bytes(7))  # the extension in any case
+    assert len(imagefolder(tmp_path, path="imgs", classes=CIFAR).y) == 3
+
+
+def test_cifar10_file_wins_over_the_torchvision_fallback(tmp_path):
+    x = np.full((2, 4, 4, 3), 102, np.uint8)
+    npz(tmp_path / "cifar10" / "cifar10_test_300.npz", x=x, y=np.array([1, 2]))
+    ds = DATASET.get("cifar10")(tmp_path, torchvision_root=tmp_path / "no_torchvision_here")
+    assert ds.y.tolist() == [1, 2] and torch.allclose(ds.x, torch.tensor(0.4))
