@@ -189,6 +189,14 @@ def test_random_weights_are_the_same_every_run(spec):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_random_weights_are_those_of_seed_0():
+    """build_model's documented seed: a random-weight zoo model is the architecture initialised under seed 0."""
+    torch.manual_seed(0)
+    ref = CifarResNet(20)
+    torch.manual_seed(5)
+    assert_same_weights(M.build_model({"name": "cifar_resnet20", "pretrained": False}).net, ref.eval())
+
+
 def test_normalized_resize_and_gradients():
     spy = Spy()
     model = M.Normalized(spy, mean=(0.5, 0.4, 0.3), std=(0.2, 0.2, 0.1), resize=16)
@@ -426,6 +434,9 @@ def test_a_training_that_diverged_is_an_error_and_is_not_cached(tmp_path, monkey
     with pytest.raises(BenchError, match=r"training k\.pt ended with non-finite values in state\.w; nothing was "
                                          r"cached"):
         cached("kind", "k", lambda: diverged)
+    assert not (tmp_path / "kind" / "k.pt").exists()
+    with pytest.raises(BenchError, match=r"non-finite values in 1; nothing"):  # an infinity diverged as well
+        cached("kind", "k", lambda: [torch.ones(1), torch.tensor([float("-inf")]), torch.tensor([5])])
     assert not (tmp_path / "kind" / "k.pt").exists()
     assert cached("kind", "k", lambda: {"w": torch.tensor([1.0, 2.0])})["w"].sum() == 3
 
