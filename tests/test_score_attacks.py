@@ -66,6 +66,32 @@ def test_window_index_matches_the_mask():
     assert torch.equal(hit, window_mask(top, left, same, same, (7, 9)).expand(-1, 2, -1, -1))
 
 
+def test_window_corners_reach_every_position():
+    """A corner is uniform over the ``H - s + 1`` rows and ``W - s + 1`` columns where the window fits: the
+    smallest uniform gives (0, 0), the largest the bottom-right placement."""
+    from blackboxbench.query.common import corner_at
+
+    u_max = torch.tensor(1.0, dtype=torch.float64).nextafter(torch.tensor(0.0, dtype=torch.float64))
+    u = torch.tensor([[0.0, 0.0], [u_max, u_max], [0.5, 0.5]], dtype=torch.float64)
+    top, left = corner_at(u, torch.tensor([3, 3, 4]), (9, 7))
+    assert top.tolist() == [0, 6, 3] and left.tolist() == [0, 4, 2]
+
+
+def test_greedy_keeps_a_sample_when_the_candidate_only_ties():
+    """Square Attack's acceptance is strict: a candidate with the same margin (a flat model) never moves a
+    sample, with or without local indices."""
+    x = torch.full((3, 1, 2, 2), 0.5)
+    flat = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    with torch.no_grad():
+        flat[1].weight.zero_()
+        flat[1].bias.copy_(torch.tensor([0.3, 0.1, -0.2]))
+    ctx = make_ctx(flat, x, torch.tensor([0, 1, 2]), 1.0, "l2", 10, num_classes=3)
+    state = start_state(ctx, x.clone())
+    assert not greedy_update(ctx, state, torch.rand(3, 1, 2, 2)).any()
+    assert not greedy_update(ctx, state, torch.rand(2, 1, 2, 2), torch.tensor([0, 2])).any()
+    assert torch.equal(state["x_adv"], x)
+
+
 def test_randint_below_stays_below_high():
     high = torch.tensor([1, 2, 3, 7, 31, 32, 1000, 2 ** 40 + 3])
     u_max = torch.tensor(1.0, dtype=torch.float64).nextafter(torch.tensor(0.0, dtype=torch.float64))
