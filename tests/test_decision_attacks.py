@@ -294,3 +294,36 @@ def test_add_rows_is_the_same_sum_on_every_cuda_run():
     assert all(torch.equal(s, sums[0]) for s in sums[1:])
     cpu = add_rows_(torch.zeros(4, *values.shape[1:]), owner.cpu(), values.cpu())
     torch.testing.assert_close(sums[0].cpu(), cpu, rtol=1e-5, atol=1e-4)
+
+
+def test_claim_pushes_a_close_point_out_to_the_grid_radius():
+    """Alg. 1's acceptance: a point within (1 - CLAIM_MARGIN) of the claim radius (Linf: floor(255 eps) / 255) is
+    claimed, pushed along its ray to that radius and rounded outward on the uint8 grid; a farther one is not; a
+    later claim needs a point 2 % closer than the last claimed distance."""
+    from blackboxbench.query.decision import claim, claim_limit, claim_radius
+    from blackboxbench.threat import Problem
+
+    x = torch.full((3, 1, 3, 3), 128 / 255)
+    signs = torch.tensor([1.0, -1.0]).repeat(5)[:9].view(1, 1, 3, 3)
+    ray = signs * torch.tensor([1.0, 0.5, 0.3]).repeat(3).view(1, 1, 3, 3)  # Linf length 1, off-grid parts
+    p = Problem(x=x, y=torch.zeros(3, dtype=torch.long), eps=0.03, norm="linf")
+    radius = 7 / 255  # floor(255 * 0.03) = 7 levels
+    assert claim_radius(p) == pytest.approx(radius)
+    assert claim_radius(Problem(x=x, y=p.y, eps=0.5, norm="l2")) == 0.5
+    limit = radius * 0.98
+    assert claim_limit(p) == pytest.approx(limit)
+    assert torch.allclose(claim_limit(p, torch.tensor([math.inf, 0.01, 1.0])).float(),
+                          torch.tensor([limit, 0.0098, limit]))
+    d = torch.tensor([0.5 * limit, 1.5 * radius, limit], dtype=torch.float64)  # the last one exactly at the limit
+    state = dict(x_bd=x + d.float().view(-1, 1, 1, 1) * ray, dist=d, claimed=torch.full((3,), math.inf,
+                 dtype=torch.float64), x_adv=x.clone(), success=torch.zeros(3, dtype=torch.bool))
+    out = claim(p, state)
+    assert out["success"].tolist() == [True, False, True]
+    assert out["claimed"][0] == d[0] and out["claimed"][1] == math.inf
+    assert torch.equal(out["x_adv"][1], state["x_bd"][1])
+    for i in (0, 2):
+        delta = out["x_adv"][i] - x[i]
+        levels = torch.ceil(7 * ray[0].abs() - 1e-4) * ray[0].sign()  # 7, 3.5 -> 4, 2.1 -> 3 levels, outward
+        assert torch.allclose(delta * 255, levels, atol=1e-4)
+    closer = torch.tensor([0.99 * d[0], 0.97 * d[0], 0.99 * limit], dtype=torch.float64)
+    assert claim(p, dict(out, dist=closer))["success"].tolist() == [False, True, False]  # 1 % closer is not enough

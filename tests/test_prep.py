@@ -210,6 +210,8 @@ def test_normalized_resize_and_gradients():
     model(x16)
     assert torch.allclose(spy.seen, (x16 - mean) / std)
     assert not model.training
+    # a grey image is not broadcast into three made-up channels
+    one_line_error(lambda: model(torch.rand(1, 1, 16, 16)), "expects 3-channel images", "(1, 16, 16)")
 
 
 def test_build_model_specs_and_errors():
