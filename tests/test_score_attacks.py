@@ -84,12 +84,30 @@ def test_greedy_keeps_a_sample_when_the_candidate_only_ties():
     flat = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     with torch.no_grad():
         flat[1].weight.zero_()
-        flat[1].bias.copy_(torch.tensor([0.3, 0.1, -0.2]))
+        flat[1].bias.copy_(torch.tensor([0.3, 0.3, -0.2]))
     ctx = make_ctx(flat, x, torch.tensor([0, 1, 2]), 1.0, "l2", 10, num_classes=3)
     state = start_state(ctx, x.clone())
+    assert state["success"].tolist() == [False, False, True]  # a tie with another class (margin 0) is no success
     assert not greedy_update(ctx, state, torch.rand(3, 1, 2, 2)).any()
     assert not greedy_update(ctx, state, torch.rand(2, 1, 2, 2), torch.tensor([0, 2])).any()
     assert torch.equal(state["x_adv"], x)
+
+
+def test_greedy_moves_only_the_improved_samples_and_keeps_earned_successes():
+    """Logit of class 0 = sum of the pixels, class 1 = 0: with y = 1 a brighter image has a lower margin."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight.copy_(torch.tensor([[1.0] * 4, [0.0] * 4]))
+        model[1].bias.zero_()
+    x = torch.tensor([0.5, 0.0, 0.0]).view(3, 1, 1, 1).expand(3, 1, 2, 2).clone()
+    ctx = make_ctx(model, x, torch.ones(3, dtype=torch.long), 1.0, "l2", 10, num_classes=2)
+    state = start_state(ctx, x.clone())
+    assert state["success"].tolist() == [True, False, False]
+    took = greedy_update(ctx, state, torch.zeros(3, 1, 2, 2))  # worse for sample 0 and not adversarial
+    assert not took.any() and state["success"].tolist() == [True, False, False]
+    took = greedy_update(ctx, state, torch.full((1, 1, 2, 2), 0.25), torch.tensor([2]))  # local sample 2 only
+    assert took.tolist() == [True] and state["success"].tolist() == [True, False, True]
+    assert torch.equal(state["x_adv"][:2], x[:2]) and (state["x_adv"][2] == 0.25).all()
 
 
 def test_randint_below_stays_below_high():
@@ -332,6 +350,9 @@ def test_greedy_update_never_accepts_a_refused_query():
     took = greedy_update(ctx, state, torch.rand(4, 1, 2, 2))  # every row past the budget
     assert not took.any() and not state["success"].any()
     assert all(torch.equal(before[k], state[k]) for k in state)
+    from blackboxbench.query.common import query_margin
+    margin, adv, ok = query_margin(ctx, x)
+    assert not ok.any() and not adv.any() and (margin == math.inf).all()  # +inf, as documented (not NaN)
 
 
 def test_square_rejects_the_other_norm():
