@@ -275,6 +275,13 @@ def test_checkpoint_loader(tmp_path):
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(model(x), net((x - 0.5) / 0.25), atol=1e-5)
+    small = M.build_model({"name": "checkpoint", "path": str(tmp_path / "r20.th"), "arch": "cifar_resnet20",
+                           "resize": 32})
+    x16 = torch.rand(2, 3, 16, 16)
+    with torch.no_grad():  # resize: the model takes smaller images, upsampled bilinearly before the normalization
+        up = F.interpolate(x16, size=(32, 32), mode="bilinear", align_corners=False)
+        assert torch.allclose(small(x16), net((up - torch.tensor(M.IMAGENET_MEAN).view(1, 3, 1, 1))
+                                              / torch.tensor(M.IMAGENET_STD).view(1, 3, 1, 1)), atol=1e-5)
     one_line_error(lambda: M.build_model({"name": "checkpoint", "path": str(tmp_path / "r20.th"),
                                           "arch": "digits_mlp"}), "does not fit")
     one_line_error(lambda: M.build_model({"name": "checkpoint", "path": "r20.th"}, data_root=tmp_path / "x"),
