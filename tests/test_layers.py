@@ -115,18 +115,20 @@ def test_resnet_layer_map_names_roles_and_hooks():
     assert get_layer(wrapped, "block2_1") is wrapped.net.layer2[1]  # the zoo wrapper is looked through
 
 
-@pytest.mark.parametrize("spec,stages,mid", [
-    ("digits_cnn", 3, "stage2"), ("digits_mlp", 1, "stage1"), ("digits_lenet", 3, "stage2"),
-    ({"name": "oval_cifar_wide", "pretrained": False}, 3, "stage2"),
-    ({"name": "cifar_cnn_a_mix", "pretrained": False}, 3, "stage2"),
-    ({"name": "mnist_lenet5_clntrained", "pretrained": False}, 3, "stage2"),
+@pytest.mark.parametrize("spec,stages,mid,late", [
+    ("digits_cnn", 3, "stage2", "stage2"), ("digits_mlp", 1, "stage1", "stage1"),
+    ("digits_lenet", 3, "stage2", "stage2"),
+    ({"name": "oval_cifar_wide", "pretrained": False}, 3, "stage2", "stage2"),
+    ({"name": "cifar_cnn_a_mix", "pretrained": False}, 3, "stage2", "stage2"),
+    ({"name": "mnist_lenet5_clntrained", "pretrained": False}, 3, "stage2", "stage2"),
+    ({"name": "marabou_cifar_small", "pretrained": False}, 4, "stage2", "stage3"),  # late: the second half
 ])
-def test_plain_network_stages_are_its_activations(spec, stages, mid):
+def test_plain_network_stages_are_its_activations(spec, stages, mid, late):
     model = build_model({"name": spec, "pretrained": False} if isinstance(spec, str) else spec)
     lm = layer_map(model)
     acts = [m for m in model.net.modules() if isinstance(m, (nn.ReLU, nn.Sigmoid))]
     assert [lm.layers[f"stage{k}"] for k in range(1, stages + 1)] == acts
-    assert lm.roles["mid"] == mid
+    assert lm.roles["mid"] == mid and lm.roles["late"] == late
     shape = (2, 1, 8, 8) if "digits" in str(spec) else (2, 1, 28, 28) if "mnist" in str(spec) else (2, 3, 32, 32)
     x = torch.rand(shape)
     with FeatureTap(lm.get("mid")) as tap, torch.no_grad():
@@ -144,6 +146,25 @@ def test_small_resnets_and_torchvision_resnet_maps():
     lm = layer_map(tv)
     assert lm.roles == {"mid": "stage2", "late": "block4_0"} and lm.get("block3_1") is tv.layer3[1]
     assert lm.get("stem") is tv.relu and "block4_1" not in lm.layers
+
+
+def test_container_stages_are_its_activations_when_it_has_some():
+    """A ``features`` container (VGG style): its activations are the stages; a ``blocks`` container without
+    activations: its children; a one-child container is no layout (the activations anywhere are)."""
+    class Net(nn.Module):
+        def __init__(self, box, name="features"):
+            super().__init__()
+            setattr(self, name, box)
+            self.head = nn.Sequential(nn.Flatten(), nn.ReLU())
+
+    vgg = Net(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(), nn.MaxPool2d(2)))
+    lm = layer_map(vgg)
+    assert lm.layers == {"stage1": vgg.features[1], "stage2": vgg.features[3]}
+    assert lm.roles == {"mid": "stage1", "late": "stage2"}
+    plain = Net(nn.ModuleList([nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1)]), "blocks")
+    assert list(layer_map(plain).layers.values()) == list(plain.blocks)
+    one = Net(nn.Sequential(nn.Conv2d(3, 3, 1)), "stages")
+    assert layer_map(one).layers == {"stage1": one.head[1]}
 
 
 def test_unknown_layer_is_one_line_listing_valid_names():
