@@ -240,8 +240,10 @@ def empty_caches(tmp_path, monkeypatch):
 def test_imagenet_archs_offline(empty_caches, lib):
     model = M.build_model({"name": f"{lib}:resnet18", "num_classes": 10, "resize": 64})
     x = torch.rand(2, 3, 32, 32, requires_grad=True)
+    seen = []
+    model.net.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
     out = model(x)
-    assert out.shape == (2, 10)
+    assert out.shape == (2, 10) and seen == [(2, 3, 64, 64)]  # resized for the network
     out.sum().backward()
     assert x.grad is not None
     one_line_error(lambda: M.build_model({"name": f"{lib}:resnet18", "pretrained": True}),
