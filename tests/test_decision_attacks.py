@@ -327,3 +327,13 @@ def test_claim_pushes_a_close_point_out_to_the_grid_radius():
         assert torch.allclose(delta * 255, levels, atol=1e-4)
     closer = torch.tensor([0.99 * d[0], 0.97 * d[0], 0.99 * limit], dtype=torch.float64)
     assert claim(p, dict(out, dist=closer))["success"].tolist() == [False, True, False]  # 1 % closer is not enough
+
+
+def test_bounded_calls_group_samples_by_where_their_rows_start():
+    """Windows of 4 rows: rows 3, 3, 3, 0, 2 start at 0, 3, 6, 9, 9 -> calls {0, 1}, {2}, {4} (no call for the
+    sample without rows; a call may run past its window by the rest of its last sample)."""
+    from blackboxbench.query.common import PROBE_VALUES, bounded_calls
+
+    calls = bounded_calls(torch.tensor([3, 3, 3, 0, 2]), PROBE_VALUES // 4)
+    assert [c.tolist() for c in calls] == [[0, 1], [2], [4]]
+    assert [c.tolist() for c in bounded_calls(torch.ones(3, dtype=torch.long), 1)] == [[0, 1, 2]]
