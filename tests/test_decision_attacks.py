@@ -337,3 +337,33 @@ def test_bounded_calls_group_samples_by_where_their_rows_start():
     calls = bounded_calls(torch.tensor([3, 3, 3, 0, 2]), PROBE_VALUES // 4)
     assert [c.tolist() for c in calls] == [[0, 1], [2], [4]]
     assert [c.tolist() for c in bounded_calls(torch.ones(3, dtype=torch.long), 1)] == [[0, 1, 2]]
+
+
+class _PoolLabels(torch.nn.Module):
+    """Classifies an image as the label of the pool image v / 10 nearest to its mean value v."""
+
+    def __init__(self, labels):
+        super().__init__()
+        self.labels = labels
+
+    def forward(self, x):
+        j = (x.flatten(1).mean(1) * 10).round().clamp(0, len(self.labels) - 1).long()
+        return torch.nn.functional.one_hot(self.labels[j], 3).float()
+
+
+def test_start_search_takes_the_pool_in_order_after_each_sample():
+    """Each sample tries the pool from the image after its own index on (wrapping round): untargeted the first
+    with another label, targeted the first of the target class, before any noise."""
+    from blackboxbench.context import Pool
+
+    y = torch.tensor([0, 1, 0, 1, 2, 0])
+    x = (torch.arange(6) / 10).view(6, 1, 1, 1).expand(6, 1, 2, 2).clone()  # image j: constant j / 10
+    model, pool = _PoolLabels(y), Pool(x, y)
+    ctx = make_ctx(model, x, y, 1.0, "l2", 20, "label", num_classes=3, pool=pool)
+    x0, found = find_start(ctx, tries=0)
+    assert found.all() and torch.equal(x0, x[[1, 2, 3, 4, 5, 1]])
+    target = torch.tensor([2, 2, 1, 0, 0, 1])
+    ctx = make_ctx(model, x, y, 1.0, "l2", 20, "label", target=target, num_classes=3, pool=pool)
+    x0, found = find_start(ctx, tries=2)  # uniform noise (mean near 0.5) would pass for class 0: never tried
+    assert found.all() and torch.equal(x0, x[[4, 4, 3, 5, 5, 1]])
+    assert (ctx.oracle.counts == 1).all()  # only target-class images are asked
