@@ -367,3 +367,16 @@ def test_start_search_takes_the_pool_in_order_after_each_sample():
     x0, found = find_start(ctx, tries=2)  # uniform noise (mean near 0.5) would pass for class 0: never tried
     assert found.all() and torch.equal(x0, x[[4, 4, 3, 5, 5, 1]])
     assert (ctx.oracle.counts == 1).all()  # only target-class images are asked
+
+
+def test_refused_rows_are_never_adversarial_and_unknown_points_are_infinitely_far(toy):
+    from blackboxbench.query.decision import known_dist, query_adv
+
+    model, x, y, _ = toy
+    ctx = make_ctx(model, x, y, 0.03, "linf", 0, "label", num_classes=2)
+    far = (model.w > 0).float().view(1, *x.shape[1:]).expand_as(x)  # adversarial for every sample
+    adv, ok = query_adv(ctx, far)
+    assert not ok.any() and not adv.any()
+    d = known_dist(ctx.problem, far, torch.tensor([True, False, True, False]))
+    assert torch.equal(d.isinf(), torch.tensor([False, True, False, True]))
+    assert torch.allclose(d[0], (far[0] - x[0]).abs().max())
