@@ -346,3 +346,31 @@ def test_objective_not_per_image_is_one_line():
         ") returned a tensor of shape () for 3 images: an objective returns one value per image, shaped (3,)")
     g = objective_grad(None, lambda ctx, z: z.flatten(1).sum(1), x)  # per image: the gradient of the sum
     assert torch.equal(g, torch.ones_like(x))
+
+
+def test_helper_distribution_drops_a_class_at_exactly_five_percent():
+    assert helper_distribution(_tables([[5, 95], [95, 0]]), 0).tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("u,expect", [(0.25, 0), (0.5, 2), (0.75, 2)])
+def test_pick_at_a_cdf_step_takes_the_next_class(u, expect):
+    """The inverse CDF of uniforms in [0, 1): u in [0, 0.5) draws the first class, [0.5, 1) the second."""
+    assert pick(torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64), u) == expect
+
+
+def test_helper_box_quarters_the_distance_when_half_does_not_fit():
+    """Centre (32, 32) of a 64 px image, a 9 px helper: 27 px of room in each direction. Table distance 72 px:
+    36 px does not fit, 18 px does."""
+    diag = math.hypot(64, 64)
+    t = _tables([[1, 3], [3, 1]], dist=0.8, size=(0.1, 0.1))
+    box = helper_box([24.0, 24.0, 40.0, 40.0], 0, 1, t, 64, 64, [0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.75])
+    assert math.hypot((box[0] + box[2]) / 2 - 32, (box[1] + box[3]) / 2 - 32) == pytest.approx(int(0.8 * diag) / 4,
+                                                                                             abs=1.5)
+
+
+@pytest.mark.parametrize("seen", [True, False])
+def test_helper_box_sides_are_at_least_two_pixels(seen):
+    """A table size under a pixel gives a 2 px box, never a degenerate one (near the victim, or at a random place)."""
+    t = _tables([[1, 3], [3, 1]] if seen else [[1, 0], [0, 1]], dist=0.1, size=(0.001, 0.001))
+    box = helper_box([24.0, 24.0, 40.0, 40.0], 0, 1, t, 64, 64, [0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.75])
+    assert (box[2] - box[0], box[3] - box[1]) == (2, 2)
