@@ -223,3 +223,33 @@ def test_candidate_boxes_are_the_detectors_own(spec):
         assert len(d["boxes"]) > 0
         gap = torch.cdist(d["boxes"].double(), b.double()).min(1).values
         assert float(gap.max()) < 1e-3, gap
+
+
+def test_shapes_train_and_test_splits_share_no_image():
+    test, train = shapes(None, n=12), shapes(None, n=12, split="train")
+    assert not any(torch.equal(a, b) for a in train.x for b in test.x)
+
+
+def test_shapes_object_count_and_overlap():
+    """1..max_objects shapes per image, every count occurring; two boxes overlap by less than a tenth of the
+    smaller one (a box inside another overlaps it entirely)."""
+    from blackboxbench.detection.data import _overlap
+
+    assert _overlap([0, 0, 10, 10], [0, 0, 20, 20]) == 1.0 and _overlap([0, 0, 10, 10], [5, 0, 25, 10]) == 0.5
+    data = shapes(None, n=40)
+    assert {len(t["labels"]) for t in data.targets} == {1, 2, 3}
+    assert {len(t["labels"]) for t in shapes(None, n=10, max_objects=1).targets} == {1}
+    for t in data.targets:
+        b = t["boxes"].tolist()
+        assert all(_overlap(b[i], b[j]) < 0.1 for i in range(len(b)) for j in range(i))
+
+
+def test_subset_keeps_the_rows_and_every_property():
+    import dataclasses
+
+    full = dataclasses.replace(shapes(None, n=3), legacy_coords=True, source="src")
+    sub = full.subset([2, 0])
+    assert torch.equal(sub.x, full.x[[2, 0]])
+    assert all(torch.equal(a["boxes"], full.targets[i]["boxes"]) for a, i in zip(sub.targets, (2, 0)))
+    assert (sub.legacy_coords, sub.source, sub.classes, sub.num_classes, sub.boxes_only) == \
+        (True, "src", full.classes, 3, False)
