@@ -54,17 +54,23 @@ def test_record_holds_the_class_aware_and_the_fused_matching():
     assert m["map_area"] == pytest.approx(0.25) and m["ap_loc_area"] == pytest.approx(1.0) and m["n_det"] == 2
 
 
-def test_summary_detections_per_image_and_their_ratio():
-    """clean: 3 and 1 detections on two images (2 per image); adversarial: 5 and 3 (4 per image): ratio 2."""
-    def rec(c, a):
+def test_summary_detections_per_image_their_ratio_and_goal_rates():
+    """clean: 3 and 1 detections on two images (2 per image); adversarial: 5 and 3 (4 per image): ratio 2. Goals
+    met on target t: 1 of 2 images (clean: 0 of 2); on u: 2 of 2 (clean: 1 of 2): the run's goal rate 3/4."""
+    def rec(c, a, goals):
+        def side(t, k):
+            return {"clean": match_record(_det([0.9] * c), GT, None, False),
+                    "adv": match_record(_det([0.9] * a), GT, None, False), "score_thr": 0.3, "max_det": 100,
+                    "goal": goals[k][0], "goal_clean": goals[k][1]}
         return {"attacked": True, "time": 0.1, "l2": 1.0, "linf": 0.03, "ssim": 0.9, "lpips": None,
-                "targets": {"t": {"clean": match_record(_det([0.9] * c), GT, None, False),
-                                  "adv": match_record(_det([0.9] * a), GT, None, False),
-                                  "score_thr": 0.3, "max_det": 100}}}
+                "targets": {t: side(t, k) for k, t in enumerate("tu")}}
 
-    p = summarize_detection([rec(3, 5), rec(1, 3)])["per_target"]["t"]
+    s = summarize_detection([rec(3, 5, [(True, False), (True, True)]), rec(1, 3, [(False, False), (True, False)])])
+    p = s["per_target"]["t"]
     assert (p["clean_n_det"], p["adv_n_det"], p["det_ratio"]) == (2.0, 4.0, 2.0)
     assert (p["score_thr"], p["max_det"]) == (0.3, 100)
+    assert (p["goal_rate"], p["goal_rate_clean"]) == (0.5, 0.0) and s["mean_goal_rate"] == 0.75
+    assert s["per_target"]["u"]["goal_rate_clean"] == 0.5
 
 
 def test_a_target_without_clean_detections_leaves_the_mean_drops_to_the_others():
@@ -94,6 +100,8 @@ def test_a_target_without_clean_detections_leaves_the_mean_drops_to_the_others()
         assert p2[f"drop_{k}"] is None and (p2[f"drop_{k}_low"], p2[f"drop_{k}_high"]) == (None, None)
         assert s[f"mean_drop_{k}"] == p1[f"drop_{k}"] > 0
         assert (s[f"mean_drop_{k}_low"], s[f"mean_drop_{k}_high"]) == (p1[f"drop_{k}_low"], p1[f"drop_{k}_high"])
+    assert s["asr"] == p1["drop_map"] != p1["drop_ap_loc"]
+    assert s["clean_acc"] == (p1["clean_map"] + p2["clean_map"]) / 2
     assert metrics_of([match_record(none, dict(gts[0], boxes=torch.zeros(0, 4), labels=torch.zeros(0, dtype=torch.long),
                                                 difficult=torch.zeros(0, dtype=torch.bool)), None, False)])["csr"] is None
 
@@ -158,6 +166,19 @@ def test_record_n_gt_leaves_out_difficult_boxes():
     records.sort(key=lambda r: r["index"])
     assert [r["n_gt"] for r in records] == [len(t0["labels"]) - 1, len(data.targets[1]["labels"])]
     assert sum(records[0]["targets"]["t"]["clean"]["npos"].values()) == len(t0["labels"]) - 1
+
+
+def test_worker_projects_the_craft_into_the_ball():
+    """A craft's images past the eps ball (and [0, 1]) are projected into it, then quantized: the records hold
+    perturbations of Linf eps at most."""
+    from blackboxbench.runner import schedule
+
+    run = _run_inputs(shapes(None, n=2))
+    run.attack = dataclasses.replace(run.attack, craft=lambda ctx, objective: ctx.problem.x + 0.5)
+    records = []
+    schedule(FAM.worker(run), range(2), records.extend, lambda _: None)
+    eps = run.threat["eps"]
+    assert all(eps - 1 / 255 < r["linf"] <= eps + 1e-6 for r in records)
 
 
 def test_report_rows_scale_distances_and_keep_every_target_figure():

@@ -275,7 +275,9 @@ def test_plugin_refine_or_auxiliary_breaking_its_contract_is_one_line(tmp_path, 
     ("return (ctx.problem.x * 255).byte()", "a tensor of dtype torch.uint8"),
     ("return Crafted([], ctx.problem.x[:1], torch.zeros(2), 0.5)", "a Crafted holding list"),
     ("return Crafted(ctx.problem.x, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), 0.5)",
-     "a Crafted with 1 goal boxes and 1 labels")])
+     "a Crafted with 1 goal boxes and 1 labels"),
+    ("return Crafted(ctx.problem.x, torch.zeros(2, 4), torch.zeros(1, dtype=torch.long), 0.5)",
+     "a Crafted with 2 goal boxes and 1 labels")])
 def test_plugin_detection_craft_breaking_its_contract_is_one_line(tmp_path, capsys, body, returned):
     """A detection craft block returns the batch's images (float, the batch's shape) or a Crafted holding them with
     one goal per image; anything else stops the run with one line naming the block."""
