@@ -253,3 +253,18 @@ def test_subset_keeps_the_rows_and_every_property():
     assert all(torch.equal(a["boxes"], full.targets[i]["boxes"]) for a, i in zip(sub.targets, (2, 0)))
     assert (sub.legacy_coords, sub.source, sub.classes, sub.num_classes, sub.boxes_only) == \
         (True, "src", full.classes, 3, False)
+
+
+def test_shapes_contrast_with_the_background_under_them():
+    """Every shape's colour differs from the background at its centre by at least 0.15 in some channel (up to the
+    uint8 rounding), so no object is near-invisible."""
+    from blackboxbench.detection.data import _background, shapes_image
+
+    gaps = []
+    for i in range(40):
+        img, t = shapes_image(0, i)
+        bg = _background(np.random.default_rng([0, i]), 64)  # the test split's stream: the background comes first
+        for x0, y0, x1, y1 in t["boxes"].tolist():
+            cy, cx = int((y0 + y1) / 2), int((x0 + x1) / 2)
+            gaps.append(float(np.abs(img[cy, cx] / 255 - bg[cy, cx]).max()))
+    assert len(gaps) > 50 and min(gaps) >= 0.15 - 1 / 255
