@@ -181,6 +181,41 @@ def test_worker_projects_the_craft_into_the_ball():
     assert all(eps - 1 / 255 < r["linf"] <= eps + 1e-6 for r in records)
 
 
+def test_forward_dets_refuses_non_finite_scores_or_boxes():
+    from blackboxbench.detection.family import forward_dets
+
+    def model(scores, boxes):
+        return lambda x: [{"boxes": torch.tensor([boxes]), "scores": torch.tensor([scores]),
+                           "labels": torch.tensor([0])} for _ in x]
+
+    x = torch.zeros(2, 3, 8, 8)
+    assert len(forward_dets(model(0.5, [0.0, 0, 1, 1]), x, "m")) == 2
+    for scores, boxes in [(float("nan"), [0.0, 0, 1, 1]), (0.5, [0.0, 0, float("inf"), 1])]:
+        with pytest.raises(BenchError, match="m returned non-finite boxes or scores"):
+            forward_dets(model(scores, boxes), x, "m")
+
+
+def test_attacks_pseudo_truth_is_each_images_own_detections():
+    """The surrogate's clean detections a craft reads come from one image at a time, on a surrogate whose scores
+    move with the batch's size."""
+    from blackboxbench.detection.family import forward_dets
+    from blackboxbench.runner import schedule
+    from test_detection_attacks import BatchShifted
+
+    data, seen = shapes(None, n=3), []
+    run = _run_inputs(data)
+    run.models["surrogates"] = [BatchShifted(build_model("shapes_fcos"))]
+
+    def craft(ctx, objective):
+        seen.extend(ctx.problem.clean)
+        return ctx.problem.x
+
+    run.attack = dataclasses.replace(run.attack, craft=craft)
+    schedule(FAM.worker(run), range(3), lambda _: None, lambda _: None)
+    alone = forward_dets(run.models["surrogates"][0], data.x, "s")
+    assert len(seen) == 3 and all(torch.equal(a["scores"], b["scores"]) for a, b in zip(seen, alone))
+
+
 def test_report_rows_scale_distances_and_keep_every_target_figure():
     from blackboxbench.detection.report import rows_of, transfer_matrix
 
@@ -202,6 +237,16 @@ def test_split_plan_attacks_round_fraction_times_n():
     assert training.split_plan(10, {"a": 1.0}, 0.29) == [("a", [0, 1, 2]), (None, list(range(3, 10)))]
     assert training.split_plan(10, {"a": 1.0, "b": 1.0}, 0.5) == [("a", [0, 1]), ("b", [2, 3, 4]),
                                                                   (None, [5, 6, 7, 8, 9])]  # round(2.5) = 2
+
+
+def test_finetune_leaves_the_base_alone_and_returns_a_frozen_copy():
+    base = build_model("shapes_fcos")
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    data = shapes(None, n=8, split="train")
+    tuned = training.finetune(base, data.x, data.targets, steps=1, lr=1e-3, seed=0)
+    assert all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
+    assert any(not torch.equal(v, before[k]) for k, v in tuned.state_dict().items())
+    assert not any(p.requires_grad for p in tuned.parameters()) and not tuned.net.training
 
 
 def test_adv_finetuned_refuses_a_zero_share():
