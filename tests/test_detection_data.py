@@ -268,3 +268,24 @@ def test_shapes_contrast_with_the_background_under_them():
             cy, cx = int((y0 + y1) / 2), int((x0 + x1) / 2)
             gaps.append(float(np.abs(img[cy, cx] / 255 - bg[cy, cx]).max()))
     assert len(gaps) > 50 and min(gaps) >= 0.15 - 1 / 255
+
+
+@pytest.mark.parametrize("kind", ["square", "circle", "triangle"])
+def test_a_drawn_shape_fills_its_box(kind):
+    """Each shape's pixels span its box (x0, y0, x0 + s, y0 + s) to the pixel in both directions."""
+    from blackboxbench.detection.data import _draw
+
+    img = np.zeros((64, 64, 3))
+    _draw(img, kind, 10.3, 12.7, 20.0, np.ones(3))
+    ys, xs = np.nonzero(img[..., 0])
+    assert abs(xs.min() - 10.3) <= 1 and abs(xs.max() + 1 - 30.3) <= 1
+    assert abs(ys.min() - 12.7) <= 1 and abs(ys.max() + 1 - 32.7) <= 1
+
+
+def test_coco_json_refuses_more_images_than_listed(tmp_path):
+    (tmp_path / "img").mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "img" / "1.png")
+    doc = {"images": [{"id": 1, "file_name": "1.png"}], "categories": [{"id": 1, "name": "a"}], "annotations": []}
+    (tmp_path / "ann.json").write_text(json.dumps(doc))
+    with pytest.raises(BenchError, match="n = 2 but .* lists 1 images"):
+        coco_json(None, annotations=str(tmp_path / "ann.json"), images=str(tmp_path / "img"), n=2, size=8)
