@@ -86,6 +86,8 @@ def test_voc_loader_keeps_difficult_and_scales_boxes(tmp_path):
     assert len(voc2007(None, root=str(tmp_path), size=50, keep_difficult=False).targets[0]["labels"]) == 1
     with pytest.raises(BenchError, match="no VOC2007 test"):
         voc2007(None, root=str(tmp_path / "nowhere"))
+    with pytest.raises(BenchError, match="n = 3 but it has 2 images"):
+        voc2007(None, root=str(tmp_path), size=50, n=3)
 
 
 def test_boxes_only_reads_no_pixels(tmp_path):
