@@ -70,16 +70,22 @@ def test_stage_one_learns_the_pseudo_labels():
     assert agree[1] > agree[0] + 0.05 and abs(agree[0] - 0.5) < 0.05, agree
 
 
+def _flow_and_linear_model(seed, scale):
+    """A random c-Glow on 1 x 8 x 8 images, a generator seeded ``seed`` and a float64 linear model of weights
+    ``scale`` * N(0, 1) drawn from it."""
+    shape = (1, 8, 8)
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).double()
+    with torch.no_grad():
+        model[1].weight.copy_(scale * torch.randn(10, 64, generator=g, dtype=torch.float64))
+    return shape, _random_cglow(shape, 0), g, model
+
+
 def test_per_image_finetuning_matches_a_copy_per_image():
     """The batched fine-tuning (per-sample weights through vmap, chunks of 2) gives, for each of 3 images, the
     decode of a deep copy of the c-Glow trained by torch.optim.Adam on that image alone (2 steps, values clipped),
     and the outer step's line; the fine-tuned decodes lower the model's floored margin."""
-    shape = (1, 8, 8)
-    flow = _random_cglow(shape, 0)
-    g = torch.Generator().manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).double()
-    with torch.no_grad():
-        model[1].weight.copy_(0.05 * torch.randn(10, 64, generator=g, dtype=torch.float64))
+    shape, flow, g, model = _flow_and_linear_model(3, 0.05)
     x = torch.rand(3, *shape, generator=g, dtype=torch.float64)
     y = torch.randint(0, 10, (3,), generator=g)
     top = torch.randn(3, *flow.top, generator=g, dtype=torch.float64)
@@ -111,17 +117,12 @@ def test_per_image_finetuning_matches_a_copy_per_image():
     assert (margins[1] < margins[0]).all(), margins
 
 
-
 def test_finetuning_stops_at_the_margin_floor_of_5():
     """The fine-tuning loss is the margin floored at -5 (utils/finetune.py): a sample whose margin is about -10
     whatever its decode gets no gradient and keeps the meta-trained decode, one at about +10 moves (after one step
     or two)."""
-    shape = (1, 8, 8)
-    flow = _random_cglow(shape, 0)
-    g = torch.Generator().manual_seed(4)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).double()
+    shape, flow, g, model = _flow_and_linear_model(4, 0.01)
     with torch.no_grad():
-        model[1].weight.copy_(0.01 * torch.randn(10, 64, generator=g, dtype=torch.float64))
         model[1].bias.zero_()
         model[1].bias[1] = 10.0
     x = torch.rand(2, *shape, generator=g, dtype=torch.float64)

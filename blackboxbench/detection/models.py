@@ -4,7 +4,9 @@
   (3-conv backbone, spec sheet section 4) trained on the synthetic shapes on first use, in seconds and deterministically, then cached in
   ``BLACKBOXBENCH_CACHE`` (as the digits models are); ``shapes_frcnn``, a tiny Faster R-CNN on the same backbone;
   ``shapes_fcos_deep``, the tiny FCOS on a small ResNet backbone (13 convolutions with BatchNorm, still stride 8),
-  trained the same way: a second backbone architecture, deep enough for OSFD's feature distortion to matter.
+  trained the same way: a second backbone architecture; ``shapes_fcos_r20``, the tiny FCOS on the body of the
+  pretrained CIFAR-10 ResNet-20 (checkpoint from the data root), fine-tuned: pretrained features, as the authors'
+  detectors have, on which OSFD's feature distortion works (benchmarks/RESULTS.md).
 * ``torchvision_det:<arch>``: any torchvision detection architecture (Faster R-CNN, RetinaNet, FCOS, SSD,
   SSDlite, ...): random init, a local ``checkpoint``, or the COCO weights when torch.hub already caches them
   (never downloaded; a one-line error says where to put them). COCO labels are mapped to the dataset's classes
@@ -20,8 +22,9 @@ from torch import nn
 
 from ..errors import BenchError
 from ..prep.data import data_path
-from ..prep.models import (_hub_checkpoint, _load_into, cached_or_trained, from_cached_weights, load_state,
-                           torchvision_weights)
+from ..prep.cifar_resnet import CifarResNet
+from ..prep.models import (IMAGENET_MEAN, IMAGENET_STD, _hub_checkpoint, _load_into, cached_or_trained,
+                           from_cached_weights, load_cifar_resnet, load_state, torchvision_weights)
 from ..registry import MODEL
 from ..rng import seeded
 from .data import SHAPES, VOC_CLASSES, shapes
@@ -277,16 +280,43 @@ class DeepTinyBackbone(nn.Module):
         return OrderedDict([("0", self.body(x))])
 
 
-def _tiny_net(kind, width, num_classes, size, deep=False):
-    """A tiny one-stage FCOS or two-stage Faster R-CNN on :class:`TinyBackbone` (``deep``:
-    :class:`DeepTinyBackbone`, ``width`` unused) for ``size`` x ``size`` images."""
+class CifarResNetBody(nn.Module):
+    """A CIFAR ResNet's convolutional body (:class:`CifarResNet`: a 3x3 stem with BatchNorm, then three stages of
+    basic blocks, 16/32/64 channels, stride 4) as a detector backbone. With the akamaster checkpoint it carries
+    natural-image features learnt on CIFAR-10, as the authors' detectors carry ImageNet-pretrained ResNets. ``body``
+    is the part OSFD distorts: the three stages' outputs (the stem's is not one, as mmdetection's out_indices)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.body = nn.Sequential(nn.Sequential(net.conv1, net.bn1, net.relu),
+                                  *(ResStage(*stage) for stage in (net.layer1, net.layer2, net.layer3)))
+        self.out_channels = net.linear.in_features
+
+    def forward(self, x):
+        return OrderedDict([("0", self.body(x))])
+
+
+def _backbone(name, data_root=None):
+    """The backbone of tiny detector ``name``, built before its head (so the head's random init is the same draw
+    whatever the backbone's weights); ``data_root``: load a pretrained body's checkpoint (else random init)."""
+    if name in PRETRAINED_BODY:
+        net = CifarResNet(PRETRAINED_BODY[name])
+        return CifarResNetBody(net if data_root is None else load_cifar_resnet(net, PRETRAINED_BODY[name], data_root))
+    return DeepTinyBackbone() if name in DEEP else TinyBackbone(TINY[name][1])
+
+
+def _tiny_net(name, num_classes, size, data_root=None):
+    """Tiny detector ``name``: a one-stage FCOS or two-stage Faster R-CNN on its :func:`_backbone` for ``size`` x
+    ``size`` images; a pretrained body's own input normalization (ImageNet's mean and std, as the checkpoint)."""
     from torchvision.models.detection import FCOS, FasterRCNN
     from torchvision.models.detection.anchor_utils import AnchorGenerator
     from torchvision.ops import MultiScaleRoIAlign
 
-    common = dict(min_size=size, max_size=size, image_mean=[0.5, 0.5, 0.5], image_std=[0.25, 0.25, 0.25])
+    kind, backbone = TINY[name][0], _backbone(name, data_root)
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if name in PRETRAINED_BODY else ([0.5] * 3, [0.25] * 3)
+    common = dict(min_size=size, max_size=size, image_mean=list(mean), image_std=list(std))
     if kind == "fasterrcnn":  # anchors of 8-32 px, 4x4 RoI features, proposals and samples scaled to 64-px images
-        return FasterRCNN(TinyBackbone(width), num_classes,
+        return FasterRCNN(backbone, num_classes,
                           rpn_anchor_generator=AnchorGenerator(sizes=((8, 16, 32),), aspect_ratios=((1.0,),)),
                           box_roi_pool=MultiScaleRoIAlign(featmap_names=["0"], output_size=4, sampling_ratio=2),
                           representation_size=64, rpn_pre_nms_top_n_train=300, rpn_post_nms_top_n_train=50,
@@ -294,26 +324,30 @@ def _tiny_net(kind, width, num_classes, size, deep=False):
                           box_batch_size_per_image=32, box_score_thresh=TINY_SCORE_THR, box_detections_per_img=100,
                           **common)
     anchors = AnchorGenerator(sizes=((16,),), aspect_ratios=((1.0,),))
-    backbone = DeepTinyBackbone() if deep else TinyBackbone(width)
     return FCOS(backbone, num_classes, anchor_generator=anchors, center_sampling_radius=2.0,
                 score_thresh=TINY_SCORE_THR, detections_per_img=100, **common)
 
 
 TINY = {"shapes_fcos": ("fcos", 32, 0), "shapes_fcos_b": ("fcos", 32, 1), "shapes_fcos_c": ("fcos", 32, 2),
-        "shapes_frcnn": ("fasterrcnn", 32, 3), "shapes_fcos_deep": ("fcos", 32, 4)}
+        "shapes_frcnn": ("fasterrcnn", 32, 3), "shapes_fcos_deep": ("fcos", 32, 4), "shapes_fcos_r20": ("fcos", 32, 5)}
 DEEP = {"shapes_fcos_deep"}  # on DeepTinyBackbone (width unused)
+PRETRAINED_BODY = {"shapes_fcos_r20": 20}  # on CifarResNetBody: the akamaster ResNet of this depth (width unused)
 
 
-def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
+def train_tiny(name, *, images=512, iterations=800, batch=8, lr=None, size=64, data_root=None):
     """Train tiny detector ``name`` on the shapes train split, deterministically (seeded init and shuffling, one
     CPU thread): Adam with a one-cycle schedule, the torchvision training losses. 800 steps: at 400 the detector
     found the boxes but barely told the classes apart (top label right on 62 % of the test objects, a median
     score gap of 0.06 to the next label on the same box), so every box carried every class above the score
-    threshold and a mislabel attack could not lower CSR; at 800: 91 %, gap 0.45 (64 test images)."""
-    kind, width, seed = TINY[name]
+    threshold and a mislabel attack could not lower CSR; at 800: 91 %, gap 0.45 (64 test images). ``lr``: None
+    gives 5e-3, or 1e-3 to fine-tune a pretrained body (its checkpoint read from ``data_root``), whose features a
+    larger step would wash out."""
+    seed = TINY[name][2]
+    pretrained_body = name in PRETRAINED_BODY
+    lr = lr or (1e-3 if pretrained_body else 5e-3)
     data = shapes(None, n=images, size=size, split="train")
     with seeded(seed):
-        net = _tiny_net(kind, width, len(SHAPES) + 1, size, name in DEEP)
+        net = _tiny_net(name, len(SHAPES) + 1, size, data_path(data_root, ".") if pretrained_body else None)
         gen = torch.Generator().manual_seed(seed)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=iterations)
@@ -334,12 +368,13 @@ def train_tiny(name, *, images=512, iterations=800, batch=8, lr=5e-3, size=64):
     return net.eval()
 
 
-def tiny_detector(name, pretrained=True):
-    kind, width, seed = TINY[name]
-    # the same random init every run
-    net = _rng_free(_tiny_net, kind, width, len(SHAPES) + 1, 64, name in DEEP, seed=seed)
+def tiny_detector(name, pretrained=True, data_root=None):
+    """Tiny detector ``name``, trained (from the cache, else trained now: a pretrained body's first training reads
+    its checkpoint from ``data_root``) or at its random init (``pretrained=False``), the same every run."""
+    kind, _, seed = TINY[name]
+    net = _rng_free(_tiny_net, name, len(SHAPES) + 1, 64, seed=seed)
     if pretrained:
-        net = cached_or_trained(net, f"{name}-{TINY_VERSION}.pt", lambda: train_tiny(name))
+        net = cached_or_trained(net, f"{name}-{TINY_VERSION}.pt", lambda: train_tiny(name, data_root=data_root))
     return Detector(net, [-1, 0, 1, 2], kind)
 
 
@@ -347,15 +382,19 @@ def _register_tiny(name):
     kind, width, seed = TINY[name]
 
     def build(data_root=None, *, pretrained=True):
-        return tiny_detector(name, pretrained)
+        return tiny_detector(name, pretrained, data_root)
 
     build.__name__ = build.__qualname__ = name
     label = {"fcos": "FCOS", "fasterrcnn": "Faster R-CNN"}[kind]
     body = ("small ResNet backbone (stem + 3 stages of 2 basic blocks, 16/32/32 channels, BatchNorm)"
             if name in DEEP else f"{width}-channel 3-conv backbone")
+    steps = "800 steps, ~25 s (FCOS) or ~45 s (Faster R-CNN) on one core"
+    if name in PRETRAINED_BODY:
+        body = (f"the body of the pretrained CIFAR-10 ResNet-{PRETRAINED_BODY[name]} (akamaster checkpoint in the "
+                "data root, stride 4), fine-tuned")
+        steps = "800 steps at lr 1e-3, a minute or two on one core; the first training needs the data root"
     build.__doc__ = (f"Tiny {label} ({body}, init seed {seed}) trained on the synthetic shapes train split on first "
-                     "use (800 steps, ~25 s (FCOS) or ~45 s (Faster R-CNN) on one core) and cached; "
-                     "``pretrained=False``: random init.")
+                     f"use ({steps}) and cached; ``pretrained=False``: random init.")
     MODEL.register(name, dataset="shapes", task="detection")(build)
 
 

@@ -186,15 +186,21 @@ def _load_into(net, sd, path):
 
 # ---------------------------------------------------------------- CIFAR-10 ResNets (data README)
 
+def load_cifar_resnet(net, depth, data_root):
+    """``net`` (a :class:`CifarResNet` of ``depth``) with the akamaster checkpoint from the data root."""
+    folder = data_path(data_root, "models/akamaster_resnet_cifar10")
+    found = sorted(folder.glob(f"resnet{depth}-*.th"))
+    if not found:
+        raise BenchError(f"missing checkpoint {folder}/resnet{depth}-*.th")
+    _load_into(net, load_state(found[0]), found[0])
+    return net
+
+
 def _cifar_resnet(depth):
     def build(data_root, *, pretrained=True):
         net = CifarResNet(depth)
         if pretrained:
-            folder = data_path(data_root, "models/akamaster_resnet_cifar10")
-            found = sorted(folder.glob(f"resnet{depth}-*.th"))
-            if not found:
-                raise BenchError(f"missing checkpoint {folder}/resnet{depth}-*.th")
-            _load_into(net, load_state(found[0]), found[0])
+            load_cifar_resnet(net, depth, data_root)
         return Normalized(net, IMAGENET_MEAN, IMAGENET_STD)
 
     build.__name__ = build.__qualname__ = f"cifar_resnet{depth}"
