@@ -811,11 +811,14 @@ def test_pretrained_body_detector_features_and_init(data_root):
     assert not torch.equal(rand.net.backbone.body[1][0].conv1.weight, ref.layer1[0].conv1.weight)
 
 
-def test_osfd_on_a_pretrained_backbone(data_root, setup):
-    """OSFD distorts backbone features; on the tiny FCOS whose body is the pretrained CIFAR-10 ResNet-20
-    (natural-image features, as the authors' ImageNet-pretrained backbones), fine-tuned on the shapes (~45 s on one
-    core on first use), it lowers mAP by the issue's 30 % at its default budget (5/255, 10 steps), white-box, on
-    the quantized output within the bound; on the 3-conv detector it does not (benchmarks/RESULTS.md)."""
+def test_osfd_and_ebad_10_on_a_pretrained_backbone(data_root, setup):
+    """On the tiny FCOS whose body is the pretrained CIFAR-10 ResNet-20 (natural-image features, as the authors'
+    ImageNet-pretrained backbones), fine-tuned on the shapes (~2 min on one core on first use; one test, so that
+    two xdist workers never wait for each other's training), each attack meets the issue's 30 % bar at its
+    default budget, white-box, on the quantized output within the bound (benchmarks/RESULTS.md, 48 images):
+    OSFD's feature distortion lowers mAP (-85.1 %; on the 3-conv detector -3.2 %), and EBAD at its smallest budget
+    (10/255), with the 3-conv FCOS as the second surrogate, relabels the victim and lowers CSR (-45.8 %, goal met
+    on 95.8 %; on the 3-conv victim -21.1 %) while AP_loc barely moves, as a mislabel attack's should."""
     model, data = setup
     r20 = build_model("shapes_fcos_r20", data_root=data_root)
     records, s, t = run_recipe("osfd", r20, data)
@@ -823,14 +826,6 @@ def test_osfd_on_a_pretrained_backbone(data_root, setup):
     assert t["eps"] == pytest.approx(5 / 255) and p["clean_map"] >= 0.8, p
     assert p["drop_map"] >= 0.3, p
     _check_bound(records, data, t)
-
-
-def test_ebad_10_on_a_pretrained_backbone(data_root, setup):
-    """EBAD at its smallest budget (10/255) relabels the victim on ``shapes_fcos_r20`` with the 3-conv FCOS as the
-    second surrogate, and lowers CSR by the issue's 30 % (48 images: -45.8 %, goal met on 95.8 %; on the 3-conv
-    victim -21.1 %); AP_loc barely moves, as a mislabel attack's should."""
-    model, data = setup
-    r20 = build_model("shapes_fcos_r20", data_root=data_root)
     records, s, t = run_recipe("ebad_10", r20, data, extra=[model])
     p = s["per_target"]["m"]
     assert t["eps"] == pytest.approx(10 / 255) and p["drop_csr"] >= 0.3 and abs(p["drop_ap_loc"]) <= 0.1, p
