@@ -9,6 +9,25 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the long fidelity checks (marked slow: each trains a model for minutes)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long fidelity check (it trains a model for minutes on one core); "
+                            "skipped unless --slow, so that the README's test command stays inside CI's 20 minutes")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="long fidelity check: run with --slow (benchmarks/RESULTS.md gives its figures)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def find_data_root():
     env = os.environ.get("BLACKBOXBENCH_DATA")
     root = Path(env) if env else REPO.parent / "shared" / "data"

@@ -273,9 +273,10 @@ def cifar(data_root):
 # one model call, so for CI time the test runs images that need few queries, chosen by their blended start (L2
 # about 1.5-2, run alone); a sample's random stream depends on its position in the run and the seed, hence the
 # fixed seeds. Measured: boundary images 3, 12 (seed 1) 586 and 561 queries; evolutionary images 3, 7, 2, 5 (seed
-# 0) 10 (the start is already inside), 646, 1132, 3433 (median 889). The bars leave about 2.5x; a broken search
-# does not converge to L2 1.
-REAL = [("boundary", [3, 12], 1, 1500), ("evolutionary", [3, 7, 2, 5], 0, 2200)]
+# 0) 10 (the start is already inside), 646, 1132, 3433 (median 889); image 5 alone kept the run going for two
+# thirds of its 28 s, so the test runs 3, 7, 2 (median 646). The bars leave about 2.5x; a broken search does not
+# converge to L2 1.
+REAL = [("boundary", [3, 12], 1, 1500), ("evolutionary", [3, 7, 2], 0, 1600)]
 
 
 @pytest.mark.parametrize("name,images,seed,max_median", REAL, ids=[r[0] for r in REAL])

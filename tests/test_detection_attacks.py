@@ -775,6 +775,7 @@ def test_deep_tiny_detector_features_are_its_stages():
     assert [tuple(f.shape) for f in shallow.features(x)] == [(2, 32, 32, 32), (2, 32, 16, 16), (2, 32, 8, 8)]
 
 
+@pytest.mark.slow
 def test_osfd_on_the_deep_tiny_detector(setup):
     """The tiny FCOS on a small ResNet backbone (trained on first use, ~25 s on one core) is a trained detector
     that TOG breaks, and OSFD moves it more than the 3-conv one (48 images, benchmarks/RESULTS.md: mAP -11.4 %
@@ -811,6 +812,7 @@ def test_pretrained_body_detector_features_and_init(data_root):
     assert not torch.equal(rand.net.backbone.body[1][0].conv1.weight, ref.layer1[0].conv1.weight)
 
 
+@pytest.mark.slow
 def test_osfd_and_ebad_10_on_a_pretrained_backbone(data_root, setup):
     """On the tiny FCOS whose body is the pretrained CIFAR-10 ResNet-20 (natural-image features, as the authors'
     ImageNet-pretrained backbones), fine-tuned on the shapes (~2 min on one core on first use; one test, so that

@@ -671,30 +671,39 @@ def cifar(data_root):
     return zoo, x, y, {"train": train_images(data_root, "cpu")}
 
 
-def dra_shortened():
-    """The dra recipe's refine blocks with 4 epochs (28 steps) instead of 20, the learning rate divided by 10 after 2:
-    its 140 steps of score matching (a third-order backward) took 90 s on one core, 20 s now. The test still
-    fine-tunes the pretrained ResNet-20 with the recipe's objective, lam, lr, batch and decay: the failure it exists
-    to catch, an objective that wrecks the network, shows in the first steps (the score matching summed over the
-    pixels took its cross-entropy from 0.5 to 210 in one step, NaN at step 4; the recipe's notes). The decay's
-    schedule is checked step by step in test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached, the 20
-    epochs' transfer in benchmarks/dra_selection.py. Measured: white-box 16/16, ResNet-56 12/16 (with the 20
-    epochs: 16/16, 11/16)."""
-    refine = yaml.safe_load((RECIPE_DIR / "dra.yaml").read_text())["blocks"]["refine"]
-    return {"refine": [{**refine[0], "epochs": 4, "decay_epoch": 2}, *refine[1:]]}
+# The refinements whose fine-tuning dominates this module's time, shortened here (the recipes' full schedules are
+# checked key by key above, their transfer in benchmarks/fidelity_transfer_models.py and benchmarks/dra_selection.py).
+# DRA: 4 epochs (28 steps) instead of 20, the learning rate divided by 10 after 2: its 140 steps of score matching
+# (a third-order backward) took 90 s on one core, 20 s now. The test still fine-tunes the pretrained ResNet-20 with
+# the recipe's objective, lam, lr, batch and decay: the failure it exists to catch, an objective that wrecks the
+# network, shows in the first steps (the score matching summed over the pixels took its cross-entropy from 0.5 to
+# 210 in one step, NaN at step 4; the recipe's notes). The decay's schedule is checked step by step in
+# test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached. Measured: white-box 16/16, ResNet-56 12/16
+# (with the 20 epochs: 16/16, 11/16). SWA and LGV (and LGV-GhostNet): 4 epochs instead of 10 (SWA 52 s -> 21 s, LGV 31 s -> 14 s
+# on one core), with the recipes' learning rates, noise, worst-case step and collection rate.
+SHORTENED = {"dra": {"epochs": 4, "decay_epoch": 2}, "swa": {"epochs": 4}, "lgv": {"epochs": 4},
+             "lgv_ghostnet": {"epochs": 4}}  # LGV-GhostNet's first block is LGV's: the two share one training
+
+
+def shortened(name):
+    """Recipe ``name``'s refine blocks with its first block's schedule shortened (``SHORTENED``), else None."""
+    if name not in SHORTENED:
+        return None
+    refine = yaml.safe_load((RECIPE_DIR / f"{name}.yaml").read_text())["blocks"]["refine"]
+    return {"refine": [{**refine[0], **SHORTENED[name]}, *refine[1:]]}
 
 
 @pytest.fixture(scope="module")
 def transfer_run(cifar):
     """Memoized: recipe -> (white-box ASR on the surrogates, transfer ASR on ResNet-56), 20 iterations untargeted
     Linf 0.03 on 16 images; ensembles on ResNet-20 + ResNet-32,
-    refinements on ResNet-20 (trained on the 200 sdp200 images; DRA's fine-tuning shortened, :func:`dra_shortened`)."""
+    refinements on ResNet-20 (trained on the 200 sdp200 images; DRA's, SWA's and LGV's fine-tuning shortened, :func:`shortened`)."""
     zoo, x, y, assets = cifar
 
     @functools.lru_cache(maxsize=None)
     def run(name):
         surrogates = [zoo[20], zoo[32]] if name in ENSEMBLE + ["ens_logit"] else [zoo[20]]
-        atk = build_recipe(name, "linf", False, 0.03, 20, blocks=dra_shortened() if name == "dra" else None)[0]
+        atk = build_recipe(name, "linf", False, 0.03, 20, blocks=shortened(name))[0]
         model = atk.refine(BlockContext(problem=None, rng=run_stream(0, "cpu", 1), assets=assets, pool=Pool(x, y)),
                            surrogates)
         out = atk.run(transfer_ctx(x, y, 0.03, "linf", None, model, atk.alpha, 0, atk.iterations))
