@@ -59,6 +59,20 @@ def test_cache_key_follows_the_version_images_buffers_and_device_type(monkeypatc
     assert len(keys) == 5
 
 
+def test_cache_key_tells_apart_the_same_bytes_in_another_shape_or_dtype():
+    """``digest`` hashes a tensor's bytes; two trainings whose images (or weights) hold the same bytes in another
+    layout or dtype are still two trainings, with two keys."""
+    net = nn.Linear(2, 2)
+    x = images(4, size=6)
+    keys = {cache_key("b", {}, net, labelled(x), 0, "cpu"),
+            cache_key("b", {}, net, labelled(x.reshape(4, 1, 4, 9)), 0, "cpu"),
+            cache_key("b", {}, net, labelled(x.view(torch.int32)), 0, "cpu")}
+    wide = nn.Linear(2, 2)  # the same weights' bytes as a 4 x 1 matrix
+    wide.weight, wide.bias = nn.Parameter(net.weight.detach().reshape(4, 1).clone()), net.bias
+    keys.add(cache_key("b", {}, wide, labelled(x), 0, "cpu"))
+    assert len(keys) == 4
+
+
 def test_cached_trains_once_and_then_reads_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("BLACKBOXBENCH_CACHE", str(tmp_path))
     first = trained.cached("k", "abc", lambda: {"w": torch.ones(2)})

@@ -17,7 +17,7 @@ from ..errors import BenchError
 from .inference import bare_model
 from .models import cache_dir, load_cached, train_once
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: shapes and dtypes in the key
 
 
 def digest(*parts):
@@ -48,8 +48,12 @@ def cache_key(block, params, models, data, seed, device):
     """The cache key of a trained artifact: block, resolved parameters, the weights and buffers of the model (or
     list of models) it learns from, the training images and labels, the seed and the device type."""
     models = models if isinstance(models, (list, tuple)) else [models]
-    return digest(CACHE_VERSION, block, params, [dict(bare_model(m).state_dict()) for m in models], data.x, data.y,
-                  int(seed), torch.device(device).type)
+    states = [dict(bare_model(m).state_dict()) for m in models]
+    # digest hashes a tensor's bytes only: the shapes and dtypes enter the key beside them (images of another
+    # layout, or weights stored in another dtype, with the same bytes are another training)
+    layout = [[(k, str(t.dtype), list(t.shape)) for k, t in s.items()] for s in states] + \
+        [(str(t.dtype), list(t.shape)) for t in (data.x, data.y)]
+    return digest(CACHE_VERSION, block, params, states, data.x, data.y, layout, int(seed), torch.device(device).type)
 
 
 def cached(kind, key, train):
