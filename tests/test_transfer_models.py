@@ -679,8 +679,8 @@ def cifar(data_root):
 # network, shows in the first steps (the score matching summed over the pixels took its cross-entropy from 0.5 to
 # 210 in one step, NaN at step 4; the recipe's notes). The decay's schedule is checked step by step in
 # test_dra_fine_tunes_on_its_objective_with_the_decay_and_is_cached. Measured: white-box 16/16, ResNet-56 12/16
-# (with the 20 epochs: 16/16, 11/16). SWA and LGV (and LGV-GhostNet): 4 epochs instead of 10 (SWA 52 s -> 21 s, LGV 31 s -> 14 s
-# on one core), with the recipes' learning rates, noise, worst-case step and collection rate.
+# (with the 20 epochs: 16/16, 11/16). SWA and LGV (and LGV-GhostNet): 4 epochs instead of 10 (SWA 52 s -> 21 s,
+# LGV 31 s -> 14 s on one core), with the recipes' learning rates, noise, worst-case step and collection rate.
 SHORTENED = {"dra": {"epochs": 4, "decay_epoch": 2}, "swa": {"epochs": 4}, "lgv": {"epochs": 4},
              "lgv_ghostnet": {"epochs": 4}}  # LGV-GhostNet's first block is LGV's: the two share one training
 
@@ -697,7 +697,8 @@ def shortened(name):
 def transfer_run(cifar):
     """Memoized: recipe -> (white-box ASR on the surrogates, transfer ASR on ResNet-56), 20 iterations untargeted
     Linf 0.03 on 16 images; ensembles on ResNet-20 + ResNet-32,
-    refinements on ResNet-20 (trained on the 200 sdp200 images; DRA's, SWA's and LGV's fine-tuning shortened, :func:`shortened`)."""
+    refinements on ResNet-20 (trained on the 200 sdp200 images; DRA's, SWA's and LGV's fine-tuning shortened,
+    :func:`shortened`)."""
     zoo, x, y, assets = cifar
 
     @functools.lru_cache(maxsize=None)
