@@ -329,16 +329,20 @@ def cifar(data_root):
 # ZO-signSGD L2 is left out: Table VI's sign step of 0.01 per coordinate (L2 norm 0.55 on CIFAR-10, against
 # eps 1) and Gaussian probes of the same size fool 5/8 of these images (9/16 of the 16) at 10,000 queries; the
 # per-sample reference, the toy model, the tiny budget, the batch-size and the contract tests cover it.
+# ZO-signSGD Linf runs without image 4, which it never fools and which kept the run going for 10,000 queries (18.6
+# of its 20 s): on 0-3, 5-7 (seed 0) 7/7, queries 375 2209 64 64 95 719 126 (median 126), 5.3 s.
 REAL = [("bandits_linf", "linf", 400, 7), ("bandits_l2", "l2", 1000, 7), ("zo_signsgd", "linf", 300, 6),
         ("signhunter", "linf", 200, 7), ("signhunter", "l2", 250, 7)]
+IMAGES = {"zo_signsgd": [0, 1, 2, 3, 5, 6, 7]}  # the others: the first 8
 
 
 @pytest.mark.parametrize("name,norm,max_median,min_wins", REAL)
 def test_untargeted_on_resnet20(cifar, name, norm, max_median, min_wins):
-    """Success rate >= 7/8 (one image of slack for platform numerics; ZO-signSGD Linf, measured 7/8, >= 6/8) and
+    """Success rate >= 7/8 (one image of slack for platform numerics; ZO-signSGD Linf, 7/7 without image 4, >= 6/7) and
     a median query count near the measured one, so a slowed-down attack fails too."""
     model, x, y = cifar
-    problem, res = run_query(name, model, x[:8], y[:8], EPS[norm], norm, budget=10_000)
+    rows = IMAGES.get(name, list(range(8)))
+    problem, res = run_query(name, model, x[rows], y[rows], EPS[norm], norm, budget=10_000)
     check_outputs(problem, res, model, 10_000)
     assert int(res.success.sum()) >= min_wins, res.queries
     assert res.queries[res.success].float().median() <= max_median, res.queries
