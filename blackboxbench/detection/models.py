@@ -344,7 +344,7 @@ def train_tiny(name, *, images=512, iterations=800, batch=8, lr=None, size=64, d
     larger step would wash out."""
     seed = TINY[name][2]
     pretrained_body = name in PRETRAINED_BODY
-    lr = lr or (1e-3 if pretrained_body else 5e-3)
+    lr = (1e-3 if pretrained_body else 5e-3) if lr is None else lr
     data = shapes(None, n=images, size=size, split="train")
     with seeded(seed):
         net = _tiny_net(name, len(SHAPES) + 1, size, data_path(data_root, ".") if pretrained_body else None)
